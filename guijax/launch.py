@@ -1,0 +1,156 @@
+"""Entry point: `python -m guijax.launch --config=NAME [--config.key=value ...] [--workdir=DIR] [--dry_run]`.
+
+Resolves the recipe, writes it to the workdir, initialises multi-host JAX when launched on a pod or under
+SLURM, and runs the recipe's stages in order. `--dry_run` builds the mesh and the model abstractly and
+prints parameter count and bytes per device without allocating weights, so a TPU or GPU recipe can be
+checked on a laptop.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+import time
+from typing import Any
+
+import ml_collections
+from absl import app, flags, logging
+
+from guijax import config as config_lib
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "bepa_cpu", "recipe name in configs/ (or a path to a .py file with get_config())")
+flags.DEFINE_string("workdir", None, "run directory (default: runs/<config name>); an existing run is resumed")
+flags.DEFINE_bool("dry_run", False, "build mesh and model abstractly, print sizes, allocate nothing")
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate `--config.a.b=value` overrides (ours) from the flags absl parses."""
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config."):
+            body = arg[len("--config."):]
+            if "=" not in body:
+                if i + 1 >= len(argv):
+                    raise config_lib.ConfigError(f"override {arg} has no value")
+                body, i = f"{body}={argv[i + 1]}", i + 1
+            overrides.append(body)
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def resolve(name: str, overrides: list[str]) -> ml_collections.ConfigDict:
+    config = config_lib.load_config(name)
+    config = config_lib.apply_overrides(config, overrides)
+    config.lock()
+    return config
+
+
+def model_config_for(config: ml_collections.ConfigDict):
+    """The architecture a recipe trains: the checkpoint's config.json when `model.path` exists, else the preset."""
+    from guijax.models.config import ModelConfig, get_preset
+
+    path = pathlib.Path(config.model.path) if config.model.path else None
+    if path is not None and (path / "config.json").exists():
+        return ModelConfig.from_json_file(path / "config.json")
+    return get_preset(config.model.preset)
+
+
+def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Abstract model on an abstract mesh of the recipe's shape: sizes only, nothing allocated."""
+    import jax
+    import numpy as np
+    from jax.sharding import AbstractMesh
+
+    from guijax import sharding
+    from guijax.models import weights
+    from guijax.models.policy import resolve_dtype
+
+    cfg = model_config_for(config)
+    mesh_cfg = sharding.MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    num_devices = config.mesh.num_devices or jax.device_count()
+    shape = mesh_cfg.shape(num_devices)
+    mesh = AbstractMesh(shape, sharding.MESH_AXES)
+    param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
+    module = weights.build_module(cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype)
+    boxed = weights.abstract_params(module)
+    shardings = sharding.param_shardings(boxed, mesh)
+    import flax.linen as nn
+
+    leaves = nn.unbox(boxed)
+    total = weights.count_params(leaves)
+    vision = weights.count_params(leaves["visual"])
+    per_device = sum(
+        math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for x, s in zip(jax.tree.leaves(leaves), jax.tree.leaves(shardings)))
+    opt_bytes_per_value = np.dtype(resolve_dtype(config.optim.state_dtype)).itemsize if "optim" in config else 4
+    per_device_opt = per_device // np.dtype(param_dtype).itemsize * 2 * opt_bytes_per_value
+    report = {
+        "model": config.model.path or config.model.preset,
+        "mesh": dict(zip(sharding.MESH_AXES, shape)),
+        "params": total,
+        "vision_params": vision,
+        "language_params": total - vision,
+        "param_dtype": np.dtype(param_dtype).name,
+        "param_bytes_per_device": per_device,
+        "adam_state_bytes_per_device": per_device_opt,
+    }
+    return report
+
+
+def format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    config = resolve(FLAGS.config, _OVERRIDES)
+    from guijax import distributed
+
+    distributed.maybe_initialize(config.distributed)
+    if FLAGS.dry_run:
+        report = dry_run(config)
+        print(f"dry run of {FLAGS.config}: model {report['model']} on mesh {report['mesh']}")
+        print(f"  parameters: {report['params']:,} ({report['params'] / 1e9:.2f}B; vision {report['vision_params']:,}, "
+              f"language {report['language_params']:,})")
+        print(f"  parameter bytes per device ({report['param_dtype']}): {format_bytes(report['param_bytes_per_device'])}")
+        print(f"  AdamW state bytes per device: {format_bytes(report['adam_state_bytes_per_device'])}")
+        return
+    from guijax import stages
+
+    workdir = pathlib.Path(FLAGS.workdir or f"runs/{config.name}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    import jax
+
+    if jax.process_index() == 0:
+        (workdir / "config.json").write_text(config_lib.to_json(config))
+    logging.info("running %s in %s: stages %s", config.name, workdir, list(config.stages))
+    start = time.time()
+    stages.run_stages(config, workdir)
+    print(f"{config.name}: all stages done in {time.time() - start:.0f}s; outputs in {workdir}")
+
+
+_OVERRIDES: list[str] = []
+
+
+def run(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    rest, overrides = split_overrides(argv)
+    _OVERRIDES[:] = overrides
+    try:
+        app.run(main, argv=rest)
+    except config_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,240 @@
+"""Qwen2.5-VL architecture hyperparameters, presets, and the Hugging Face config.json mapping.
+
+One dataclass describes the checkpoint (what `config.json` says); runtime choices (dtype, remat) live in
+the run config, not here, so a saved checkpoint never depends on how it was trained.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    depth: int = 32
+    hidden_size: int = 1280
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    window_size: int = 112
+    out_hidden_size: int = 3584
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    tokens_per_second: int = 2
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Language-model fields follow Qwen2 names; `vision` is the vision tower."""
+
+    vocab_size: int = 152064
+    hidden_size: int = 3584
+    intermediate_size: int = 18944
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 28
+    num_key_value_heads: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    mrope_section: tuple[int, int, int] = (16, 24, 24)
+    max_position_embeddings: int = 128000
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    bos_token_id: int | None = 151643
+    eos_token_id: int | None = 151645
+    pad_token_id: int | None = None
+    vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} not divisible by num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} not divisible by num_key_value_heads {self.num_key_value_heads}")
+        if 2 * sum(self.mrope_section) != self.head_dim:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
+        if self.vision.out_hidden_size != self.hidden_size:
+            raise ValueError(f"vision.out_hidden_size {self.vision.out_hidden_size} must equal hidden_size {self.hidden_size}")
+
+    # ------------------------------------------------------------------ Hugging Face config.json
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The transformers 5 layout (text_config / vision_config); transformers 4.x reads it too."""
+        v = self.vision
+        return {
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "model_type": "qwen2_5_vl",
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": {
+                "model_type": "qwen2_5_vl_text",
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "rms_norm_eps": self.rms_norm_eps,
+                "hidden_act": self.hidden_act,
+                "max_position_embeddings": self.max_position_embeddings,
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                    "mrope_section": list(self.mrope_section)},
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "bos_token_id": self.bos_token_id,
+                "eos_token_id": self.eos_token_id,
+                "pad_token_id": self.pad_token_id,
+                "use_sliding_window": False,
+            },
+            "vision_config": {
+                "model_type": "qwen2_5_vl_vision",
+                "depth": v.depth,
+                "hidden_size": v.hidden_size,
+                "intermediate_size": v.intermediate_size,
+                "num_heads": v.num_heads,
+                "in_channels": v.in_channels,
+                "patch_size": v.patch_size,
+                "spatial_merge_size": v.spatial_merge_size,
+                "temporal_patch_size": v.temporal_patch_size,
+                "window_size": v.window_size,
+                "out_hidden_size": v.out_hidden_size,
+                "fullatt_block_indexes": list(v.fullatt_block_indexes),
+                "tokens_per_second": v.tokens_per_second,
+                "hidden_act": v.hidden_act,
+                "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+            },
+        }
+
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
+        """Reads both layouts: transformers 5 (`text_config`) and the flat 4.x layout of the released
+        UI-TARS-1.5 / OpenCUA / Qwen2.5-VL checkpoints (`rope_scaling: {type: mrope, ...}`)."""
+        model_type = data.get("model_type")
+        if model_type not in ("qwen2_5_vl", None):
+            raise ValueError(f"{source}: model_type {model_type!r} is not 'qwen2_5_vl'; guijax runs the Qwen2.5-VL architecture")
+        text = dict(data.get("text_config") or {})
+        for key, value in data.items():  # flat 4.x layout: text fields at the top level
+            if key not in ("text_config", "vision_config"):
+                text.setdefault(key, value)
+        if "vision_config" not in data:
+            raise ValueError(f"{source}: missing key 'vision_config'")
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in text]
+        if missing:
+            raise ValueError(f"{source}: missing keys {missing}")
+        if "mrope_section" not in rope:
+            raise ValueError(f"{source}: missing 'mrope_section' in rope_parameters / rope_scaling")
+        vd = data["vision_config"]
+        vision_rope = vd.get("rope_parameters") or {}
+        vision = VisionConfig(
+            depth=vd.get("depth", 32), hidden_size=vd.get("hidden_size", 1280),
+            intermediate_size=vd.get("intermediate_size", 3420), num_heads=vd.get("num_heads", 16),
+            in_channels=vd.get("in_channels", vd.get("in_chans", 3)), patch_size=vd.get("patch_size", 14),
+            spatial_merge_size=vd.get("spatial_merge_size", 2), temporal_patch_size=vd.get("temporal_patch_size", 2),
+            window_size=vd.get("window_size", 112), out_hidden_size=vd.get("out_hidden_size", text["hidden_size"]),
+            fullatt_block_indexes=tuple(vd.get("fullatt_block_indexes", (7, 15, 23, 31))),
+            tokens_per_second=vd.get("tokens_per_second", 2), hidden_act=vd.get("hidden_act", "silu"),
+            rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
+        )
+        eos = text.get("eos_token_id", 151645)
+        return cls(
+            vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"], num_hidden_layers=text["num_hidden_layers"],
+            num_attention_heads=text["num_attention_heads"],
+            num_key_value_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1000000.0))),
+            mrope_section=tuple(rope["mrope_section"]),
+            max_position_embeddings=text.get("max_position_embeddings", 128000),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            hidden_act=text.get("hidden_act", "silu"),
+            image_token_id=data.get("image_token_id", 151655), video_token_id=data.get("video_token_id", 151656),
+            vision_start_token_id=data.get("vision_start_token_id", 151652),
+            vision_end_token_id=data.get("vision_end_token_id", 151653),
+            bos_token_id=text.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            pad_token_id=text.get("pad_token_id"), vision=vision,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | pathlib.Path) -> "ModelConfig":
+        path = pathlib.Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"model config not found: {path}")
+        return cls.from_hf_dict(json.loads(path.read_text()), source=str(path))
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _vision(out: int, **kw: Any) -> VisionConfig:
+    return VisionConfig(out_hidden_size=out, **kw)
+
+
+def _small_vocab_ids(vocab: int) -> dict[str, int]:
+    """Special-token ids inside a small vocabulary; fresh checkpoints replace them with their tokenizer's."""
+    return dict(image_token_id=vocab - 4, video_token_id=vocab - 3, vision_start_token_id=vocab - 2,
+                vision_end_token_id=vocab - 1, bos_token_id=vocab - 6, eos_token_id=vocab - 5)
+
+
+# Presets. The four released sizes match the Hugging Face config.json of Qwen/Qwen2.5-VL-{3,7,32,72}B-Instruct
+# (UI-TARS-1.5-7B and OpenCUA-7B use the 7B one). `tiny` is for tests, `small` for the CPU recipes.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, mrope_section=(2, 3, 3), max_position_embeddings=4096, tie_word_embeddings=False,
+        **_small_vocab_ids(1024),
+        vision=_vision(64, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, window_size=56,
+                       fullatt_block_indexes=(1,)),
+    ),
+    "small": ModelConfig(
+        vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+        num_key_value_heads=2, mrope_section=(8, 12, 12), max_position_embeddings=8192, tie_word_embeddings=True,
+        **_small_vocab_ids(4096),
+        vision=_vision(384, depth=4, hidden_size=192, intermediate_size=512, num_heads=3, window_size=112,
+                       fullatt_block_indexes=(1, 3)),
+    ),
+    "qwen2_5_vl_3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=2, tie_word_embeddings=True, vision=_vision(2048),
+    ),
+    "qwen2_5_vl_7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, tie_word_embeddings=False, vision=_vision(3584),
+    ),
+    "qwen2_5_vl_32b": ModelConfig(
+        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+        num_key_value_heads=8, tie_word_embeddings=False, vision=_vision(5120),
+    ),
+    "qwen2_5_vl_72b": ModelConfig(
+        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, tie_word_embeddings=False, vision=_vision(8192),
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; available: {sorted(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,120 @@
+"""Building blocks shared by the vision tower and the language model.
+
+Parameters carry logical axis names (see guijax/sharding.py) so one rule table decides how every weight
+is laid out on the mesh. Kernels are [in, out] (Flax convention); the checkpoint loader transposes the
+[out, in] Hugging Face weights.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+# A finite "minus infinity": rows whose keys are all masked (padding queries) stay finite instead of NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, the result cast back before the weight multiply (as Qwen2 does)."""
+
+    eps: float = 1e-6
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+                            (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return weight.astype(self.dtype) * normed.astype(self.dtype)
+
+
+class Linear(nn.Module):
+    """Dense layer with logical axes for its kernel ([in, out]) and bias ([out])."""
+
+    features: int
+    axes: tuple[str, str]
+    use_bias: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.axes),
+            (x.shape[-1], self.features), self.param_dtype)
+        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.axes[1],)),
+                              (self.features,), self.param_dtype)
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+}
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: down(act(gate(x)) * up(x))."""
+
+    intermediate_size: int
+    hidden_act: str = "silu"
+    use_bias: bool = False
+    embed_axis: str = "embed"
+    mlp_axis: str = "mlp"
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        gate = Linear(self.intermediate_size, (self.embed_axis, self.mlp_axis), name="gate_proj", **kw)(x)
+        up = Linear(self.intermediate_size, (self.embed_axis, self.mlp_axis), name="up_proj", **kw)(x)
+        return Linear(x.shape[-1], (self.mlp_axis, self.embed_axis), name="down_proj", **kw)(
+            activation(self.hidden_act)(gate) * up)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [..., seq, heads, head_dim]; cos/sin [..., seq, head_dim] broadcast over heads; math in float32."""
+    x32 = x.astype(jnp.float32)
+    cos, sin = cos[..., None, :].astype(jnp.float32), sin[..., None, :].astype(jnp.float32)
+    return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Plain masked attention with grouped-query heads.
+
+    q [b, sq, h, d]; k, v [b, sk, kvh, d]; mask bool broadcastable to [b, sq, sk] (True = attend).
+    Softmax in float32. This is the reference path; it materialises [b, h, sq, sk] scores.
+    """
+    b, sq, h, d = q.shape
+    kvh = k.shape[2]
+    groups = h // kvh
+    q = q.reshape(b, sq, kvh, groups, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(b, sq, h, d)

@@ -1,0 +1,143 @@
+"""Host-side (numpy) index computations that depend on image sizes, done before `jit`.
+
+Image grids decide the vision tower's window permutation, attention segments and the language model's
+M-RoPE positions. They are data-dependent integers, so they are computed here once per batch and passed
+to the jitted forward as arrays; the traced program never branches on image sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from guijax.models.config import ModelConfig, VisionConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionLayout:
+    """Everything the vision tower needs beyond pixels, in the window-permuted token order.
+
+    window_index:     [N/merge^2] merge-unit permutation that groups tokens by attention window
+    rotary_positions: [N, 2] (row, column) patch coordinates, permuted
+    full_segments:    [N] id of the image frame each token belongs to (full-attention blocks)
+    window_segments:  [N] id of the window each token belongs to (windowed blocks)
+    """
+
+    window_index: np.ndarray
+    rotary_positions: np.ndarray
+    full_segments: np.ndarray
+    window_segments: np.ndarray
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.rotary_positions.shape[0])
+
+
+def _check_grid(grid_thw: np.ndarray, merge: int) -> np.ndarray:
+    grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    bad = [tuple(g) for g in grid_thw if g[1] % merge or g[2] % merge or min(g) < 1]
+    if bad:
+        raise ValueError(f"image_grid_thw rows {bad} are not positive multiples of spatial_merge_size={merge} in h and w")
+    return grid_thw
+
+
+def vision_layout(image_grid_thw: np.ndarray, vcfg: VisionConfig) -> VisionLayout:
+    """Window permutation and segment ids for Qwen2.5-VL's windowed vision attention.
+
+    Windows are `window_size // patch_size // merge` merge-units on a side; a partial window at the right or
+    bottom edge is kept (smaller), empty windows are dropped, exactly as the reference builds cu_seqlens.
+    """
+    merge = vcfg.spatial_merge_size
+    unit = merge * merge
+    grid_thw = _check_grid(image_grid_thw, merge)
+    win = vcfg.window_size // merge // vcfg.patch_size
+    window_index, window_lengths, rotary, frame_lengths = [], [], [], []
+    offset = 0
+    for t, h, w in grid_thw:
+        lh, lw = h // merge, w // merge
+        index = np.arange(t * lh * lw).reshape(t, lh, lw)
+        pad_h, pad_w = (-lh) % win, (-lw) % win
+        padded = np.pad(index, ((0, 0), (0, pad_h), (0, pad_w)), constant_values=-1)
+        nh, nw = (lh + pad_h) // win, (lw + pad_w) // win
+        windows = padded.reshape(t, nh, win, nw, win).transpose(0, 1, 3, 2, 4).reshape(t, nh * nw, win * win)
+        for frame in windows:
+            for cells in frame:
+                kept = cells[cells >= 0]
+                if kept.size:
+                    window_index.append(kept + offset)
+                    window_lengths.append(kept.size * unit)
+        offset += t * lh * lw
+        # patch coordinates in the processor's block-major order: (h/m, w/m, m, m)
+        hpos = np.arange(h)[:, None].repeat(w, 1).reshape(lh, merge, lw, merge).transpose(0, 2, 1, 3).reshape(-1)
+        wpos = np.arange(w)[None, :].repeat(h, 0).reshape(lh, merge, lw, merge).transpose(0, 2, 1, 3).reshape(-1)
+        rotary.append(np.tile(np.stack([hpos, wpos], -1), (t, 1)))
+        frame_lengths.extend([h * w] * t)
+    window_index_arr = np.concatenate(window_index).astype(np.int32)
+    rotary_arr = np.concatenate(rotary).astype(np.int32)
+    n = rotary_arr.shape[0]
+    rotary_arr = rotary_arr.reshape(n // unit, unit, 2)[window_index_arr].reshape(n, 2)
+    full = np.repeat(np.arange(len(frame_lengths)), frame_lengths).astype(np.int32)
+    windows_seg = np.repeat(np.arange(len(window_lengths)), window_lengths).astype(np.int32)
+    return VisionLayout(window_index_arr, rotary_arr, full, windows_seg)
+
+
+def mrope_positions(
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray | None,
+    image_grid_thw: np.ndarray | None,
+    cfg: ModelConfig,
+) -> tuple[np.ndarray, np.ndarray]:
+    """3-D rotary positions [3, batch, seq] and per-sequence deltas [batch], by transformers' get_rope_index rule.
+
+    Text tokens advance all three axes together; a run of image-pad tokens gets (t, h, w) grid coordinates
+    offset by the current position, after which text resumes at start + max(h, w) / merge. Padding positions
+    are 0. `delta = max_position + 1 - num_valid_tokens` continues positions during decoding.
+    """
+    input_ids = np.asarray(input_ids)
+    batch, seq = input_ids.shape
+    mask = np.ones_like(input_ids, dtype=bool) if attention_mask is None else np.asarray(attention_mask).astype(bool)
+    merge = cfg.vision.spatial_merge_size
+    grids = [] if image_grid_thw is None else list(_check_grid(image_grid_thw, merge))
+    grid_iter = iter(grids)
+    positions = np.zeros((3, batch, seq), dtype=np.int32)
+    deltas = np.zeros((batch,), dtype=np.int32)
+    used = 0
+    for b in range(batch):
+        ids = input_ids[b][mask[b]]
+        is_image = ids == cfg.image_token_id
+        pos = np.zeros((3, ids.size), dtype=np.int64)
+        current, i = 0, 0
+        while i < ids.size:
+            j = i
+            while j < ids.size and is_image[j] == is_image[i]:
+                j += 1
+            if not is_image[i]:
+                pos[:, i:j] = np.arange(j - i) + current
+                current += j - i
+            else:
+                start = i
+                while start < j:  # consecutive images with no text between them are separate runs
+                    try:
+                        t, h, w = next(grid_iter)
+                    except StopIteration:
+                        raise ValueError(
+                            f"sequence {b} has more image-pad tokens than image_grid_thw provides images for"
+                        ) from None
+                    used += 1
+                    lh, lw = h // merge, w // merge
+                    count = t * lh * lw
+                    if start + count > j:
+                        raise ValueError(
+                            f"sequence {b}: image {used - 1} with grid {(t, h, w)} needs {count} image-pad tokens, "
+                            f"only {j - start} found"
+                        )
+                    tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
+                    pos[:, start:start + count] = np.stack([tt, hh, ww]).reshape(3, -1) + current
+                    current += max(lh, lw)
+                    start += count
+            i = j
+        positions[:, b, mask[b]] = pos
+        deltas[b] = (pos.max() + 1 - ids.size) if ids.size else 0
+    if used != len(grids):
+        raise ValueError(f"image_grid_thw lists {len(grids)} images but the input_ids hold image-pad runs for {used}")
+    return positions, deltas

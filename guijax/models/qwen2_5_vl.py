@@ -1,0 +1,179 @@
+"""Qwen2.5-VL in Flax: Qwen2 decoder (GQA, qkv bias, RMSNorm, SwiGLU) with multimodal rotary positions
+(M-RoPE) and the vision tower's features placed at the image-pad tokens.
+
+`Qwen2_5_VL.__call__` returns final hidden states (the log-prob kernel consumes them with the LM head
+directly, so [tokens, vocab] logits need never exist) or logits. An optional KV cache makes the same graph
+serve prefill and decode for the sampler.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from guijax.models.config import ModelConfig
+from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary, dot_product_attention
+from guijax.models.vision import VisionTower, _maybe_remat
+
+Dtype = Any
+
+
+class LayerCache(NamedTuple):
+    """Per-layer key/value cache [batch, max_len, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def mrope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """positions [3, b, s] -> cos/sin [b, s, head_dim]. Frequency band i of `mrope_section` takes its angle
+    from axis i (temporal, height, width); text tokens have equal positions on all three axes."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [3, b, s, dim/2]
+    bounds = [0]
+    for n in cfg.mrope_section:
+        bounds.append(bounds[-1] + n)
+    picked = jnp.concatenate([freqs[i % 3, ..., bounds[i]:bounds[i + 1]] for i in range(len(cfg.mrope_section))], -1)
+    emb = jnp.concatenate([picked, picked], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, cache: LayerCache | None, cache_index):
+        cfg = self.cfg
+        b, s, _ = x.shape
+        hd = cfg.head_dim
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        q = Linear(cfg.num_attention_heads * hd, ("embed", "q_heads"), use_bias=True, name="q_proj", **kw)(x)
+        k = Linear(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), use_bias=True, name="k_proj", **kw)(x)
+        v = Linear(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), use_bias=True, name="v_proj", **kw)(x)
+        q = apply_rotary(q.reshape(b, s, -1, hd), cos, sin)
+        k = apply_rotary(k.reshape(b, s, -1, hd), cos, sin)
+        v = v.reshape(b, s, -1, hd)
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache_index, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache_index, axis=1)
+            cache = LayerCache(k, v)
+        out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        out = Linear(cfg.hidden_size, ("q_heads", "embed"), name="o_proj", **kw)(out.reshape(b, s, -1))
+        return out, cache
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, cache, cache_index):
+        cfg = self.cfg
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        h, cache = Attention(cfg, name="self_attn", **kw)(
+            RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, mask, cache, cache_index)
+        x = x + h
+        h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
+        x = x + GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
+        x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))
+        return x, cache
+
+
+class Qwen2_5_VL(nn.Module):
+    """The full policy network. Inputs are device arrays; image-size-dependent indices come precomputed
+    (see `guijax.models.positions`)."""
+
+    cfg: ModelConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    remat_policy: str = "none"
+
+    def setup(self):
+        cfg, kw = self.cfg, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        self.embed_tokens = self.param(
+            "embed_tokens", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+            (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
+        self.visual = VisionTower(cfg.vision, remat_policy=self.remat_policy, **kw)
+        layer_cls = _maybe_remat(DecoderLayer, self.remat_policy)
+        self.layers = [layer_cls(cfg, name=f"layers_{i}", **kw) for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(cfg.rms_norm_eps, **kw)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = self.param(
+                "lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
+                (cfg.hidden_size, cfg.vocab_size), self.param_dtype)
+
+    def lm_head_matrix(self) -> jax.Array:
+        """[hidden, vocab]: the untied head, or the transposed embedding when tied."""
+        return self.embed_tokens.T if self.cfg.tie_word_embeddings else self.lm_head
+
+    def embed(self, input_ids: jax.Array, image_features: jax.Array | None) -> jax.Array:
+        """Token embeddings with the k-th image-pad token (row-major over the batch) replaced by the k-th
+        merged vision feature; the caller guarantees the counts agree."""
+        x = jnp.take(self.embed_tokens, input_ids, axis=0).astype(self.dtype)
+        if image_features is None:
+            return x
+        is_image = input_ids == self.cfg.image_token_id
+        order = jnp.cumsum(is_image.reshape(-1)) - 1
+        feats = jnp.take(image_features.astype(self.dtype), jnp.clip(order, 0, image_features.shape[0] - 1), axis=0)
+        return jnp.where(is_image[..., None], feats.reshape(x.shape), x)
+
+    def encode_images(self, pixel_values, window_index, rotary_positions, full_segments, window_segments):
+        return self.visual(pixel_values, window_index, rotary_positions, full_segments, window_segments)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        attention_mask: jax.Array,
+        vision: dict[str, jax.Array] | None = None,
+        *,
+        cache: list[LayerCache] | None = None,
+        cache_index: jax.Array | int = 0,
+        kv_mask: jax.Array | None = None,
+        return_logits: bool = True,
+    ):
+        """Forward pass.
+
+        input_ids [b, s]; positions [3, b, s] M-RoPE ids; attention_mask [b, s] (1 = real token);
+        vision: pixel_values + the VisionLayout arrays, or None for text-only.
+        Cache mode: `cache` holds [b, L, kvh, hd] per layer, the s new tokens are written at slots
+        cache_index..cache_index+s, and `kv_mask` [b, L] marks the valid slots (prompt padding excluded).
+        Returns (logits or hidden [b, s, ...], new cache or None).
+        """
+        image_features = None
+        if vision is not None:
+            image_features = self.encode_images(**vision)
+        x = self.embed(input_ids, image_features)
+        x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))
+        cos, sin = mrope_cos_sin(positions, self.cfg)
+        s = input_ids.shape[1]
+        if cache is None:
+            causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+            mask = causal[None] & attention_mask.astype(bool)[:, None, :]
+        else:
+            total = cache[0].k.shape[1]
+            query_slots = cache_index + jnp.arange(s)
+            causal = jnp.arange(total)[None, :] <= query_slots[:, None]
+            mask = causal[None] & kv_mask.astype(bool)[:, None, :]
+        new_cache = [] if cache is not None else None
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(x, cos, sin, mask, None if cache is None else cache[i], cache_index)
+            if cache is not None:
+                new_cache.append(layer_cache)
+        x = self.norm(x)
+        if not return_logits:
+            return x, new_cache
+        logits = jnp.einsum("bsd,dv->bsv", x, self.lm_head_matrix().astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        return logits, new_cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Dtype = jnp.float32) -> list[LayerCache]:
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return [LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers)]

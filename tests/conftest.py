@@ -1,0 +1,25 @@
+"""Test setup: every test sees 8 simulated CPU devices so sharded code paths run everywhere."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import pytest  # noqa: E402
+
+
+def _has_backend(name: str) -> bool:
+    try:
+        import jax
+
+        return any(d.platform == name for d in jax.devices(name))
+    except Exception:  # no such backend in this jaxlib
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and not _has_backend("gpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "tpu" in item.keywords and not _has_backend("tpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a TPU"))

@@ -1,0 +1,219 @@
+"""Golden-logit parity of the Flax Qwen2.5-VL against transformers, sharding, and checkpoint round trips."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from guijax import sharding  # noqa: E402
+from guijax.models import policy as policy_lib  # noqa: E402
+from guijax.models.config import PRESETS, ModelConfig  # noqa: E402
+from guijax.models.safetensors_io import CheckpointError, SafetensorsReader  # noqa: E402
+
+CFG = PRESETS["tiny"]
+GRIDS = np.array([[1, 4, 6], [1, 8, 8]])  # two images of different sizes; 8x8 spans several windows
+
+
+def _hf_model(cfg: ModelConfig, seed: int = 0):
+    hf_cfg = transformers.Qwen2_5_VLConfig(**cfg.to_hf_dict())
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(hf_cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases, and weights large enough to make logits spread
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+            elif "norm" in name or "ln_q" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.08)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory) -> tuple[pathlib.Path, object]:
+    path = tmp_path_factory.mktemp("hf_tiny")
+    model = _hf_model(CFG)
+    model.save_pretrained(path)
+    return path, model
+
+
+def _batch(cfg: ModelConfig, grids: np.ndarray | None, seed: int = 1):
+    """Two sequences of different lengths (right-padded), each with text around its image."""
+    rs = np.random.RandomState(seed)
+    seqs = []
+    n_images = 0 if grids is None else len(grids)
+    for b in range(2):
+        seq = list(rs.randint(0, 900, 5 - b))
+        if b < n_images:
+            seq += [cfg.vision_start_token_id] + [cfg.image_token_id] * (int(grids[b].prod()) // 4) + [cfg.vision_end_token_id]
+        seq += list(rs.randint(0, 900, 4 + 2 * b))
+        seqs.append(seq)
+    length = max(map(len, seqs))
+    ids = np.zeros((2, length), np.int64)
+    mask = np.zeros((2, length), np.int64)
+    for b, seq in enumerate(seqs):
+        ids[b, :len(seq)] = seq
+        mask[b, :len(seq)] = 1
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if grids is not None:
+        inputs["pixel_values"] = rs.randn(int(grids.prod(1).sum()), cfg.vision.patch_dim).astype(np.float32)
+        inputs["image_grid_thw"] = grids
+    return inputs
+
+
+def _hf_logits(model, inputs) -> np.ndarray:
+    kwargs = {k: torch.tensor(v) for k, v in inputs.items()}
+    if "pixel_values" in inputs:
+        kwargs["mm_token_type_ids"] = torch.tensor((inputs["input_ids"] == CFG.image_token_id).astype(np.int64))
+    with torch.no_grad():
+        return model(**kwargs).logits.numpy()
+
+
+def _max_diff(a, b, mask) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b))[mask.astype(bool)].max())
+
+
+def test_golden_logits_with_two_images(hf_checkpoint):
+    path, model = hf_checkpoint
+    inputs = _batch(CFG, GRIDS)
+    ref = _hf_logits(model, inputs)
+    policy = policy_lib.from_pretrained(path)
+    ours = policy.logits(**inputs)
+    assert ours.shape == ref.shape == (2, inputs["input_ids"].shape[1], CFG.vocab_size)
+    assert np.abs(ref).max() > 1.0  # logits are not trivially small
+    assert _max_diff(ours, ref, inputs["attention_mask"]) <= 1e-4
+
+
+def test_golden_logits_text_only(hf_checkpoint):
+    path, model = hf_checkpoint
+    inputs = _batch(CFG, None)
+    ref = _hf_logits(model, inputs)
+    ours = policy_lib.from_pretrained(path).logits(**inputs)
+    assert _max_diff(ours, ref, inputs["attention_mask"]) <= 1e-4
+
+
+def test_images_change_logits(hf_checkpoint):
+    """Guards against a vision tower whose output is silently dropped."""
+    path, _ = hf_checkpoint
+    policy = policy_lib.from_pretrained(path)
+    inputs = _batch(CFG, GRIDS)
+    other = dict(inputs, pixel_values=inputs["pixel_values"] + 1.0)
+    assert _max_diff(policy.logits(**inputs), policy.logits(**other), inputs["attention_mask"]) > 1e-3
+
+
+def test_hidden_states_times_head_equal_logits(hf_checkpoint):
+    path, _ = hf_checkpoint
+    policy = policy_lib.from_pretrained(path)
+    inputs = _batch(CFG, GRIDS)
+    hidden = policy.hidden_states(**inputs)
+    assert hidden.shape == (*inputs["input_ids"].shape, CFG.hidden_size)
+    np.testing.assert_allclose(np.asarray(hidden @ policy.lm_head()), np.asarray(policy.logits(**inputs)), atol=1e-5)
+
+
+def test_sharded_forward_equals_single_device(hf_checkpoint):
+    path, _ = hf_checkpoint
+    assert jax.device_count() == 8
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=4, tensor=2))
+    sharded = policy_lib.from_pretrained(path, mesh=mesh)
+    single = policy_lib.from_pretrained(path)
+    q = sharded.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert len({str(s.index) for s in q.addressable_shards}) == 8  # really split, not replicated
+    inputs = _batch(CFG, GRIDS)
+    assert _max_diff(sharded.logits(**inputs), single.logits(**inputs), inputs["attention_mask"]) <= 1e-5
+
+
+def test_save_pretrained_round_trip_through_transformers(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint
+    policy = policy_lib.from_pretrained(path)
+    out = policy_lib.save_pretrained(policy, tmp_path / "saved")
+    reloaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
+    inputs = _batch(CFG, GRIDS)
+    assert _max_diff(_hf_logits(reloaded, inputs), policy.logits(**inputs), inputs["attention_mask"]) <= 1e-4
+    assert json.loads((out / "config.json").read_text())["vision_config"]["fullatt_block_indexes"] == [1]
+
+
+def test_bfloat16_load_and_save(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint
+    policy = policy_lib.from_pretrained(path, dtype="bfloat16")
+    assert policy.params["embed_tokens"].dtype == jnp.bfloat16
+    out = policy_lib.save_pretrained(policy, tmp_path / "bf16")
+    reader = SafetensorsReader(out)
+    assert reader.get("model.embed_tokens.weight").dtype.name == "bfloat16"
+    inputs = _batch(CFG, GRIDS)
+    full = policy_lib.from_pretrained(path).logits(**inputs)
+    half = policy_lib.from_pretrained(out, dtype="bfloat16").logits(**inputs)
+    assert _max_diff(half, full, inputs["attention_mask"]) < 0.25  # bf16 rounding only
+
+
+def test_sharded_checkpoint_with_index(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint
+    policy = policy_lib.from_pretrained(path)
+    from guijax.models import weights
+
+    files = weights.save_params(str(tmp_path), policy.params, CFG)
+    assert len(files) == 1
+    # force several shards
+    from guijax.models import safetensors_io
+
+    entries = [(k, SafetensorsReader(tmp_path).shape(k), np.float32, (lambda k=k: SafetensorsReader(tmp_path).get(k)))
+               for k in SafetensorsReader(tmp_path).keys()]
+    multi = tmp_path / "multi"
+    names = safetensors_io.write_safetensors(multi, entries, max_shard_bytes=200_000)
+    assert len(names) > 1 and (multi / "model.safetensors.index.json").exists()
+    (multi / "config.json").write_text((path / "config.json").read_text())
+    inputs = _batch(CFG, GRIDS)
+    assert _max_diff(policy_lib.from_pretrained(multi).logits(**inputs), policy.logits(**inputs),
+                     inputs["attention_mask"]) == 0.0
+
+
+def test_load_errors_name_the_problem(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint
+    with pytest.raises(CheckpointError, match="checkpoint directory not found"):
+        policy_lib.from_pretrained(tmp_path / "nope")
+    # a config with one more layer than the weights: the missing keys are listed by name
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").symlink_to(path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["num_hidden_layers"] = 3
+    cfg["text_config"].pop("layer_types", None)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"missing keys \(12\).*model\.layers\.2\.mlp\.down_proj\.weight"):
+        policy_lib.from_pretrained(bad)
+    cfg["text_config"]["num_hidden_layers"] = 2
+    cfg["text_config"]["intermediate_size"] = 96
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"shape mismatches.*model\.layers\.0\.mlp\.gate_proj\.weight"):
+        policy_lib.from_pretrained(bad)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        policy_lib.from_pretrained(bad)
+
+
+def test_mismatched_image_tokens_fail_clearly(hf_checkpoint):
+    path, _ = hf_checkpoint
+    policy = policy_lib.from_pretrained(path)
+    inputs = _batch(CFG, GRIDS)
+    with pytest.raises(ValueError, match=r"do not match: 30 features .* 22 image-pad tokens"):
+        policy.logits(**dict(inputs, image_grid_thw=np.array([[1, 4, 6], [1, 8, 12]]),
+                             pixel_values=np.zeros((24 + 96, CFG.vision.patch_dim), np.float32)))
+
+
+def test_flat_transformers4_config_layout_is_read():
+    """Released UI-TARS-1.5 / Qwen2.5-VL checkpoints use the flat 4.x config.json."""
+    flat = {"model_type": "qwen2_5_vl", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+            "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+            "tie_word_embeddings": False, "image_token_id": 151655, "bos_token_id": 151643, "eos_token_id": 151645,
+            "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                              "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112,
+                              "in_chans": 3, "spatial_patch_size": 14, "tokens_per_second": 2}}
+    assert ModelConfig.from_hf_dict(flat) == PRESETS["qwen2_5_vl_7b"]
