@@ -1,0 +1,6 @@
+"""Qwen2.5-VL policy: architecture, presets, Hugging Face loading and saving."""
+from guijax.models.config import PRESETS, ModelConfig, VisionConfig, get_preset
+from guijax.models.policy import ModelInputs, Policy, from_pretrained, prepare_inputs, save_pretrained
+
+__all__ = ["PRESETS", "ModelConfig", "VisionConfig", "get_preset", "ModelInputs", "Policy", "from_pretrained",
+           "prepare_inputs", "save_pretrained"]

@@ -1,0 +1,233 @@
+"""Batched multimodal sampling with a KV cache: one prefill over left-aligned prompts, then a jitted decode
+loop that stops when every row has emitted a stop token or `max_new_tokens` is reached.
+
+Prompts are left-padded to a length bucket and images padded to a patch-count bucket, so a run compiles a
+handful of programs rather than one per batch. Returned log-probs are those of the behaviour distribution,
+softmax(logits / temperature) before top-k / top-p truncation (what the PPO ratio's denominator needs;
+the trainer scores tokens at the same temperature).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from guijax.models.config import ModelConfig
+from guijax.models.positions import mrope_positions, vision_layout
+from guijax.models.qwen2_5_vl import Qwen2_5_VL, init_cache
+
+DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()  # e.g. <|im_end|>, <|endoftext|>
+    stop_strings: tuple[str, ...] = ()  # cut on the host after decoding
+    prompt_buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS
+    patch_bucket: int = 1024  # image patches are padded up to a multiple of this
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    tokens: np.ndarray  # [b, max_new_tokens] generated ids, pad after the end
+    logprobs: np.ndarray  # [b, max_new_tokens] behaviour log-probs, 0 after the end
+    lengths: np.ndarray  # [b] tokens kept (stop token included when stopped by id)
+    stopped: np.ndarray  # [b] True when a stop token or stop string ended the row
+    texts: list[str] | None = None
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    for b in sorted(buckets):
+        if n <= b:
+            return b
+    raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket {max(buckets)}")
+
+
+def left_align(input_ids: np.ndarray, attention_mask: np.ndarray, length: int, pad_id: int = 0):
+    """Move each row's valid tokens to the right end of a `length`-wide row (left padding)."""
+    b = input_ids.shape[0]
+    ids = np.full((b, length), pad_id, dtype=np.int32)
+    mask = np.zeros((b, length), dtype=np.int32)
+    for i in range(b):
+        valid = input_ids[i][attention_mask[i].astype(bool)]
+        if valid.size:
+            ids[i, length - valid.size:] = valid
+            mask[i, length - valid.size:] = 1
+    return ids, mask
+
+
+def pad_images(pixel_values: np.ndarray, grid_thw: np.ndarray, multiple: int, merge: int):
+    """Append one filler image so the patch count is a multiple of `multiple`. No image-pad token refers to
+    it, so its features are computed and never used; its own segment keeps it out of real images' attention."""
+    n = pixel_values.shape[0]
+    target = -(-n // multiple) * multiple
+    extra = target - n
+    if extra == 0:
+        return pixel_values, grid_thw
+    unit = merge * merge
+    if extra % unit:
+        raise ValueError(f"patch bucket {multiple} must be a multiple of {unit}")
+    filler_grid = np.array([[1, merge, extra // merge]])
+    return (np.concatenate([pixel_values, np.zeros((extra, pixel_values.shape[1]), pixel_values.dtype)]),
+            np.concatenate([grid_thw.reshape(-1, 3), filler_grid]))
+
+
+def _truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Mask logits outside the top-k and outside the smallest nucleus of mass >= top_p."""
+    if top_k <= 0 and top_p >= 1.0:
+        return logits
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+    keep = jnp.ones_like(sorted_logits, dtype=bool)
+    if top_k > 0:
+        keep &= jnp.arange(logits.shape[-1]) < top_k
+    if top_p < 1.0:
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p  # always keeps the first
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample_tokens(logits: jax.Array, rng: jax.Array, temperature: float, top_k: int, top_p: float):
+    """Next token and its behaviour log-prob. logits [b, vocab] float32."""
+    if temperature <= 0:
+        token = jnp.argmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        scaled = logits / temperature
+        logp = jax.nn.log_softmax(scaled, axis=-1)
+        token = jax.random.categorical(rng, _truncate_logits(scaled, top_k, top_p), axis=-1)
+    return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+class Sampler:
+    """Generates for a batch of processor outputs with the policy's parameters (sharded or not)."""
+
+    def __init__(self, module: Qwen2_5_VL, config: SamplingConfig, *, mesh: jax.sharding.Mesh | None = None,
+                 tokenizer: Any = None, cache_dtype: Any = None):
+        self.module = module
+        self.cfg: ModelConfig = module.cfg
+        self.config = config
+        self.mesh = mesh
+        self.tokenizer = tokenizer
+        self.cache_dtype = cache_dtype or module.dtype
+        if not config.stop_token_ids and self.cfg.eos_token_id is not None:
+            self.config = dataclasses.replace(config, stop_token_ids=(self.cfg.eos_token_id,))
+
+    # ------------------------------------------------------------------ host-side preparation
+    def _prepare(self, input_ids, attention_mask, pixel_values, image_grid_thw):
+        input_ids = np.asarray(input_ids)
+        attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
+        length = bucket_for(int(attention_mask.sum(1).max()), self.config.prompt_buckets)
+        ids, mask = left_align(input_ids, attention_mask, length)
+        positions, _ = mrope_positions(ids, mask, image_grid_thw if pixel_values is not None else None, self.cfg)
+        next_position = np.where(mask.any(1), positions.max(axis=(0, 2)) + 1, 0).astype(np.int32)
+        vision = None
+        if pixel_values is not None:
+            merge = self.cfg.vision.spatial_merge_size
+            pix, grid = pad_images(np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw),
+                                   self.config.patch_bucket, merge)
+            layout = vision_layout(grid, self.cfg.vision)
+            vision = {"pixel_values": pix, "window_index": layout.window_index,
+                      "rotary_positions": layout.rotary_positions, "full_segments": layout.full_segments,
+                      "window_segments": layout.window_segments}
+        return ids, mask, positions, next_position, vision
+
+    # ------------------------------------------------------------------ device program
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def _generate(self, params, ids, mask, positions, next_position, vision, rng):
+        cfg, sc = self.cfg, self.config
+        b, prompt_len = ids.shape
+        total = prompt_len + sc.max_new_tokens
+        cache = init_cache(cfg, b, total, self.cache_dtype)
+        kv_mask = jnp.concatenate([mask, jnp.zeros((b, sc.max_new_tokens), mask.dtype)], axis=1)
+        hidden, cache = self.module.apply({"params": params}, ids, positions, mask, vision, cache=cache,
+                                          cache_index=0, kv_mask=kv_mask, return_logits=False)
+        head = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
+        head = head.astype(self.module.dtype)
+
+        def logits_of(h):
+            return jnp.einsum("bd,dv->bv", h, head, preferred_element_type=jnp.float32)
+
+        stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
+        tokens = jnp.zeros((b, sc.max_new_tokens), jnp.int32)
+        logps = jnp.zeros((b, sc.max_new_tokens), jnp.float32)
+        done = jnp.zeros((b,), bool)
+
+        def cond(state):
+            step, _, _, _, done, *_ = state
+            return (step < sc.max_new_tokens) & ~jnp.all(done)
+
+        def body(state):
+            step, tokens, logps, lengths, done, last_hidden, cache, kv_mask, rng = state
+            rng, key = jax.random.split(rng)
+            token, logp = sample_tokens(logits_of(last_hidden), key, sc.temperature, sc.top_k, sc.top_p)
+            live = ~done
+            token = jnp.where(live, token, 0)
+            tokens = tokens.at[:, step].set(token)
+            logps = logps.at[:, step].set(jnp.where(live, logp, 0.0))
+            lengths = lengths + live.astype(jnp.int32)
+            done = done | (live & jnp.isin(token, stop_ids))
+            slot = prompt_len + step
+            kv_mask = kv_mask.at[:, slot].set(1)
+            pos = jnp.broadcast_to((next_position + step)[None, :, None], (3, b, 1))
+            h, cache = self.module.apply({"params": params}, token[:, None], pos, jnp.ones((b, 1), jnp.int32), None,
+                                         cache=cache, cache_index=slot, kv_mask=kv_mask, return_logits=False)
+            return step + 1, tokens, logps, lengths, done, h[:, -1], cache, kv_mask, rng
+
+        state = (jnp.int32(0), tokens, logps, jnp.zeros((b,), jnp.int32), done, hidden[:, -1], cache, kv_mask, rng)
+        _, tokens, logps, lengths, done, *_ = jax.lax.while_loop(cond, body, state)
+        return tokens, logps, lengths, done
+
+    def generate(self, params: Any, rng: jax.Array, input_ids, attention_mask=None, pixel_values=None,
+                 image_grid_thw=None, **_ignored) -> SampleOutput:
+        ids, mask, positions, next_position, vision = self._prepare(input_ids, attention_mask, pixel_values,
+                                                                    image_grid_thw)
+        arrays = (ids, mask, positions, next_position, vision)
+        if self.mesh is not None:
+            arrays = self._place(arrays)
+        tokens, logps, lengths, done = jax.device_get(self._generate(params, *arrays, rng))
+        out = SampleOutput(np.asarray(tokens), np.asarray(logps), np.asarray(lengths), np.asarray(done))
+        if self.tokenizer is not None:
+            self._apply_stop_strings(out)
+        return out
+
+    def _place(self, arrays):
+        """Batch-shard prompt arrays over (data, fsdp) when the batch divides; replicate otherwise."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        ids, mask, positions, next_position, vision = arrays
+        ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if ids.shape[0] % ways:
+            return arrays
+        row = NamedSharding(self.mesh, P(("data", "fsdp")))
+        put = lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec))  # noqa: E731
+        return (put(ids, P(("data", "fsdp"), None)), put(mask, P(("data", "fsdp"), None)),
+                put(positions, P(None, ("data", "fsdp"), None)), jax.device_put(next_position, row),
+                None if vision is None else jax.device_put(vision, NamedSharding(self.mesh, P())))
+
+    def _apply_stop_strings(self, out: SampleOutput) -> None:
+        """Decode texts; cut each at the first stop string, shortening `lengths` to the tokens that cover it."""
+        texts = []
+        for i in range(out.tokens.shape[0]):
+            ids = out.tokens[i, :out.lengths[i]].tolist()
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            cut = min((text.find(s) + len(s) for s in self.config.stop_strings if s in text), default=None)
+            if cut is not None:
+                keep = len(ids)
+                while keep > 1 and len(self.tokenizer.decode(ids[:keep - 1], skip_special_tokens=False)) >= cut:
+                    keep -= 1
+                out.lengths[i] = keep
+                out.tokens[i, keep:] = 0
+                out.logprobs[i, keep:] = 0.0
+                out.stopped[i] = True
+                text = text[:cut]
+            texts.append(text)
+        out.texts = texts
