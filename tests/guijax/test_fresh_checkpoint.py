@@ -1,0 +1,32 @@
+"""A fresh preset checkpoint goes through the real loading path: guijax and transformers both read it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from guijax.models import from_pretrained
+from guijax.models.fresh import create_checkpoint
+
+
+def test_fresh_tiny_checkpoint_loads_and_runs_on_an_image(tmp_path):
+    path = create_checkpoint(tmp_path / "ckpt", "tiny", seed=0, tokenizer_vocab=1024)
+    policy = from_pretrained(path)
+    assert policy.cfg.image_token_id == policy.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    proc = policy.processor
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Save the file"}]}])
+    screenshot = np.random.RandomState(0).randint(0, 256, (112, 168, 3), dtype=np.uint8)
+    inputs = proc([text], [[screenshot]])
+    logits = np.asarray(policy.logits(**inputs))
+    assert logits.shape == (1, inputs["input_ids"].shape[1], policy.cfg.vocab_size)
+    assert np.isfinite(logits).all() and logits.std() > 0
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = hf(**{k: torch.tensor(v) for k, v in inputs.items()}).logits.numpy()
+    np.testing.assert_allclose(logits, ref, atol=1e-4)
+
+
+def test_tokenizer_larger_than_preset_vocab_fails(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer_vocab 5000 exceeds the tiny preset's vocab_size 1024"):
+        create_checkpoint(tmp_path, "tiny", tokenizer_vocab=5000)
