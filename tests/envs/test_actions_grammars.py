@@ -1,0 +1,110 @@
+"""Agent S2-style and computer_use grammars onto the typed action model."""
+from __future__ import annotations
+
+import pytest
+
+from envs.actions import (Action, ActionParseError, ActionType, S2Action, S2ConversionError, parse_computer_use,
+                          parse_s2, parse_uitars, render_computer_use, s2_to_actions, s2_to_uitars_text)
+
+BOXES = {"the Save button": (100, 40, 140, 60), "the name field": (20, 100, 220, 120), "slider knob": (50, 200, 60, 210),
+         "right end of the slider": (300, 200, 310, 210)}
+HW = (480, 640)
+
+
+def ground(description: str):
+    if description not in BOXES:
+        raise KeyError(f"cannot ground {description!r}")
+    return BOXES[description]
+
+
+@pytest.mark.parametrize("action", [
+    S2Action("click", {"element_description": "the Save button", "num_clicks": 1, "button_type": "left"}),
+    S2Action("type", {"element_description": "the name field", "text": "Ada", "overwrite": True, "enter": True}),
+    S2Action("scroll", {"element_description": "the name field", "clicks": -3}),
+    S2Action("hotkey", {"keys": ["ctrl", "s"]}),
+    S2Action("hold_and_press", {"hold_keys": ["shift"], "press_keys": ["down", "down"]}),
+    S2Action("drag_and_drop", {"starting_description": "slider knob", "ending_description": "right end of the slider"}),
+    S2Action("set_cell_values", {"cell_values": {"A1": 3}, "app_name": "Calc", "sheet_name": "Sheet1"}),
+    S2Action("wait", {"time": 1.5}), S2Action("done"), S2Action("fail"),
+])
+def test_s2_render_parse_round_trip(action):
+    parsed = parse_s2(action.render())
+    assert parsed.name == action.name
+    assert all(parsed.get(k) == v for k, v in action.args.items())
+
+
+def test_s2_conversion_to_uitars_primitives():
+    click = s2_to_actions(S2Action("click", {"element_description": "the Save button", "num_clicks": 2}), ground)
+    assert click == [Action(ActionType.LEFT_DOUBLE, point=(120, 50))]
+    typed = s2_to_actions(S2Action("type", {"element_description": "the name field", "text": "Ada", "overwrite": True,
+                                            "enter": True}), ground)
+    assert [a.kind for a in typed] == [ActionType.CLICK, ActionType.HOTKEY, ActionType.PRESS, ActionType.TYPE]
+    assert typed[-1].text == "Ada\n"
+    held = s2_to_actions(S2Action("hold_and_press", {"hold_keys": ["shift"], "press_keys": ["a"]}), ground)
+    assert [(a.kind, a.keys) for a in held] == [(ActionType.KEYDOWN, ("shift",)), (ActionType.PRESS, ("a",)),
+                                                (ActionType.KEYUP, ("shift",))]
+    (drag,) = s2_to_actions(S2Action("drag_and_drop", {"starting_description": "slider knob",
+                                                       "ending_description": "right end of the slider"}), ground)
+    assert drag.point == (55, 205) and drag.end_point == (305, 205)
+    (scroll,) = s2_to_actions(S2Action("scroll", {"element_description": "the name field", "clicks": -3}), ground)
+    assert scroll.direction == "down" and scroll.amount == 3
+
+
+def test_s2_non_convertible_actions_name_themselves():
+    with pytest.raises(S2ConversionError, match="switch_applications.*no UI-TARS equivalent"):
+        s2_to_actions(S2Action("switch_applications", {"app_code": "code"}), ground)
+    with pytest.raises(S2ConversionError, match="set_cell_values"):
+        s2_to_actions(S2Action("set_cell_values", {"cell_values": {"A1": 1}, "app_name": "x", "sheet_name": "y"}), ground)
+
+
+def test_s2_to_uitars_text_parses_back():
+    text = s2_to_uitars_text(S2Action("click", {"element_description": "the Save button"}), ground, image_hw=HW,
+                             screen_hw=HW, thought="Save the document.")
+    assert text.startswith("Thought: Save the document.\nAction: click(")
+    (action,) = parse_uitars(text, image_hw=HW, screen_hw=HW)
+    assert abs(action.point[0] - 120) <= 1 and abs(action.point[1] - 50) <= 1
+
+
+@pytest.mark.parametrize("text,match", [
+    ("click('x')", "expected agent.<action>"),
+    ("agent.fly('x')", "unknown S2 action 'fly'"),
+    ("agent.click(", "not a python call"),
+    ("agent.click()", "missing arguments"),
+])
+def test_s2_parse_errors(text, match):
+    with pytest.raises(ActionParseError, match=match):
+        parse_s2(text)
+
+
+def test_computer_use_round_trip_and_semantics():
+    actions = [Action(ActionType.CLICK, point=(10, 20)), Action(ActionType.LEFT_TRIPLE, point=(30, 40)),
+               Action(ActionType.HOTKEY, keys=("ctrl", "c")), Action(ActionType.TYPE, text="hello"),
+               Action(ActionType.SCROLL, point=(5, 5), direction="down", amount=100.0),
+               Action(ActionType.SCROLL, point=(5, 5), direction="left", amount=50.0),
+               Action(ActionType.WAIT, amount=2.0), Action(ActionType.FAIL)]
+    text = render_computer_use(actions, image_hw=HW, screen_hw=HW)
+    assert parse_computer_use(text, image_hw=HW, screen_hw=HW) == actions
+    drag = parse_computer_use(render_computer_use([Action(ActionType.DRAG, point=(1, 2), end_point=(300, 400))],
+                                                  image_hw=HW, screen_hw=HW), image_hw=HW, screen_hw=HW)
+    assert drag[-1] == Action(ActionType.DRAG, point=(1, 2), end_point=(300, 400))
+    keys = parse_computer_use('<tool_call>{"name": "computer_use", "arguments": {"action": "key_up", "keys": ["ctrl", "shift"]}}</tool_call>',
+                              image_hw=HW, screen_hw=HW)
+    assert [a.keys for a in keys] == [("shift",), ("ctrl",)]  # released in reverse order
+    scaled = parse_computer_use('<tool_call>{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [320, 240]}}</tool_call>',
+                                image_hw=(240, 320), screen_hw=(1080, 1920))
+    assert scaled[0].point == (1919, 1079) and scaled[0].clipped
+
+
+@pytest.mark.parametrize("text,match", [
+    ("no call", "no <tool_call>"),
+    ("<tool_call>{bad json}</tool_call>", "not valid JSON"),
+    ('<tool_call>{"name": "browser", "arguments": {}}</tool_call>', "unknown tool 'browser'"),
+    ('<tool_call>{"name": "computer_use", "arguments": {"action": "jump"}}</tool_call>', "unknown computer_use action 'jump'"),
+    ('<tool_call>{"name": "computer_use", "arguments": {"action": "left_click_drag", "coordinate": [1, 2]}}</tool_call>',
+     "known cursor position"),
+    ('<tool_call>{"name": "computer_use", "arguments": {"action": "terminate", "status": "maybe"}}</tool_call>',
+     "terminate status"),
+])
+def test_computer_use_errors(text, match):
+    with pytest.raises(ActionParseError, match=match):
+        parse_computer_use(text, image_hw=HW, screen_hw=HW)
