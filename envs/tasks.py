@@ -1,0 +1,96 @@
+"""Task sets: loading OSWorld-shaped JSON from files or directories, generating synthetic-desk tasks by
+generation-as-validation (EvoCUA), and named splits.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+from typing import Iterable, Sequence
+
+from envs.api import Task, TaskError
+
+
+def load_tasks(path: str | pathlib.Path) -> list[Task]:
+    """One task file, a directory searched recursively for *.json, or a JSON list file of tasks."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise TaskError(f"task path not found: {path}")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.json") if p.is_file())
+        if not files:
+            raise TaskError(f"no *.json task files under {path}")
+        return [Task.from_file(f) for f in files]
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TaskError(f"{path}: invalid JSON: {e}") from e
+    if isinstance(data, list):
+        return [Task.from_dict(item, source=f"{path}[{i}]") for i, item in enumerate(data)]
+    return [Task.from_dict(data, domain=path.parent.name, source=str(path))]
+
+
+def save_tasks(tasks: Iterable[Task], path: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps([t.to_dict() for t in tasks], indent=1))
+    tmp.replace(path)
+    return path
+
+
+def by_id(tasks: Sequence[Task], task_id: str) -> Task:
+    for t in tasks:
+        if t.id == task_id:
+            return t
+    raise TaskError(f"unknown task id {task_id!r} ({len(tasks)} tasks loaded)")
+
+
+def generate_desk_tasks(n: int, seed: int = 0, families: Sequence[str] | None = None,
+                        screen_hw: tuple[int, int] | None = None, max_tries: int = 20) -> list[Task]:
+    """`n` desk tasks cycling over `families`. Each candidate is kept only if its validator rejects the
+    initial state and accepts the state the noise-free scripted expert reaches (generation-as-validation);
+    infeasible tasks must score 1 for the expert's FAIL and 0 for doing nothing."""
+    from envs.desk.env import DEFAULT_SIZE, DeskEnv
+    from envs.desk.expert import ScriptedExpert, run_expert
+    from envs.desk.families import FAMILIES
+
+    names = list(families or FAMILIES)
+    unknown = [f for f in names if f not in FAMILIES]
+    if unknown:
+        raise TaskError(f"unknown desk task families {unknown}; known: {sorted(FAMILIES)}")
+    size = tuple(screen_hw or DEFAULT_SIZE)
+    rng = random.Random(seed)
+    env = DeskEnv(size, seed=seed, popups=False)
+    tasks: list[Task] = []
+    for i in range(n):
+        family = names[i % len(names)]
+        for attempt in range(max_tries):
+            spec = FAMILIES[family][1](rng, size)
+            data = {"id": f"desk-{family}-s{seed}-{i:04d}", "instruction": spec["instruction"], "domain": family,
+                    "config": spec["config"], "evaluator": spec["evaluator"], "expert": spec["expert"],
+                    "difficulty": FAMILIES[family][0], "source": "synthetic_desk"}
+            task = Task.from_dict(data, domain=family)
+            env.reset(task)
+            if env.evaluate() != 0.0:
+                continue  # validator accepts the untouched state
+            trace = run_expert(env, task, ScriptedExpert(noise=0.0))
+            if trace.reward == 1.0:
+                tasks.append(task)
+                break
+        else:
+            raise TaskError(f"family {family!r}: no valid task in {max_tries} tries (seed {seed}, index {i})")
+    return tasks
+
+
+def split_tasks(tasks: Sequence[Task], *, held_out_families: Sequence[str] = (), held_out_fraction: float = 0.2,
+                seed: int = 0) -> dict[str, list[Task]]:
+    """'train' / 'held_out' splits: whole families can be held out, and a seeded fraction of the rest."""
+    rng = random.Random(seed)
+    train, held = [], []
+    for t in tasks:
+        if t.domain in held_out_families or rng.random() < held_out_fraction:
+            held.append(t)
+        else:
+            train.append(t)
+    return {"train": train, "held_out": held}

@@ -1,0 +1,180 @@
+"""Synthetic desk: determinism, generation-as-validation for every family, expert traces, OSWorld control
+semantics, dynamic pop-ups, and bad-input errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from envs.actions.model import Action, ActionType
+from envs.actions.s2 import parse_s2
+from envs.api import Task, TaskError
+from envs.desk import FAMILIES, DeskEnv, ExpertTrace, ScriptedExpert, run_expert
+from envs.desk.a11y import GroundingError, ground, parse_tree
+from envs.tasks import by_id, generate_desk_tasks, load_tasks, save_tasks, split_tasks
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return generate_desk_tasks(2 * len(FAMILIES), seed=3)
+
+
+def test_every_family_passes_generation_as_validation(tasks):
+    assert {t.domain for t in tasks} == set(FAMILIES)
+    env = DeskEnv(popups=False)
+    for task in tasks:
+        env.reset(task)
+        assert env.evaluate() == 0.0, task.id  # validator rejects the initial state
+        assert run_expert(env, task, ScriptedExpert()).reward == 1.0, task.id
+
+
+def test_difficulty_is_graded(tasks):
+    env = DeskEnv(popups=False)
+    lengths = {t.domain: len(run_expert(env, t, ScriptedExpert()).steps) for t in tasks}
+    assert lengths["click_button"] == 2 and lengths["settings_then_note"] >= 8
+
+
+def test_determinism_for_a_seed(tasks):
+    a = generate_desk_tasks(6, seed=11)
+    b = generate_desk_tasks(6, seed=11)
+    assert [t.to_dict() for t in a] == [t.to_dict() for t in b]
+    e1, e2 = DeskEnv(seed=5), DeskEnv(seed=5)
+    for task in tasks[:4]:
+        o1, o2 = e1.reset(task), e2.reset(task)
+        assert np.array_equal(o1.screenshot, o2.screenshot) and o1.a11y_tree == o2.a11y_tree
+
+
+def test_expert_survives_popups_and_a_replayed_trace_does_not(tasks):
+    """The dynamic UI the BEPA paper describes: replaying an expert's clicks blindly fails once a pop-up
+    covers the target, while the expert (which re-reads the screen) succeeds."""
+    task = next(t for t in tasks if t.domain == "fill_form")
+    clean = run_expert(DeskEnv(popups=False), task, ScriptedExpert())
+    env = DeskEnv(seed=0)
+    for seed in range(40):
+        env.reset(task, episode_seed=seed)
+        if env.scene.popup is None:
+            continue
+        for step in clean.steps:
+            env.step(step.actions)
+        replay_score = env.evaluate()
+        trace = run_expert(_SeededEnv(env, seed), task, ScriptedExpert())
+        assert replay_score == 0.0 and trace.reward == 1.0
+        assert any("pop-up" in s.s2 for s in trace.steps)
+        return
+    pytest.fail("no episode seed produced a pop-up")
+
+
+class _SeededEnv:
+    def __init__(self, env, seed):
+        self.env, self.seed, self.step_limit = env, seed, env.step_limit
+
+    def reset(self, task):
+        return self.env.reset(task, episode_seed=self.seed)
+
+    def step(self, a):
+        return self.env.step(a)
+
+    def evaluate(self):
+        return self.env.evaluate()
+
+
+def test_popup_blocks_clicks_until_closed(tasks):
+    task = next(t for t in tasks if t.domain == "click_button")
+    env = DeskEnv()
+    for seed in range(50):
+        obs = env.reset(task, episode_seed=seed)
+        if env.scene.popup is not None:
+            break
+    target = task.extra["expert"][0]["target"]
+    box = ground(obs.a11y_tree, f'the "{target}" button in the "Dialog" window')
+    env.step(Action(ActionType.CLICK, point=((box[0] + box[2]) // 2, (box[1] + box[3]) // 2)))
+    assert env.scene.window("Dialog").widget(target).clicks == 0  # swallowed by the modal pop-up
+    close = ground(env.observe().a11y_tree, 'the "Close" button of the pop-up')
+    env.step(Action(ActionType.CLICK, point=(close[0] + 2, close[1] + 2)))
+    assert env.scene.popup is None
+
+
+def test_infeasible_semantics(tasks):
+    task = next(t for t in tasks if t.domain == "infeasible_toggle")
+    feasible = next(t for t in tasks if t.domain == "toggle_checkbox")
+    env = DeskEnv(popups=False)
+    env.reset(task)
+    assert env.step(Action(ActionType.FAIL)).done and env.evaluate() == 1.0
+    env.reset(task)
+    env.step(Action(ActionType.FINISHED))
+    assert env.evaluate() == 0.0
+    env.reset(feasible)
+    run = run_expert(env, feasible, ScriptedExpert())
+    assert run.reward == 1.0
+    env.reset(feasible)
+    env.step(Action(ActionType.FAIL))
+    assert env.evaluate() == 0.0  # giving up on a feasible task scores 0
+
+
+def test_step_limit(tasks):
+    env = DeskEnv(step_limit=3, popups=False)
+    env.reset(tasks[0])
+    results = [env.step(Action(ActionType.WAIT)) for _ in range(3)]
+    assert [r.done for r in results] == [False, False, True] and results[-1].info["step_limit"]
+
+
+def test_trace_save_and_load(tasks, tmp_path):
+    task = next(t for t in tasks if t.domain == "choose_option")
+    trace = run_expert(DeskEnv(popups=False), task, ScriptedExpert())
+    trace.save(tmp_path / "trace")
+    loaded = ExpertTrace.load(tmp_path / "trace")
+    assert loaded.plan == trace.plan and loaded.reward == 1.0
+    assert [s.actions for s in loaded.steps] == [s.actions for s in trace.steps]
+    assert np.array_equal(loaded.steps[0].screenshot, trace.steps[0].screenshot)
+    assert parse_s2(loaded.steps[0].s2).name == "click"
+
+
+def test_noisy_expert_is_imperfect(tasks):
+    env = DeskEnv(popups=False)
+    hard = [t for t in tasks if t.domain in ("fill_form", "settings_then_note")]
+    rewards = [run_expert(env, t, ScriptedExpert(noise=0.5, seed=s)).reward for t in hard for s in range(4)]
+    assert min(rewards) == 0.0
+
+
+def test_task_files_round_trip_and_errors(tasks, tmp_path):
+    path = save_tasks(tasks, tmp_path / "tasks.json")
+    loaded = load_tasks(path)
+    assert [t.id for t in loaded] == [t.id for t in tasks]
+    assert by_id(loaded, tasks[3].id).instruction == tasks[3].instruction
+    with pytest.raises(TaskError, match="unknown task id 'nope'"):
+        by_id(loaded, "nope")
+    bad = tmp_path / "bad" / "t.json"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps({"id": "x"}))
+    with pytest.raises(TaskError, match=r"t\.json: missing required key 'instruction'"):
+        load_tasks(bad.parent)
+    bad.write_text("{not json")
+    with pytest.raises(TaskError, match="invalid JSON"):
+        load_tasks(bad)
+    with pytest.raises(TaskError, match="unknown desk task families"):
+        generate_desk_tasks(1, families=["juggling"])
+    with pytest.raises(TaskError, match="expected exactly one 'desk_scene'"):
+        DeskEnv().reset(Task(id="t", instruction="x"))
+
+
+def test_splits(tasks):
+    splits = split_tasks(tasks, held_out_families=["fill_form"], held_out_fraction=0.25, seed=1)
+    assert all(t.domain != "fill_form" for t in splits["train"])
+    assert len(splits["train"]) + len(splits["held_out"]) == len(tasks)
+    assert split_tasks(tasks, held_out_fraction=0.25, seed=1) == split_tasks(tasks, held_out_fraction=0.25, seed=1)
+
+
+def test_grounding_errors_name_the_description(tasks):
+    obs = DeskEnv(popups=False).reset(tasks[0])
+    assert parse_tree(obs.a11y_tree)[0].role == "window"
+    with pytest.raises(GroundingError, match="cannot ground element description 'the moon'"):
+        ground(obs.a11y_tree, "the moon")
+
+
+def test_envs_import_without_jax():
+    code = "import sys, envs, envs.desk, envs.pool, envs.tasks, envs.actions; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
