@@ -18,10 +18,85 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.model.param_dtype = ""  # empty: same as dtype
     c.model.remat = "none"  # none | full | dots_saveable
     c.model.tokenizer_vocab = 0  # fresh checkpoints: BPE vocab size (0: the preset's vocab size)
+    c.model.image_max_pixels = 0  # 0: the checkpoint's preprocessor_config; else downscale screenshots for the policy
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1
     c.mesh.fsdp = -1  # -1: all remaining devices
     c.mesh.tensor = 1
     c.mesh.num_devices = 0  # 0: the devices present; set it to dry-run a pod-sized mesh on a laptop
+
+    c.env = ml_collections.ConfigDict()
+    c.env.kind = "desk"
+    c.env.num_workers = 2
+    c.env.timeout_s = 120.0
+    c.env.screen = (280, 280)
+    c.env.step_limit = 15
+    c.env.popups = True
+    c.env.num_tasks = 36
+    c.env.families = ()
+    c.env.held_out_families = ()
+    c.env.held_out_fraction = 0.2
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.group_size = 8
+    c.rollout.tasks_per_iteration = 16
+    c.rollout.max_images = 5
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0
+    c.rollout.max_new_tokens = 256
+    c.rollout.format_reward = -1.0
+    c.rollout.format_weight = 0.5
+    c.rollout.prompt = "uitars"  # uitars | compact
+
+    c.pipeline = ml_collections.ConfigDict()
+    c.pipeline.length_buckets = (256, 512, 1024, 2048, 4096, 8192, 16384)
+    c.pipeline.patch_bucket = 1024
+
+    c.train = ml_collections.ConfigDict()
+    c.train.iterations = 100
+    c.train.ppo_epochs = 1
+    c.train.minibatch_size = 8
+    c.train.loss = "grpo"  # grpo | luffy | sft
+    c.train.eps_low = 0.2
+    c.train.eps_high = 0.3
+    c.train.dual_clip = 0.0
+    c.train.kl_coef = 0.0
+    c.train.normalization = "token"
+    c.train.luffy_gamma = 0.1
+    c.train.sft_coef = 0.0
+    c.train.logprob_impl = "auto"
+    c.train.checkpoint_every = 5
+    c.train.keep_checkpoints = 3
+    c.train.max_nonfinite_in_row = 3
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.learning_rate = 1e-6
+    c.optim.warmup_steps = 0
+    c.optim.total_steps = 1000
+    c.optim.schedule = "constant"
+    c.optim.weight_decay = 0.0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+    c.optim.max_grad_norm = 1.0
+    c.optim.grad_accum_steps = 1
+    c.optim.state_dtype = "float32"
+
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 0
+    c.sft.batch_size = 8
+    c.sft.learning_rate = 1e-4
+    c.sft.traces_per_task = 1
+    c.sft.expert_noise = 0.0
+
+    c.algorithm = ml_collections.ConfigDict()
+    c.algorithm.name = "grpo"
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.splits = ("train", "held_out")
+    c.eval.episodes_per_task = 4
+    c.eval.temperature = 0.6
+    c.eval.pass_k = (1,)
     return c

@@ -112,6 +112,8 @@ def format_bytes(n: int) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
+    if not FLAGS.is_parsed() or FLAGS["verbosity"].using_default_value:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every write at INFO; progress is printed instead
     config = resolve(FLAGS.config, _OVERRIDES)
     from guijax import distributed
 

@@ -1,0 +1,1 @@
+"""Training data: trajectory stores and the grain pipeline from trajectories to batches."""

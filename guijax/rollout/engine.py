@@ -1,0 +1,152 @@
+"""Rollout engine: G episodes per task over an EnvPool, one batched sampler call per step for all live
+episodes, UI-TARS parsing, format penalties, verifier rewards at the end.
+
+Episodes beyond the pool's size run in rounds. An environment failure ends its episode as ENV_ERROR (the
+trainer drops it from its group with the logged reason); an unparsable response ends the episode with the
+format penalty (ARPO: format reward −1 with weight 0.5).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from envs.actions import ActionParseError, parse_uitars, to_pyautogui
+from envs.api import Task
+from envs.pool import EnvPool
+from guijax.rollout.prompt import Turn, build_messages
+from guijax.rollout.trajectory import Status, Step, Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    max_images: int = 5  # screenshots kept as images in the prompt (K); earlier steps stay as text
+    format_reward: float = -1.0  # ARPO's format reward for an unparsable response ...
+    format_weight: float = 0.5  # ... and its weight
+    coordinate_model: str = "uitars-1.5"
+    system_prompt: str | None = None  # None: the UI-TARS computer-use prompt (guijax.rollout.prompt)
+    show_progress: bool = True
+
+
+@dataclasses.dataclass
+class _Episode:
+    task: Task
+    plan: tuple[str, ...]
+    seed: int
+    steps: list[Step] = dataclasses.field(default_factory=list)
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    screenshot: np.ndarray | None = None
+    status: Status = Status.STEP_LIMIT
+    error: str | None = None
+    reward: float = 0.0
+    env_seconds: float = 0.0
+
+
+class RolloutEngine:
+    def __init__(self, pool: EnvPool, sampler: Any, processor: Any, config: RolloutConfig = RolloutConfig()):
+        self.pool, self.sampler, self.processor, self.config = pool, sampler, processor, config
+
+    def _prompt(self, ep: _Episode) -> tuple[str, list[np.ndarray]]:
+        kwargs = {} if self.config.system_prompt is None else {"system_prompt": self.config.system_prompt}
+        messages, images = build_messages(ep.task.instruction, ep.turns, ep.screenshot,
+                                          max_images=self.config.max_images, plan=ep.plan, **kwargs)
+        return self.processor.apply_chat_template(messages), images
+
+    def run(self, params: Any, tasks: Sequence[Task], group_size: int, rng: jax.Array,
+            plans: dict[str, Sequence[str]] | None = None, seed: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
+        """All G*len(tasks) episodes; returns trajectories in (task, g) order and timing metrics."""
+        plans = plans or {}
+        episodes = [_Episode(t, tuple(plans.get(t.id, ())), seed * 1_000_003 + i * 7919 + g)
+                    for i, t in enumerate(tasks) for g in range(group_size)]
+        timings = {"env_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
+        bar = tqdm(total=len(episodes), desc="rollouts", disable=not self.config.show_progress, leave=False)
+        start = time.perf_counter()
+        successes = 0
+        for first in range(0, len(episodes), self.pool.num_workers):
+            round_eps = episodes[first:first + self.pool.num_workers]
+            rng, key = jax.random.split(rng)
+            self._run_round(params, round_eps, key, timings)
+            successes += sum(e.reward > 0.5 for e in round_eps)
+            bar.update(len(round_eps))
+            bar.set_postfix(success=f"{successes}/{first + len(round_eps)}",
+                            steps_per_s=f"{timings['steps'] / max(time.perf_counter() - start, 1e-9):.1f}")
+        bar.close()
+        timings["wall_s"] = time.perf_counter() - start
+        return [self._trajectory(e) for e in episodes], timings
+
+    def _run_round(self, params, eps: list[_Episode], rng, timings) -> None:
+        t0 = time.perf_counter()
+        reset = self.pool.reset([e.task for e in eps], seeds=[e.seed for e in eps])
+        timings["env_s"] += time.perf_counter() - t0
+        live: dict[int, _Episode] = {}
+        for slot, e in enumerate(eps):
+            if reset[slot].ok:
+                e.screenshot = reset[slot].value.screenshot
+                live[slot] = e
+            else:
+                e.status, e.error = Status.ENV_ERROR, reset[slot].error
+        while live:
+            slots = sorted(live)
+            prompts = [self._prompt(live[s]) for s in slots]
+            inputs = self.processor([p for p, _ in prompts], [imgs for _, imgs in prompts])
+            rng, key = jax.random.split(rng)
+            t0 = time.perf_counter()
+            out = self.sampler.generate(params, key, **inputs)
+            timings["sample_s"] += time.perf_counter() - t0
+            timings["sampled_tokens"] += int(out.lengths.sum())
+            actions: dict[int, Any] = {}
+            for row, slot in enumerate(slots):
+                e = live[slot]
+                tokens = out.tokens[row, :out.lengths[row]].copy()
+                text = self.processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                step = Step(e.screenshot, text, tokens.astype(np.int32), out.logprobs[row, :out.lengths[row]].copy())
+                e.steps.append(step)
+                try:
+                    parsed = parse_uitars(text, image_hw=e.screenshot.shape[:2], screen_hw=e.screenshot.shape[:2],
+                                          model=self.config.coordinate_model)
+                    step.actions = [to_pyautogui(parsed)]
+                    actions[slot] = parsed
+                except (ActionParseError, ValueError) as err:
+                    step.error = str(err)
+                    e.status, e.error = Status.PARSE_ERROR, f"step {len(e.steps)}: {err}"
+                    e.reward = self.config.format_weight * self.config.format_reward
+                    del live[slot]
+            if not actions:
+                break
+            t0 = time.perf_counter()
+            results = self.pool.step(actions)
+            timings["env_s"] += time.perf_counter() - t0
+            timings["steps"] += len(actions)
+            finished = []
+            for slot, result in results.items():
+                e = live[slot]
+                if not result.ok:
+                    e.status, e.error = Status.ENV_ERROR, result.error
+                    del live[slot]
+                    continue
+                e.turns.append(Turn(e.screenshot, e.steps[-1].response))
+                e.screenshot = result.value.observation.screenshot
+                if result.value.done:
+                    kinds = {a.kind.value for a in actions[slot]}
+                    e.status = Status.DONE if "finished" in kinds else Status.FAIL if kinds & {"fail", "call_user"} \
+                        else Status.STEP_LIMIT
+                    finished.append(slot)
+            if finished:
+                t0 = time.perf_counter()
+                scores = self.pool.evaluate(finished)
+                timings["env_s"] += time.perf_counter() - t0
+                for slot in finished:
+                    e = live.pop(slot)
+                    if scores[slot].ok:
+                        e.reward = float(scores[slot].value)
+                    else:
+                        e.status, e.error = Status.ENV_ERROR, scores[slot].error
+
+    @staticmethod
+    def _trajectory(e: _Episode) -> Trajectory:
+        return Trajectory(e.task.id, e.task.instruction, e.steps, e.reward, e.status, plan=e.plan, error=e.error,
+                          meta={"seed": e.seed, "domain": e.task.domain})

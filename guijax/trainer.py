@@ -1,0 +1,227 @@
+"""The RL loop shared by every method: sample tasks -> rollouts -> algorithm hook assembles groups ->
+advantages -> old log-probs under θ_old -> minibatch updates for `ppo_epochs` -> metrics, checkpoints.
+
+Every iteration draws its tasks, environment seeds and sampling key from (seed, iteration) alone, so a run
+resumed from a checkpoint repeats exactly the iterations an uninterrupted run would have done.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import random
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from envs.api import Task
+from guijax import advantages as adv_lib
+from guijax import losses, optim, train_step
+from guijax.algorithms import Algorithm
+from guijax.checkpoint import Checkpointer
+from guijax.data.steps import PipelineConfig, batches, step_refs
+from guijax.metrics import MetricsWriter
+from guijax.models.policy import Policy
+from guijax.rollout.engine import RolloutConfig, RolloutEngine
+from guijax.rollout.trajectory import Status, Trajectory
+from guijax.sampling import Sampler, SamplingConfig
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperature: float) -> SamplingConfig:
+    tok = processor.tokenizer
+    stops = tuple(i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"))
+                  if i is not None)
+    return SamplingConfig(temperature=temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
+                          max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stops,
+                          prompt_buckets=tuple(config.pipeline.length_buckets),
+                          patch_bucket=config.pipeline.patch_bucket)
+
+
+def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str | None) -> PipelineConfig:
+    return PipelineConfig(max_images=config.rollout.max_images, length_buckets=tuple(config.pipeline.length_buckets),
+                          patch_bucket=config.pipeline.patch_bucket, system_prompt=system_prompt)
+
+
+@dataclasses.dataclass
+class Components:
+    """What the loop needs, built once per run by guijax.stages."""
+
+    policy: Policy
+    pool: Any
+    processor: Any
+    train_tasks: list[Task]
+    algorithm: Algorithm
+    system_prompt: str | None
+    mesh: jax.sharding.Mesh | None
+
+
+class Trainer:
+    def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, parts: Components):
+        self.config, self.workdir, self.parts = config, pathlib.Path(workdir), parts
+        self.policy = parts.policy
+        self.module = parts.policy.module
+        self.tx, self.schedule = optim.make_optimizer(config.optim)
+        step_cfg = train_step.StepConfig(
+            kind=config.train.loss,
+            clip=losses.ClipConfig(config.train.eps_low, config.train.eps_high, config.train.dual_clip,
+                                   config.train.kl_coef, config.train.normalization),
+            temperature=config.rollout.temperature, luffy_gamma=config.train.luffy_gamma,
+            sft_coef=config.train.sft_coef, impl=config.train.logprob_impl)
+        self.step_fn = train_step.make_train_step(self.module, self.tx, step_cfg)
+        self.logprob_fn = train_step.make_logprob_fn(self.module, config.rollout.temperature, config.train.logprob_impl)
+        self.state = train_step.TrainState(self.policy.params, self.tx.init(self.policy.params), jnp.int32(0))
+        self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature),
+                               mesh=parts.mesh)
+        self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor, RolloutConfig(
+            max_images=config.rollout.max_images, format_reward=config.rollout.format_reward,
+            format_weight=config.rollout.format_weight, system_prompt=parts.system_prompt))
+        self.pipeline = pipeline_config(config, parts.system_prompt)
+        self.ckpt = Checkpointer(self.workdir / "checkpoints", keep=config.train.keep_checkpoints)
+        self.metrics = MetricsWriter(self.workdir)
+        self.iteration = 0
+        self.nonfinite_in_row = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        meta = {"iteration": self.iteration, "algorithm": self.parts.algorithm.state_dict(),
+                "nonfinite_in_row": self.nonfinite_in_row}
+        self.ckpt.save(self.iteration, self.state, meta)
+
+    def maybe_restore(self) -> bool:
+        step = self.ckpt.latest_step()
+        if step is None:
+            return False
+        self.state, meta = self.ckpt.restore(step, self.state)
+        self.iteration = meta["iteration"]
+        self.nonfinite_in_row = meta.get("nonfinite_in_row", 0)
+        self.parts.algorithm.load_state_dict(meta["algorithm"])
+        logging.info("resumed from checkpoint at iteration %d", self.iteration)
+        return True
+
+    # ------------------------------------------------------------------ one iteration
+    def _tasks_for(self, iteration: int) -> list[Task]:
+        rng = random.Random(self.config.seed * 1_000_003 + iteration)
+        k = min(self.config.rollout.tasks_per_iteration, len(self.parts.train_tasks))
+        return rng.sample(self.parts.train_tasks, k)
+
+    def iterate(self) -> dict[str, float]:
+        cfg = self.config
+        t_start = time.perf_counter()
+        tasks = self._tasks_for(self.iteration)
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), self.iteration)
+        rollouts, timing = self.engine.run(self.state.params, tasks, cfg.rollout.group_size, key,
+                                           seed=cfg.seed * 7919 + self.iteration)
+        groups: list[list[Trajectory]] = []
+        dropped = []
+        for i, task in enumerate(tasks):
+            group = rollouts[i * cfg.rollout.group_size:(i + 1) * cfg.rollout.group_size]
+            dropped += [f"{t.task_id}: {t.error}" for t in group if t.status == Status.ENV_ERROR]
+            group = [t for t in group if t.status != Status.ENV_ERROR]
+            self.parts.algorithm.observe(task, group)
+            groups.append(self.parts.algorithm.assemble(task, group))
+        for reason in dropped:
+            logging.warning("dropped an episode whose environment failed: %s", reason)
+        trajectories = [t for g in groups for t in g]
+        group_ids = np.concatenate([np.full(len(g), i) for i, g in enumerate(groups)]).astype(np.int32)
+        rewards = np.asarray([t.reward for t in trajectories], np.float32)
+        stats = adv_lib.group_advantages(rewards, group_ids, len(groups), eps=1e-6)
+        advantages = np.asarray(stats.advantages)
+        on_policy = [t for t in rollouts if t.status != Status.ENV_ERROR]
+        metrics: dict[str, float] = {
+            "iteration": self.iteration,
+            "reward_mean": float(np.mean([t.reward for t in on_policy])) if on_policy else 0.0,
+            "success_rate": float(np.mean([t.success for t in on_policy])) if on_policy else 0.0,
+            "format_error_rate": float(np.mean([t.status == Status.PARSE_ERROR for t in on_policy])) if on_policy else 0.0,
+            "env_errors": len(dropped), "zero_variance_groups": int(stats.zero_variance_groups),
+            "episodes": len(rollouts), "time_env_s": timing["env_s"], "time_sampling_s": timing["sample_s"],
+        }
+        update = self._update(trajectories, advantages) if np.any(advantages != 0) else {}
+        metrics.update(update)
+        metrics["time_iteration_s"] = time.perf_counter() - t_start
+        metrics["tokens_per_s"] = metrics.get("trained_tokens", 0) / max(metrics.get("time_update_s", 0.0), 1e-9)
+        self.iteration += 1
+        return metrics
+
+    def _update(self, trajectories: Sequence[Trajectory], advantages: np.ndarray) -> dict[str, float]:
+        cfg = self.config
+        refs = step_refs(trajectories, advantages.tolist(), [t.source.value != "on_policy" for t in trajectories])
+        refs = [r for r in refs if r.advantage != 0.0]
+        data = batches(trajectories, refs, self.parts.processor, self.module.cfg, self.pipeline,
+                       cfg.train.minibatch_size, seed=cfg.seed * 31 + self.iteration)
+        t0 = time.perf_counter()
+        prepared = []
+        for batch in data:  # old log-probs under θ_old, fixed for every epoch
+            old, _ = self.logprob_fn(self.state.params, batch)
+            prepared.append(dict(batch, old_logp=np.asarray(old)))
+        t_old = time.perf_counter() - t0
+        total_tokens = sum(float(b["loss_mask"].sum()) for b in prepared)
+        collected: dict[str, list[float]] = {}
+        t0 = time.perf_counter()
+        for _ in range(cfg.train.ppo_epochs):
+            for batch in prepared:
+                batch = dict(batch, normalizer=np.float32(max(float(batch["loss_mask"].sum()), 1.0)))
+                self.state, m = self.step_fn(self.state, batch)
+                for k, v in m.items():
+                    collected.setdefault(k, []).append(float(v))
+                if m["skipped"]:
+                    self.nonfinite_in_row += 1
+                    logging.warning("non-finite loss or gradient: update skipped (%d in a row)", self.nonfinite_in_row)
+                    if self.nonfinite_in_row >= cfg.train.max_nonfinite_in_row:
+                        raise TrainingError(f"{self.nonfinite_in_row} non-finite updates in a row at iteration "
+                                            f"{self.iteration}; stopping (lower optim.learning_rate or check the data)")
+                else:
+                    self.nonfinite_in_row = 0
+        out = {k: float(np.mean(v)) for k, v in collected.items()}
+        out.update(time_old_logprobs_s=t_old, time_update_s=time.perf_counter() - t0, trained_tokens=total_tokens,
+                   learning_rate=float(self.schedule(int(self.state.step))))
+        return out
+
+    def fit(self) -> list[dict[str, float]]:
+        history = []
+        total = self.config.train.iterations
+        while self.iteration < total:
+            metrics = self.iterate()
+            self.metrics.write(metrics)
+            history.append(metrics)
+            if self.iteration % self.config.train.checkpoint_every == 0 or self.iteration == total:
+                self.save()
+        self.ckpt.wait()
+        return history
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.metrics.close()
+
+
+def sft_steps(policy: Policy, trajectories: Sequence[Trajectory], processor: Any, config: ml_collections.ConfigDict,
+              pipeline: PipelineConfig, steps: int, batch_size: int, seed: int,
+              log: Any = None) -> tuple[Any, list[float]]:
+    """Supervised warm start on (converted expert) trajectories: token cross-entropy on the responses."""
+    sft_optim = ml_collections.ConfigDict(config.optim.to_dict())
+    sft_optim.learning_rate = config.sft.learning_rate
+    sft_optim.total_steps = max(steps, sft_optim.warmup_steps + 1)
+    tx, _ = optim.make_optimizer(sft_optim)
+    step_fn = train_step.make_train_step(policy.module, tx, train_step.StepConfig(kind="sft",
+                                                                                 impl=config.train.logprob_impl))
+    state = train_step.TrainState(policy.params, tx.init(policy.params), jnp.int32(0))
+    refs = step_refs(trajectories, [1.0] * len(trajectories))
+    losses_seen: list[float] = []
+    epoch = 0
+    while len(losses_seen) < steps:
+        for batch in batches(trajectories, refs, processor, policy.module.cfg, pipeline, batch_size, seed=seed + epoch):
+            state, m = step_fn(state, batch)
+            losses_seen.append(float(m["loss"]))
+            if log is not None:
+                log({"sft_step": len(losses_seen), "sft_loss": losses_seen[-1]})
+            if len(losses_seen) >= steps:
+                break
+        epoch += 1
+    return state.params, losses_seen
