@@ -85,12 +85,19 @@ def generate_desk_tasks(n: int, seed: int = 0, families: Sequence[str] | None = 
 
 def split_tasks(tasks: Sequence[Task], *, held_out_families: Sequence[str] = (), held_out_fraction: float = 0.2,
                 seed: int = 0) -> dict[str, list[Task]]:
-    """'train' / 'held_out' splits: whole families can be held out, and a seeded fraction of the rest."""
+    """'train' / 'held_out' splits: whole families can be held out, and of every other family a seeded
+    round(fraction * size) of its tasks (so small task sets still get a held-out split)."""
     rng = random.Random(seed)
-    train, held = [], []
+    families: dict[str, list[Task]] = {}
     for t in tasks:
-        if t.domain in held_out_families or rng.random() < held_out_fraction:
-            held.append(t)
-        else:
-            train.append(t)
-    return {"train": train, "held_out": held}
+        families.setdefault(t.domain, []).append(t)
+    held_ids: set[str] = set()
+    for name in sorted(families):
+        members = families[name]
+        if name in held_out_families:
+            held_ids.update(t.id for t in members)
+            continue
+        order = list(members)
+        rng.shuffle(order)
+        held_ids.update(t.id for t in order[:round(held_out_fraction * len(order))])
+    return {"train": [t for t in tasks if t.id not in held_ids], "held_out": [t for t in tasks if t.id in held_ids]}
