@@ -113,7 +113,7 @@ def format_bytes(n: int) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
-    if not FLAGS.is_parsed() or FLAGS["verbosity"].using_default_value:
+    if not _USER_VERBOSITY:
         logging.set_verbosity(logging.WARNING)  # orbax logs every write at INFO; progress is printed instead
     config = resolve(FLAGS.config, _OVERRIDES)
     from guijax import distributed
@@ -142,12 +142,15 @@ def main(argv: list[str]) -> None:
 
 
 _OVERRIDES: list[str] = []
+_USER_VERBOSITY = False
 
 
 def run(argv: list[str] | None = None) -> None:
     argv = list(sys.argv if argv is None else argv)
     rest, overrides = split_overrides(argv)
     _OVERRIDES[:] = overrides
+    global _USER_VERBOSITY
+    _USER_VERBOSITY = any(a.startswith(("--verbosity", "--v=", "-v")) for a in rest[1:])
     try:
         app.run(main, argv=rest)
     except config_lib.ConfigError as e:

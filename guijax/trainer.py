@@ -142,6 +142,10 @@ class Trainer:
             "format_error_rate": float(np.mean([t.status == Status.PARSE_ERROR for t in on_policy])) if on_policy else 0.0,
             "env_errors": len(dropped), "zero_variance_groups": int(stats.zero_variance_groups),
             "episodes": len(rollouts), "time_env_s": timing["env_s"], "time_sampling_s": timing["sample_s"],
+            "response_tokens_mean": float(np.mean([len(s.response_tokens) for t in on_policy for s in t.steps]))
+            if on_policy else 0.0,
+            "behaviour_logprob_mean": float(np.mean(np.concatenate(
+                [s.behaviour_logprobs for t in on_policy for s in t.steps] or [np.zeros(1)]))),
         }
         update = self._update(trajectories, advantages) if np.any(advantages != 0) else {}
         metrics.update(update)

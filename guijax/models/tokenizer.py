@@ -70,7 +70,7 @@ def agent_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     def point() -> str:
         return f"({rng.randint(0, 1920)},{rng.randint(0, 1080)})"
 
-    lines = []
+    lines = list(_fixed_texts())
     for _ in range(num_lines):
         kind = rng.randrange(8)
         thought = f"Thought: {words(rng.randint(4, 14)).capitalize()}."
@@ -93,6 +93,25 @@ def agent_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
             action = f"import pyautogui; pyautogui.click({rng.randint(0, 1920)}, {rng.randint(0, 1080)})"
         lines.append(f"{thought}\nAction: {action}")
     return lines
+
+
+def _fixed_texts() -> list[str]:
+    """Text every CPU-recipe prompt contains (system prompts, desk vocabulary), so the BPE learns it as whole
+    words: shorter sequences are the cheapest speed-up on CPU."""
+    from guijax.rollout.prompt import SYSTEM_PROMPT
+
+    texts = [SYSTEM_PROMPT] * 20
+    try:
+        from envs.desk import families
+        from guijax.stages import COMPACT_PROMPT
+
+        texts += [COMPACT_PROMPT] * 20
+        vocab = [*families.BUTTONS, *families.CHECKS, *families.FIELDS, *families.SLIDERS, *families.WORDS,
+                 *families.FILE_STEMS, *families.DROPDOWNS, *[o for v in families.DROPDOWNS.values() for o in v]]
+        texts += [" ".join(vocab)] * 20
+    except ImportError:  # envs not installed beside guijax
+        pass
+    return texts
 
 
 def build_tokenizer(out_dir: str | pathlib.Path, *, vocab_size: int = 1024, corpus: Iterable[str] | None = None):
