@@ -135,9 +135,7 @@ class Sampler:
             pix, grid = pad_images(np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw),
                                    self.config.patch_bucket, merge)
             layout = vision_layout(grid, self.cfg.vision)
-            vision = {"pixel_values": pix, "window_index": layout.window_index,
-                      "rotary_positions": layout.rotary_positions, "full_segments": layout.full_segments,
-                      "window_segments": layout.window_segments}
+            vision = layout.inputs(pix)
         return ids, mask, positions, next_position, vision
 
     # ------------------------------------------------------------------ device program

@@ -112,9 +112,7 @@ def collate(examples: Sequence[dict[str, Any]], cfg: ModelConfig, pipeline: Pipe
         pix, padded_grid = pad_images(np.concatenate([e["pixel_values"] for e in examples]).astype(np.float32), grids,
                                       pipeline.patch_bucket, cfg.vision.spatial_merge_size)
         layout = vision_layout(padded_grid, cfg.vision)
-        vision = {"pixel_values": pix, "window_index": layout.window_index,
-                  "rotary_positions": layout.rotary_positions, "full_segments": layout.full_segments,
-                  "window_segments": layout.window_segments}
+        vision = layout.inputs(pix)
     return {"input_ids": ids, "attention_mask": mask, "positions": positions, "vision": vision, "targets": targets,
             "loss_mask": loss_mask, "behaviour_logprobs": behaviour,
             "advantages": np.asarray([e["advantage"] for e in examples], np.float32),

@@ -78,9 +78,7 @@ def prepare_inputs(cfg: ModelConfig, input_ids: Any, attention_mask: Any = None,
             raise ValueError(f"image features and image-pad tokens do not match: {n_feat} features from "
                              f"image_grid_thw {grid.tolist()}, {n_pad} image-pad tokens in input_ids")
         layout = vision_layout(grid, cfg.vision)
-        vision = {"pixel_values": pixel_values.astype(np.float32), "window_index": layout.window_index,
-                  "rotary_positions": layout.rotary_positions, "full_segments": layout.full_segments,
-                  "window_segments": layout.window_segments}
+        vision = layout.inputs(pixel_values.astype(np.float32))
     positions, _ = mrope_positions(input_ids, attention_mask, image_grid_thw if vision is not None else None, cfg)
     return ModelInputs(input_ids.astype(np.int32), positions, attention_mask.astype(np.int32), vision)
 

@@ -32,6 +32,12 @@ class VisionLayout:
     def num_patches(self) -> int:
         return int(self.rotary_positions.shape[0])
 
+    def inputs(self, pixel_values: np.ndarray) -> dict[str, np.ndarray]:
+        """The `vision` argument of the model forward: pixels plus this layout."""
+        return {"pixel_values": pixel_values, "window_index": self.window_index,
+                "rotary_positions": self.rotary_positions, "full_segments": self.full_segments,
+                "window_segments": self.window_segments}
+
 
 def _check_grid(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)

@@ -39,13 +39,7 @@ def _dummy_inputs(cfg: ModelConfig) -> tuple:
 
     merge = cfg.vision.spatial_merge_size
     layout = vision_layout(np.array([[1, merge, merge]]), cfg.vision)
-    vision = {
-        "pixel_values": jnp.zeros((merge * merge, cfg.vision.patch_dim), jnp.float32),
-        "window_index": jnp.asarray(layout.window_index),
-        "rotary_positions": jnp.asarray(layout.rotary_positions),
-        "full_segments": jnp.asarray(layout.full_segments),
-        "window_segments": jnp.asarray(layout.window_segments),
-    }
+    vision = layout.inputs(np.zeros((merge * merge, cfg.vision.patch_dim), np.float32))
     ids = jnp.array([[cfg.image_token_id, 0]], jnp.int32)
     return ids, jnp.zeros((3, 1, 2), jnp.int32), jnp.ones((1, 2), jnp.int32), vision
 

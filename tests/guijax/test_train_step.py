@@ -104,8 +104,21 @@ def test_sharded_step_equals_single_device(module_params):
     step = train_step.make_train_step(module, tx, train_step.StepConfig(kind="sft"))
     batch = _batch(3)
     single, m1 = step(train_step.TrainState(jax.tree.map(jnp.copy, params), tx.init(params), jnp.int32(0)), batch)
-    sharded_params = jax.device_put(params, shardings)
+    sharded_params = jax.device_put(jax.tree.map(jnp.copy, params), shardings)  # the step donates its state
     sharded, m2 = step(train_step.TrainState(sharded_params, tx.init(sharded_params), jnp.int32(0)), batch)
     assert float(m1["loss"]) == pytest.approx(float(m2["loss"]), rel=1e-5)
     np.testing.assert_allclose(sharded.params["layers_0"]["mlp"]["up_proj"]["kernel"],
                                single.params["layers_0"]["mlp"]["up_proj"]["kernel"], atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+def test_remat_policies_give_the_same_loss_and_gradients(module_params, policy):
+    module, params = module_params
+    remat = weights.build_module(CFG, remat_policy=policy)
+    batch = _batch(4)
+    cfg = train_step.StepConfig(kind="sft")
+    (l1, _), g1 = jax.value_and_grad(train_step.loss_fn, has_aux=True)(params, batch, module, cfg)
+    (l2, _), g2 = jax.value_and_grad(train_step.loss_fn, has_aux=True)(params, batch, remat, cfg)
+    assert float(l1) == pytest.approx(float(l2), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
