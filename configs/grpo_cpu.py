@@ -22,11 +22,11 @@ def get_config():
     c.rollout.max_new_tokens = 40
     c.pipeline.length_buckets = (256, 320, 384, 512, 768)
     c.pipeline.patch_bucket = 256
-    c.train.iterations = 4
+    c.train.iterations = 8
     c.train.minibatch_size = 8
     c.train.checkpoint_every = 2
     c.optim.learning_rate = 2e-5
-    c.sft.steps = 60
+    c.sft.steps = 120
     c.sft.batch_size = 8
     c.sft.learning_rate = 1e-3
     c.sft.traces_per_task = 2
