@@ -21,6 +21,8 @@ import jax
 import ml_collections
 from absl import logging
 
+from guijax.rollout.prompt import COMPACT_PROMPT
+
 STAGES: dict[str, Callable[["Run"], None]] = {}
 
 
@@ -30,13 +32,6 @@ def stage(name: str):
         return fn
 
     return wrap
-
-
-COMPACT_PROMPT = ("You are a GUI agent. Reply with\nThought: ...\nAction: ...\n"
-                  "Actions: click(start_box='(x,y)'), left_double(start_box='(x,y)'), "
-                  "drag(start_box='(x1,y1)', end_box='(x2,y2)'), type(content=''), hotkey(key=''), "
-                  "scroll(start_box='(x,y)', direction='down'), finished(content=''), FAIL\n"
-                  "Task: {instruction}\n")
 
 
 @dataclasses.dataclass
@@ -63,7 +58,6 @@ class Run:
 
     def load_policy(self, path: pathlib.Path):
         from guijax.models.policy import from_pretrained
-        from guijax.models.processor import ImageProcessor
 
         policy = from_pretrained(path, dtype=self.config.model.dtype,
                                  param_dtype=self.config.model.param_dtype or None, mesh=self.mesh(),
@@ -72,7 +66,6 @@ class Run:
         if self.config.model.image_max_pixels:
             processor.image_processor = dataclasses.replace(processor.image_processor,
                                                             max_pixels=self.config.model.image_max_pixels)
-        assert isinstance(processor.image_processor, ImageProcessor)
         return policy
 
     def tasks(self) -> dict[str, list]:

@@ -98,14 +98,12 @@ def agent_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
 def _fixed_texts() -> list[str]:
     """Text every CPU-recipe prompt contains (system prompts, desk vocabulary), so the BPE learns it as whole
     words: shorter sequences are the cheapest speed-up on CPU."""
-    from guijax.rollout.prompt import SYSTEM_PROMPT
+    from guijax.rollout.prompt import COMPACT_PROMPT, SYSTEM_PROMPT
 
-    texts = [SYSTEM_PROMPT] * 20
+    texts = [SYSTEM_PROMPT] * 20 + [COMPACT_PROMPT] * 20
     try:
         from envs.desk import families
-        from guijax.stages import COMPACT_PROMPT
 
-        texts += [COMPACT_PROMPT] * 20
         vocab = [*families.BUTTONS, *families.CHECKS, *families.FIELDS, *families.SLIDERS, *families.WORDS,
                  *families.FILE_STEMS, *families.DROPDOWNS, *[o for v in families.DROPDOWNS.values() for o in v]]
         texts += [" ".join(vocab)] * 20

@@ -37,6 +37,13 @@ finished(content='xxx') # Use escape characters \\', \\", and \\n in content par
 {instruction}
 """
 
+# A short variant for CPU recipes, where every prompt token costs training time.
+COMPACT_PROMPT = ("You are a GUI agent. Reply with\nThought: ...\nAction: ...\n"
+                  "Actions: click(start_box='(x,y)'), left_double(start_box='(x,y)'), "
+                  "drag(start_box='(x1,y1)', end_box='(x2,y2)'), type(content=''), hotkey(key=''), "
+                  "scroll(start_box='(x,y)', direction='down'), finished(content=''), FAIL\n"
+                  "Task: {instruction}\n")
+
 
 def plan_conditioned_instruction(instruction: str, plan: Sequence[str]) -> str:
     """BEPA LEVEL-1: the instruction followed by the expert's plan as a numbered list (Fig. 7)."""
