@@ -1,0 +1,45 @@
+"""Task loading (files, directories, list files), ids, errors that name the file/key, generation, splits."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from envs.api import Task, TaskError
+from envs.desk import FAMILIES, DeskEnv
+from envs.tasks import by_id, generate_desk_tasks, load_tasks, save_tasks, split, split_tasks
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return generate_desk_tasks(2 * len(FAMILIES), seed=3)
+
+
+def test_task_files_round_trip_and_errors(tasks, tmp_path):
+    path = save_tasks(tasks, tmp_path / "tasks.json")
+    loaded = load_tasks(path)
+    assert [t.id for t in loaded] == [t.id for t in tasks]
+    assert by_id(loaded, tasks[3].id).instruction == tasks[3].instruction
+    with pytest.raises(TaskError, match="unknown task id 'nope'"):
+        by_id(loaded, "nope")
+    bad = tmp_path / "bad" / "t.json"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps({"id": "x"}))
+    with pytest.raises(TaskError, match=r"t\.json: missing required key 'instruction'"):
+        load_tasks(bad.parent)
+    bad.write_text("{not json")
+    with pytest.raises(TaskError, match="invalid JSON"):
+        load_tasks(bad)
+    with pytest.raises(TaskError, match="unknown desk task families"):
+        generate_desk_tasks(1, families=["juggling"])
+    with pytest.raises(TaskError, match="expected exactly one 'desk_scene'"):
+        DeskEnv().reset(Task(id="t", instruction="x"))
+
+
+def test_splits(tasks):
+    splits = split_tasks(tasks, held_out_families=["fill_form"], held_out_fraction=0.25, seed=1)
+    assert all(t.domain != "fill_form" for t in splits["train"])
+    assert len(splits["train"]) + len(splits["held_out"]) == len(tasks)
+    assert split_tasks(tasks, held_out_fraction=0.25, seed=1) == split_tasks(tasks, held_out_fraction=0.25, seed=1)
+
+    assert split is split_tasks
