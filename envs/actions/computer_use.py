@@ -22,7 +22,8 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def _scale(coord: Any, image_hw, screen_hw, text: str) -> tuple[tuple[int, int], bool]:
-    if not (isinstance(coord, (list, tuple)) and len(coord) == 2 and all(isinstance(v, (int, float)) for v in coord)):
+    if not (isinstance(coord, (list, tuple)) and len(coord) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e9 for v in coord)):
         raise ActionParseError(f"coordinate must be [x, y], got {coord!r}", text)
     x = round(coord[0] / image_hw[1] * screen_hw[1])
     y = round(coord[1] / image_hw[0] * screen_hw[0])
@@ -44,8 +45,13 @@ def parse_computer_use(text: str, *, image_hw: tuple[int, int], screen_hw: tuple
         if not isinstance(call, dict) or call.get("name") != "computer_use":
             raise ActionParseError(f"unknown tool {call.get('name') if isinstance(call, dict) else call!r}", text)
         args = call.get("arguments") or {}
-        if isinstance(args, str):
-            args = json.loads(args)
+        if isinstance(args, str):  # some serving stacks send the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                raise ActionParseError("tool call arguments are a string that is not JSON", text) from None
+        if not isinstance(args, dict):
+            raise ActionParseError(f"tool call arguments must be an object, got {type(args).__name__}", text)
         name = args.get("action")
         if name not in ACTIONS:
             raise ActionParseError(f"unknown computer_use action {name!r}", text)
@@ -57,14 +63,19 @@ def parse_computer_use(text: str, *, image_hw: tuple[int, int], screen_hw: tuple
             keys = args.get("keys")
             if not keys:
                 raise ActionParseError(f"{name} needs 'keys'", text)
-            keys = tuple(str(k).lower() for k in ([keys] if isinstance(keys, str) else keys))
+            keys = [keys] if isinstance(keys, str) else keys
+            if not (isinstance(keys, list) and all(isinstance(k, str) and k for k in keys)):
+                raise ActionParseError(f"{name} 'keys' must be a key name or a list of them", text)
+            keys = tuple(k.lower() for k in keys)
             if name == "key":
                 actions.append(Action(ActionType.PRESS if len(keys) == 1 else ActionType.HOTKEY, keys=keys))
             else:
                 ordered = keys if name == "key_down" else tuple(reversed(keys))
                 actions += [Action(_KEYS[name], keys=(k,)) for k in ordered]
         elif name == "type":
-            actions.append(Action(ActionType.TYPE, text=str(args.get("text", ""))))
+            if not isinstance(args.get("text"), str):
+                raise ActionParseError("type needs a string 'text'", text)
+            actions.append(Action(ActionType.TYPE, text=args["text"]))
         elif name == "left_click_drag":
             end, clipped = _scale(args.get("coordinate"), image_hw, screen_hw, text)
             if cursor is None:
@@ -73,7 +84,7 @@ def parse_computer_use(text: str, *, image_hw: tuple[int, int], screen_hw: tuple
             cursor = end
         elif name in ("scroll", "hscroll"):
             pixels = args.get("pixels")
-            if not isinstance(pixels, (int, float)):
+            if not isinstance(pixels, (int, float)) or isinstance(pixels, bool) or not abs(pixels) < 1e9:
                 raise ActionParseError(f"{name} needs numeric 'pixels'", text)
             point = _scale(args["coordinate"], image_hw, screen_hw, text)[0] if "coordinate" in args else cursor
             if name == "scroll":
@@ -82,7 +93,10 @@ def parse_computer_use(text: str, *, image_hw: tuple[int, int], screen_hw: tuple
                 direction = "left" if pixels < 0 else "right"
             actions.append(Action(ActionType.SCROLL, point=point, direction=direction, amount=float(abs(pixels))))
         elif name == "wait":
-            actions.append(Action(ActionType.WAIT, amount=float(args.get("time", 1.0))))
+            seconds = args.get("time", 1.0)
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e6:
+                raise ActionParseError(f"wait 'time' must be a number of seconds, got {seconds!r}", text)
+            actions.append(Action(ActionType.WAIT, amount=float(seconds)))
         else:
             status = args.get("status")
             if status not in ("success", "failure"):

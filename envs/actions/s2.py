@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 from typing import Any, Callable
 
 from envs.actions.model import Action, ActionParseError, ActionType
@@ -59,8 +60,46 @@ class S2Action:
 
     def render(self) -> str:
         """Agent S2's python-call surface form, e.g. agent.click("the OK button", 1, "left")."""
-        values = [repr(self.get(p)) for p, _ in SIGNATURES[self.name] if p in self.args or _trailing(self, p)]
+        values = [_literal(self.get(p)) for p, _ in SIGNATURES[self.name] if p in self.args or _trailing(self, p)]
         return f"agent.{self.name}({', '.join(values)})"
+
+
+def _literal(value: Any) -> str:
+    """A python literal with double-quoted strings, as Agent S2's prompts write them."""
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is also a valid python string literal
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+_STR, _INT, _BOOL, _NUM = (str,), (int,), (bool,), (int, float)
+_KEYS = "keys"  # a key name or a list of key names
+# Types accepted by parse_s2, so a malformed call fails at parse time, not in the middle of a conversion.
+ARG_TYPES: dict[str, Any] = {
+    "element_description": _STR, "num_clicks": _INT, "button_type": _STR, "hold_keys": _KEYS, "text": _STR,
+    "overwrite": _BOOL, "enter": _BOOL, "clicks": _INT, "shift": _BOOL, "keys": _KEYS, "press_keys": _KEYS,
+    "starting_description": _STR, "ending_description": _STR, "app_code": _STR, "cell_values": (dict,),
+    "app_name": _STR, "sheet_name": _STR, "time": _NUM,
+}
+
+
+def _type_error(name: str, key: str, value: Any) -> str | None:
+    want = ARG_TYPES.get(key)
+    if want is None or (value is None and dict(SIGNATURES[name])[key] is None):
+        return None
+    if want == _KEYS:
+        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(k, str) for k in value))
+        return None if ok else f"argument {key!r} of {name!r} must be a key name or a list of them, got {value!r}"
+    if isinstance(value, bool) and bool not in want:
+        return f"argument {key!r} of {name!r} must be {'/'.join(t.__name__ for t in want)}, got {value!r}"
+    if not isinstance(value, want):
+        return f"argument {key!r} of {name!r} must be {'/'.join(t.__name__ for t in want)}, got {value!r}"
+    if key == "button_type" and value not in ("left", "right", "middle"):
+        return f"button_type of {name!r} must be left/right/middle, got {value!r}"
+    return None
 
 
 def _trailing(action: S2Action, param: str) -> bool:
@@ -88,10 +127,17 @@ def parse_s2(text: str) -> S2Action:
         raise ActionParseError(f"too many arguments for {name!r}", text)
     try:
         args = {params[i]: ast.literal_eval(a) for i, a in enumerate(node.args)}
+        if any(k.arg is None for k in node.keywords):
+            raise ValueError(f"**kwargs are not allowed in {name!r}")
         args.update({k.arg: ast.literal_eval(k.value) for k in node.keywords})
-        return S2Action(name, args)
-    except (ValueError, TypeError) as e:
+        action = S2Action(name, args)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
         raise ActionParseError(str(e), text) from None
+    for key, value in args.items():
+        problem = _type_error(name, key, value)
+        if problem:
+            raise ActionParseError(problem, text)
+    return action
 
 
 def _center(box: Box) -> tuple[int, int]:

@@ -6,15 +6,12 @@ always in screen space. `to_pyautogui` renders actions as the pyautogui code OSW
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Sequence
 
 from envs.actions.model import Action, ActionParseError, ActionType
+from envs.actions.resize import smart_resize  # noqa: F401  (re-exported: the grammar's coordinate space)
 
-IMAGE_FACTOR = 28
-MIN_PIXELS = 100 * 28 * 28  # the ui-tars package's bounds for UI-TARS-1.5 screenshots
-MAX_PIXELS = 16384 * 28 * 28
 MODELS = ("uitars-1.5", "uitars-1.0")
 
 _TYPES = {
@@ -30,24 +27,6 @@ _CONTROL_WORDS = {"WAIT": ActionType.WAIT, "DONE": ActionType.FINISHED, "FAIL": 
 _KEY_ALIASES = {"arrowleft": "left", "arrowright": "right", "arrowup": "up", "arrowdown": "down",
                 "space": "space", "escape": "esc", "return": "enter", "control": "ctrl"}
 _POINT_KEYS = {"start_box": "start", "start_point": "start", "point": "start", "end_box": "end", "end_point": "end"}
-
-
-def smart_resize(height: int, width: int, factor: int = IMAGE_FACTOR, min_pixels: int = MIN_PIXELS,
-                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
-    """The size UI-TARS-1.5 saw the screenshot at: sides multiples of 28, area within the pixel bounds."""
-    if min(height, width) <= 0:
-        raise ValueError(f"image size must be positive, got {width}x{height}")
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio of {width}x{height} exceeds 200")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar, w_bar = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 # ------------------------------------------------------------------------------------------ scanning
@@ -128,8 +107,9 @@ def parse_thought(text: str) -> str:
 
 def _numbers(raw: str, key: str, text: str) -> list[float]:
     raw = raw.replace("<|box_start|>", "").replace("<|box_end|>", "")
-    point = re.fullmatch(r"\s*<point>\s*(-?[\d.]+)[\s,]+(-?[\d.]+)\s*</point>\s*", raw)
-    values = [point.group(1), point.group(2)] if point else re.findall(r"-?\d+(?:\.\d+)?", raw)
+    num = r"-?\d+(?:\.\d+)?"
+    point = re.fullmatch(rf"\s*<point>\s*({num})[\s,]+({num})\s*</point>\s*", raw)
+    values = [point.group(1), point.group(2)] if point else re.findall(num, raw)
     if len(values) not in (2, 4):
         raise ActionParseError(f"argument {key!r} must hold 2 or 4 numbers, got {raw!r}", text)
     return [float(v) for v in values]

@@ -1,10 +1,14 @@
 """Agent S2-style and computer_use grammars onto the typed action model."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from envs.actions import (Action, ActionParseError, ActionType, S2Action, S2ConversionError, parse_computer_use,
                           parse_s2, parse_uitars, render_computer_use, s2_to_actions, s2_to_uitars_text)
+from envs.actions.s2 import SIGNATURES
 
 BOXES = {"the Save button": (100, 40, 140, 60), "the name field": (20, 100, 220, 120), "slider knob": (50, 200, 60, 210),
          "right end of the slider": (300, 200, 310, 210)}
@@ -70,6 +74,11 @@ def test_s2_to_uitars_text_parses_back():
     ("agent.fly('x')", "unknown S2 action 'fly'"),
     ("agent.click(", "not a python call"),
     ("agent.click()", "missing arguments"),
+    ('agent.click("x", "two")', "'num_clicks' of 'click' must be int"),
+    ('agent.click("x", 1, "up")', "button_type"),
+    ("agent.wait(True)", "'time' of 'wait'"),
+    ('agent.hotkey([1])', "'keys' of 'hotkey'"),
+    ('agent.click("x", nope=1)', "unknown arguments"),
 ])
 def test_s2_parse_errors(text, match):
     with pytest.raises(ActionParseError, match=match):
@@ -108,3 +117,38 @@ def test_computer_use_round_trip_and_semantics():
 def test_computer_use_errors(text, match):
     with pytest.raises(ActionParseError, match=match):
         parse_computer_use(text, image_hw=HW, screen_hw=HW)
+
+
+def test_s2_render_is_agent_s2_style():
+    action = S2Action("click", {"element_description": 'the "OK" button', "num_clicks": 1, "button_type": "left"})
+    assert action.render() == 'agent.click("the \\"OK\\" button", 1, "left")'
+    assert S2Action("hotkey", {"keys": ["ctrl", "s"]}).render() == 'agent.hotkey(["ctrl", "s"])'
+    assert S2Action("type", {"text": "hi"}).render() == 'agent.type(None, "hi")'
+
+
+@settings(max_examples=80, deadline=None)
+@given(description=st.text(max_size=40), text=st.text(max_size=40), overwrite=st.booleans(), seconds=st.floats(0, 60))
+def test_s2_round_trip_any_text(description, text, overwrite, seconds):
+    for action in (S2Action("type", {"element_description": description, "text": text, "overwrite": overwrite}),
+                   S2Action("click", {"element_description": description, "num_clicks": 2, "hold_keys": ["shift"]}),
+                   S2Action("wait", {"time": seconds})):
+        parsed = parse_s2(action.render())  # positional rendering spells out defaults before the last argument
+        assert parsed.name == action.name
+        assert all(parsed.get(p) == action.get(p) for p, _ in SIGNATURES[action.name])
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=st.integers(-50, 700), y=st.integers(-50, 500), text=st.text(max_size=30),
+       clicks=st.integers(1, 500), kind=st.sampled_from(["left_click", "right_click", "middle_click", "double_click",
+                                                          "triple_click", "mouse_move"]))
+def test_computer_use_round_trip_and_clipping(x, y, text, clicks, kind):
+    import json
+    body = {"name": "computer_use", "arguments": {"action": kind, "coordinate": [x, y]}}
+    (action,) = parse_computer_use(f"<tool_call>{json.dumps(body)}</tool_call>", image_hw=HW, screen_hw=HW)
+    inside = 0 <= x < HW[1] and 0 <= y < HW[0]
+    assert action.clipped == (not inside)
+    assert action.point == (min(max(x, 0), HW[1] - 1), min(max(y, 0), HW[0] - 1))
+    actions = [action, Action(ActionType.TYPE, text=text),
+               Action(ActionType.SCROLL, point=action.point, direction="up", amount=float(clicks))]
+    back = parse_computer_use(render_computer_use(actions, image_hw=HW, screen_hw=HW), image_hw=HW, screen_hw=HW)
+    assert back == [dataclasses.replace(action, clipped=False)] + actions[1:]
