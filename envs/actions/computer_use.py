@@ -1,9 +1,11 @@
 """EvoCUA's native `computer_use` tool call (EvoCUA Table 6): JSON in <tool_call> tags,
 {"name": "computer_use", "arguments": {"action": ..., ...}}, mapped onto the typed action model.
 
-Coordinates are pixels of the image the model saw (`image_hw`), scaled to the screen.
+Coordinates are in the model's coordinate space `image_hw` (height, width), scaled to the screen: pass the
+smart-resized image size for a model that writes absolute pixels of the image it saw (Qwen2.5-VL style), or
+(1000, 1000) for one that writes 0-1000 relative coordinates (Qwen3-VL style).
 `left_click_drag` drags from the current cursor, which is the previous mouse_move/click in the same
-response or the `cursor` argument.
+response or the `cursor` argument; a mouse_move directly followed by left_click_drag is one DRAG.
 """
 from __future__ import annotations
 
@@ -33,7 +35,10 @@ def _scale(coord: Any, image_hw, screen_hw, text: str) -> tuple[tuple[int, int],
 
 def parse_computer_use(text: str, *, image_hw: tuple[int, int], screen_hw: tuple[int, int],
                        cursor: tuple[int, int] | None = None) -> list[Action]:
+    """Every computer_use call of a response, in screen pixels. Raises ActionParseError on malformed text."""
     bodies = _TOOL_CALL.findall(text)
+    if not bodies and text.strip().startswith("{"):  # a bare JSON call, as some serving stacks return it
+        bodies = [text.strip()]
     if not bodies:
         raise ActionParseError("no <tool_call> in the response", text)
     actions: list[Action] = []
@@ -80,18 +85,24 @@ def parse_computer_use(text: str, *, image_hw: tuple[int, int], screen_hw: tuple
             end, clipped = _scale(args.get("coordinate"), image_hw, screen_hw, text)
             if cursor is None:
                 raise ActionParseError("left_click_drag needs a known cursor position (mouse_move first)", text)
+            if actions and actions[-1].kind == ActionType.HOVER and actions[-1].point == cursor:
+                clipped |= actions.pop().clipped  # the drag itself moves to its start first
             actions.append(Action(ActionType.DRAG, point=cursor, end_point=end, clipped=clipped))
             cursor = end
         elif name in ("scroll", "hscroll"):
             pixels = args.get("pixels")
             if not isinstance(pixels, (int, float)) or isinstance(pixels, bool) or not abs(pixels) < 1e9:
                 raise ActionParseError(f"{name} needs numeric 'pixels'", text)
-            point = _scale(args["coordinate"], image_hw, screen_hw, text)[0] if "coordinate" in args else cursor
+            point, clipped = cursor, False
+            if "coordinate" in args:
+                point, clipped = _scale(args["coordinate"], image_hw, screen_hw, text)
+                cursor = point
             if name == "scroll":
                 direction = "up" if pixels > 0 else "down"
             else:
                 direction = "left" if pixels < 0 else "right"
-            actions.append(Action(ActionType.SCROLL, point=point, direction=direction, amount=float(abs(pixels))))
+            actions.append(Action(ActionType.SCROLL, point=point, direction=direction, amount=float(abs(pixels)),
+                                  clipped=clipped))
         elif name == "wait":
             seconds = args.get("time", 1.0)
             if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e6:
@@ -106,6 +117,7 @@ def parse_computer_use(text: str, *, image_hw: tuple[int, int], screen_hw: tuple
 
 
 def render_computer_use(actions: Sequence[Action], *, image_hw: tuple[int, int], screen_hw: tuple[int, int]) -> str:
+    """<tool_call> blocks for the actions (inverse of parse_computer_use up to coordinate rounding)."""
     def coord(p):
         return [round(p[0] / screen_hw[1] * image_hw[1]), round(p[1] / screen_hw[0] * image_hw[0])]
 
@@ -114,8 +126,11 @@ def render_computer_use(actions: Sequence[Action], *, image_hw: tuple[int, int],
     for a in actions:
         if a.kind in inverse_clicks:
             args = {"action": inverse_clicks[a.kind], "coordinate": coord(a.point)}
-        elif a.kind in (ActionType.HOTKEY, ActionType.PRESS):
+        elif a.kind == ActionType.HOTKEY:
             args = {"action": "key", "keys": list(a.keys)}
+        elif a.kind == ActionType.PRESS:  # keys pressed one after another, each its own key call
+            calls += [{"action": "key", "keys": [k]} for k in a.keys[:-1]]
+            args = {"action": "key", "keys": [a.keys[-1]]}
         elif a.kind in (ActionType.KEYDOWN, ActionType.KEYUP):
             args = {"action": "key_down" if a.kind == ActionType.KEYDOWN else "key_up", "keys": list(a.keys)}
         elif a.kind == ActionType.TYPE:

@@ -50,6 +50,9 @@ def _scan_calls(segment: str, text: str) -> list[tuple[str, dict[str, str]]]:
     while True:
         while i < n and (segment[i].isspace() or segment[i] in ",;`"):
             i += 1
+        if segment.startswith("Action:", i):
+            i += len("Action:")
+            continue
         if i >= n:
             return calls
         m = re.match(r"[A-Za-z_][A-Za-z_0-9.]*", segment[i:])
@@ -140,7 +143,15 @@ class _Mapper:
 
 
 def _keys(raw: str) -> tuple[str, ...]:
-    return tuple(_KEY_ALIASES.get(k, k) for k in raw.lower().replace("+", " ").split())
+    """'ctrl shift a', 'ctrl+a', 'ctrl +' and 'ctrl++' -> pyautogui key names ('+' itself is a key)."""
+    keys: list[str] = []
+    for token in raw.lower().split():
+        if token == "+":
+            keys.append("+")
+            continue
+        tail = token.endswith("++")
+        keys += [k for k in (token[:-2] if tail else token).split("+") if k] + (["+"] if tail else [])
+    return tuple(_KEY_ALIASES.get(k, k) for k in keys)
 
 
 def parse_uitars(text: str, *, image_hw: tuple[int, int], screen_hw: tuple[int, int],
@@ -152,8 +163,10 @@ def parse_uitars(text: str, *, image_hw: tuple[int, int], screen_hw: tuple[int, 
             return [Action(_CONTROL_WORDS[stripped])]
         raise ActionParseError("no 'Action:' in the response", text)
     mapper = _Mapper(image_hw, screen_hw, model)
-    segment = text.split("Action:")[-1]
-    calls = _scan_calls(segment, text)
+    # The actions start at the first 'Action:' that opens a line (a Thought may mention the word mid-line);
+    # further 'Action:' lines add actions, and a typed text may contain 'Action:' without ending anything.
+    marker = re.search(r"(?:^|\n)[ \t]*Action:", text) or re.search(r"Action:", text)
+    calls = _scan_calls(text[marker.end():], text)
     if not calls:
         raise ActionParseError("'Action:' is followed by no action", text)
     actions = []
@@ -219,6 +232,9 @@ def render_uitars(actions: Sequence[Action], *, image_hw: tuple[int, int], scree
         if a.kind == ActionType.FAIL:
             calls.append("FAIL")
             continue
+        if a.kind not in _NAMES:
+            raise ValueError(f"action {a.kind.value!r} has no UI-TARS equivalent (UI-TARS has no triple or "
+                             f"middle click)")
         name = _NAMES[a.kind]
         args = []
         if a.point is not None:
@@ -227,12 +243,17 @@ def render_uitars(actions: Sequence[Action], *, image_hw: tuple[int, int], scree
             args.append(f"end_box={_box(mapper.to_model(a.end_point))}")
         if a.kind in (ActionType.HOTKEY, ActionType.PRESS, ActionType.KEYDOWN, ActionType.KEYUP):
             args.append(f"key={_quote(' '.join(a.keys))}")
-        if a.kind in (ActionType.TYPE, ActionType.FINISHED, ActionType.CALL_USER) and (a.text or a.kind == ActionType.TYPE):
+        if a.kind == ActionType.TYPE or (a.kind in (ActionType.FINISHED, ActionType.CALL_USER) and a.text):
             args.append(f"content={_quote(a.text)}")
         if a.kind == ActionType.SCROLL:
             args.append(f"direction={_quote(a.direction or 'down')}")
         calls.append(f"{name}({', '.join(args)})")
     return f"Thought: {thought}\nAction: " + "\n\n".join(calls)
+
+
+def _key(key: str) -> str:
+    """pyautogui's name for a key: the space bar is ' ' (as the reference writes it)."""
+    return repr(" " if key == "space" else key)
 
 
 def to_pyautogui(actions: Sequence[Action]) -> str:
@@ -268,13 +289,13 @@ def to_pyautogui(actions: Sequence[Action]) -> str:
             e = a.end_point
             lines += [f"pyautogui.moveTo({p[0]}, {p[1]})", f"pyautogui.dragTo({e[0]}, {e[1]}, duration=1.0)"]
         elif k == ActionType.HOTKEY:
-            lines.append(f"pyautogui.hotkey({', '.join(repr(' ' if key == 'space' else key) for key in a.keys)})")
-        elif k == ActionType.PRESS:
-            lines.append(f"pyautogui.press({a.keys[0]!r})")
+            lines.append(f"pyautogui.hotkey({', '.join(_key(key) for key in a.keys)})")
+        elif k == ActionType.PRESS:  # several keys are pressed one after another
+            lines += [f"pyautogui.press({_key(key)})" for key in a.keys]
         elif k == ActionType.KEYDOWN:
-            lines.append(f"pyautogui.keyDown({a.keys[0]!r})")
-        elif k == ActionType.KEYUP:
-            lines.append(f"pyautogui.keyUp({a.keys[0]!r})")
+            lines += [f"pyautogui.keyDown({_key(key)})" for key in a.keys]
+        elif k == ActionType.KEYUP:  # released in reverse order of holding
+            lines += [f"pyautogui.keyUp({_key(key)})" for key in reversed(a.keys)]
         elif k == ActionType.PRESS_ENTER:
             lines.append("pyautogui.press('enter')")
         elif k == ActionType.TYPE:
@@ -284,8 +305,8 @@ def to_pyautogui(actions: Sequence[Action]) -> str:
             if a.text.endswith("\n"):
                 lines.append("pyautogui.press('enter')")
         elif k == ActionType.SCROLL:
-            clicks = int(a.amount or 5)
-            sign = 1 if a.direction in ("up", "left") else -1
+            clicks = int(a.amount if a.amount is not None else 5)
+            sign = 1 if a.direction in ("up", "right") else -1  # pyautogui: scroll(+) is up, hscroll(+) is right
             func = "scroll" if a.direction in ("up", "down") else "hscroll"
             where = f", x={p[0]}, y={p[1]}" if p is not None else ""
             lines.append(f"pyautogui.{func}({sign * clicks}{where})")

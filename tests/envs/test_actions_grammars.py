@@ -30,6 +30,10 @@ def ground(description: str):
     S2Action("drag_and_drop", {"starting_description": "slider knob", "ending_description": "right end of the slider"}),
     S2Action("set_cell_values", {"cell_values": {"A1": 3}, "app_name": "Calc", "sheet_name": "Sheet1"}),
     S2Action("wait", {"time": 1.5}), S2Action("done"), S2Action("fail"),
+    S2Action("switch_applications", {"app_code": "gedit"}),
+    S2Action("highlight_text_span", {"starting_phrase": "Dear", "ending_phrase": "regards,", "button": "left"}),
+    S2Action("save_to_knowledge", {"text": ["a", "b'c"]}),
+    S2Action("click", {"element_description": "x", "hold_keys": ["ctrl"]}),
 ])
 def test_s2_render_parse_round_trip(action):
     parsed = parse_s2(action.render())
@@ -55,10 +59,59 @@ def test_s2_conversion_to_uitars_primitives():
 
 
 def test_s2_non_convertible_actions_name_themselves():
-    with pytest.raises(S2ConversionError, match="switch_applications.*no UI-TARS equivalent"):
+    with pytest.raises(S2ConversionError, match="switch_applications.*no UI-TARS equivalent.*wmctrl"):
         s2_to_actions(S2Action("switch_applications", {"app_code": "code"}), ground)
-    with pytest.raises(S2ConversionError, match="set_cell_values"):
+    with pytest.raises(S2ConversionError, match="set_cell_values.*no UI-TARS equivalent.*UNO"):
         s2_to_actions(S2Action("set_cell_values", {"cell_values": {"A1": 1}, "app_name": "x", "sheet_name": "y"}), ground)
+    with pytest.raises(S2ConversionError, match="button_type='right', num_clicks=2"):
+        s2_to_actions(S2Action("click", {"element_description": "the Save button", "num_clicks": 2,
+                                         "button_type": "right"}), ground)
+    with pytest.raises(S2ConversionError, match="num_clicks=4"):
+        s2_to_actions(S2Action("click", {"element_description": "the Save button", "num_clicks": 4}), ground)
+    with pytest.raises(S2ConversionError, match="scroll by 0"):
+        s2_to_actions(S2Action("scroll", {"element_description": "the name field", "clicks": 0}), ground)
+    with pytest.raises(ValueError, match="unknown platform 'beos'"):
+        s2_to_actions(S2Action("fail"), ground, platform="beos")
+    # a triple click converts, but UI-TARS text has no triple click: the error names the S2 action
+    triple = S2Action("click", {"element_description": "the Save button", "num_clicks": 3})
+    assert s2_to_actions(triple, ground) == [Action(ActionType.LEFT_TRIPLE, point=(120, 50))]
+    with pytest.raises(S2ConversionError, match='agent.click\\("the Save button", 3\\).*left_triple'):
+        s2_to_uitars_text(triple, ground, image_hw=HW, screen_hw=HW, thought="t")
+
+
+def test_s2_platform_specific_conversions_follow_agent_s2():
+    switch = S2Action("switch_applications", {"app_code": "gedit"})
+    assert s2_to_actions(switch, ground, platform="darwin") == [Action(ActionType.HOTKEY, keys=("command", "space")),
+                                                                 Action(ActionType.TYPE, text="gedit\n")]
+    assert s2_to_actions(switch, ground, platform="windows")[0].keys == ("win", "d")
+    overwrite = S2Action("type", {"text": "x", "overwrite": True})
+    assert s2_to_actions(overwrite, ground, platform="darwin")[0].keys == ("command", "a")
+    assert s2_to_actions(overwrite, ground)[0].keys == ("ctrl", "a")
+
+
+def test_s2_scroll_directions_follow_pyautogui_signs():
+    """Agent S2 runs vscroll(clicks) (+ up) or, with shift, hscroll(clicks) (+ right)."""
+    def direction(clicks, shift):
+        (a,) = s2_to_actions(S2Action("scroll", {"element_description": "the name field", "clicks": clicks,
+                                                 "shift": shift}), ground)
+        return a.direction, a.amount
+    assert [direction(2, False), direction(-2, False), direction(4, True), direction(-4, True)] == \
+        [("up", 2), ("down", 2), ("right", 4), ("left", 4)]
+
+
+def test_s2_highlight_and_knowledge():
+    span = S2Action("highlight_text_span", {"starting_phrase": "the name field", "ending_phrase": "the Save button"})
+    assert parse_s2(span.render()) == span
+    (drag,) = s2_to_actions(span, ground)
+    assert drag == Action(ActionType.DRAG, point=(20, 110), end_point=(140, 50))  # first word's left, last's right
+    with pytest.raises(S2ConversionError, match="button='right'"):
+        s2_to_actions(S2Action("highlight_text_span", {"starting_phrase": "a", "ending_phrase": "b", "button": "right"}),
+                      ground)
+    note = parse_s2('agent.save_to_knowledge(["the total is 42"])')
+    assert note.args == {"text": ["the total is 42"]}
+    assert s2_to_actions(note, ground) == [Action(ActionType.WAIT)]
+    with pytest.raises(ActionParseError, match="list of strings"):
+        parse_s2('agent.save_to_knowledge("not a list")')
 
 
 def test_s2_to_uitars_text_parses_back():
@@ -93,9 +146,28 @@ def test_computer_use_round_trip_and_semantics():
                Action(ActionType.WAIT, amount=2.0), Action(ActionType.FAIL)]
     text = render_computer_use(actions, image_hw=HW, screen_hw=HW)
     assert parse_computer_use(text, image_hw=HW, screen_hw=HW) == actions
-    drag = parse_computer_use(render_computer_use([Action(ActionType.DRAG, point=(1, 2), end_point=(300, 400))],
-                                                  image_hw=HW, screen_hw=HW), image_hw=HW, screen_hw=HW)
-    assert drag[-1] == Action(ActionType.DRAG, point=(1, 2), end_point=(300, 400))
+    drag = [Action(ActionType.DRAG, point=(1, 2), end_point=(300, 400))]
+    rendered = render_computer_use(drag, image_hw=HW, screen_hw=HW)
+    assert '"mouse_move"' in rendered and '"left_click_drag"' in rendered
+    assert parse_computer_use(rendered, image_hw=HW, screen_hw=HW) == drag  # mouse_move + drag is one DRAG
+    presses = [Action(ActionType.PRESS, keys=("down", "down", "enter")), Action(ActionType.HOTKEY, keys=("ctrl", "v"))]
+    back = parse_computer_use(render_computer_use(presses, image_hw=HW, screen_hw=HW), image_hw=HW, screen_hw=HW)
+    assert back == [Action(ActionType.PRESS, keys=(k,)) for k in ("down", "down", "enter")] + presses[1:]
+    clicked_then_dragged = parse_computer_use(
+        '<tool_call>{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [10, 10]}}</tool_call>'
+        '<tool_call>{"name": "computer_use", "arguments": {"action": "left_click_drag", "coordinate": [50, 60]}}'
+        '</tool_call>', image_hw=HW, screen_hw=HW)
+    assert [a.kind for a in clicked_then_dragged] == [ActionType.CLICK, ActionType.DRAG]
+    assert clicked_then_dragged[1].point == (10, 10)
+    bare = parse_computer_use('{"name": "computer_use", "arguments": {"action": "terminate", "status": "success"}}',
+                              image_hw=HW, screen_hw=HW)
+    assert bare == [Action(ActionType.FINISHED)]
+    relative = parse_computer_use('<tool_call>{"name": "computer_use", "arguments": {"action": "double_click", '
+                                  '"coordinate": [500, 250]}}</tool_call>', image_hw=(1000, 1000), screen_hw=(1080, 1920))
+    assert relative == [Action(ActionType.LEFT_DOUBLE, point=(960, 270))]
+    scroll = parse_computer_use('<tool_call>{"name": "computer_use", "arguments": {"action": "hscroll", "pixels": -3, '
+                                '"coordinate": [900, 20]}}</tool_call>', image_hw=HW, screen_hw=HW)
+    assert scroll == [Action(ActionType.SCROLL, point=(639, 20), direction="left", amount=3.0, clipped=True)]
     keys = parse_computer_use('<tool_call>{"name": "computer_use", "arguments": {"action": "key_up", "keys": ["ctrl", "shift"]}}</tool_call>',
                               image_hw=HW, screen_hw=HW)
     assert [a.keys for a in keys] == [("shift",), ("ctrl",)]  # released in reverse order
