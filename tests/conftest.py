@@ -7,6 +7,15 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 
 import pytest  # noqa: E402
 
+try:  # property tests are reproducible by default; HYPOTHESIS_PROFILE=explore searches fresh examples
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("ci", derandomize=True, database=None)
+    _hyp_settings.register_profile("explore", derandomize=False)
+    _hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is a test extra; tests that need it importorskip it
+    pass
+
 
 def _has_backend(name: str) -> bool:
     try:

@@ -166,7 +166,7 @@ def test_parity_generator_reaches_every_kind():
     """Guard against a generator that silently stops producing some action kinds."""
     seen = set()
 
-    @settings(max_examples=200, deadline=None, database=None)
+    @settings(max_examples=600, deadline=None, database=None)
     @given(responses("uitars-1.5"))
     def collect(text):
         seen.update(name for name, _, _ in calls(ours(text)))
