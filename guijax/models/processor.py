@@ -21,7 +21,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 class ImageSizeError(ValueError):
-    pass
+    """An image the vision tower cannot take (under 28 px on a side, or aspect ratio over 200); names the size."""
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
@@ -68,15 +68,21 @@ class ImageProcessor:
     merge_size: int = 2
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    rescale_factor: float = 1 / 255
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "ImageProcessor":
+        """From a preprocessor_config.json dict: `min_pixels`/`max_pixels` override `size`, as in transformers."""
         size = config.get("size") or {}
-        return cls(min_pixels=config.get("min_pixels", size.get("shortest_edge", 56 * 56)),
-                   max_pixels=config.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280)),
+        min_pixels = config.get("min_pixels") or size.get("shortest_edge") or 56 * 56
+        max_pixels = config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
+        if min_pixels > max_pixels:
+            raise ValueError(f"preprocessor config has min_pixels {min_pixels} > max_pixels {max_pixels}")
+        return cls(min_pixels=int(min_pixels), max_pixels=int(max_pixels),
                    patch_size=config.get("patch_size", 14), temporal_patch_size=config.get("temporal_patch_size", 2),
                    merge_size=config.get("merge_size", 2),
-                   image_mean=tuple(config.get("image_mean", CLIP_MEAN)), image_std=tuple(config.get("image_std", CLIP_STD)))
+                   image_mean=tuple(config.get("image_mean", CLIP_MEAN)), image_std=tuple(config.get("image_std", CLIP_STD)),
+                   rescale_factor=config.get("rescale_factor", 1 / 255))
 
     def resized_hw(self, height: int, width: int) -> tuple[int, int]:
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
@@ -87,7 +93,8 @@ class ImageProcessor:
         h, w = self.resized_hw(rgb.height, rgb.width)
         if (h, w) != (rgb.height, rgb.width):
             rgb = rgb.resize((w, h), Image.BICUBIC)
-        pixels = np.asarray(rgb, dtype=np.float32) * np.float32(1 / 255)
+        # Rescale in float64 then round to float32, as the reference does, so values match bit for bit.
+        pixels = (np.asarray(rgb).astype(np.float64) * self.rescale_factor).astype(np.float32)
         pixels = (pixels - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = h // p, w // p
@@ -106,11 +113,16 @@ class ImageProcessor:
 class Processor:
     """Tokenizer + ImageProcessor with the call signature of transformers' Qwen2.5-VL processor."""
 
-    def __init__(self, tokenizer: Any, image_processor: ImageProcessor | None = None, padding_side: str = "right"):
+    def __init__(self, tokenizer: Any, image_processor: ImageProcessor | None = None, padding_side: str | None = None):
+        """`padding_side=None` follows the tokenizer's own `padding_side` (right for Qwen2.5-VL), as the reference."""
+        if padding_side not in (None, "left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         self.tokenizer = tokenizer
         self.image_processor = image_processor or ImageProcessor()
-        self.padding_side = padding_side
+        self.padding_side = padding_side or tokenizer.padding_side
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"tokenizer has no {IMAGE_PAD} token")
 
     @classmethod
     def from_pretrained(cls, path: str | pathlib.Path, **kwargs: Any) -> "Processor":
@@ -145,16 +157,15 @@ class Processor:
         merge = self.image_processor.merge_size ** 2
         counts = iter([int(g.prod()) // merge for g in out.get("image_grid_thw", np.zeros((0, 3), np.int64))])
         expanded = []
-        placeholder = "\x00IMG\x00"
-        for i, t in enumerate(texts):
+        for i, t in enumerate(texts):  # images are consumed in order across the whole batch, like the reference
             pieces = t.split(IMAGE_PAD)
-            rebuilt = pieces[0]
+            rebuilt = [pieces[0]]
             for piece in pieces[1:]:
                 try:
-                    rebuilt += placeholder * next(counts) + piece
+                    rebuilt.append(IMAGE_PAD * next(counts) + piece)
                 except StopIteration:
                     raise ValueError(f"text {i} has more {IMAGE_PAD} placeholders than the {len(flat)} images given") from None
-            expanded.append(rebuilt.replace(placeholder, IMAGE_PAD))
+            expanded.append("".join(rebuilt))
         if next(counts, None) is not None:
             raise ValueError(f"{len(flat)} images given but the texts hold fewer {IMAGE_PAD} placeholders")
         side = padding_side or self.padding_side

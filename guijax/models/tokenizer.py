@@ -12,7 +12,8 @@ import pathlib
 import random
 from typing import Iterable
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
+                        trainers)
 
 # Qwen2's pre-tokenizer split (contractions, letters, single digits, punctuation runs, newlines, spaces).
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -20,7 +21,9 @@ QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # ordinary added tokens in Qwen2.5, not special
+# Ordinary (non-special) added tokens of Qwen2.5, ids 151657-151664 there, right after the special ones.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+               "<|repo_name|>", "<|file_sep|>")
 
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
@@ -122,7 +125,7 @@ def build_tokenizer(out_dir: str | pathlib.Path, *, vocab_size: int = 1024, corp
     out_dir.mkdir(parents=True, exist_ok=True)
     added = len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
     if vocab_size < 256 + added + 16:
-        raise ValueError(f"vocab_size {vocab_size} too small: byte-level BPE needs 256 bytes + {added} special tokens")
+        raise ValueError(f"vocab_size {vocab_size} too small: byte-level BPE needs 256 bytes + {added} added tokens")
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -130,6 +133,7 @@ def build_tokenizer(out_dir: str | pathlib.Path, *, vocab_size: int = 1024, corp
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - added, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     tok.train_from_iterator(list(corpus) if corpus is not None else agent_corpus(), trainer)
@@ -137,6 +141,7 @@ def build_tokenizer(out_dir: str | pathlib.Path, *, vocab_size: int = 1024, corp
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    unk_token=None, bos_token=None, model_max_length=32768,
+                                   extra_special_tokens=list(SPECIAL_TOKENS[1:]),
                                    clean_up_tokenization_spaces=False, split_special_tokens=False)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
@@ -144,6 +149,8 @@ def build_tokenizer(out_dir: str | pathlib.Path, *, vocab_size: int = 1024, corp
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "Qwen2Tokenizer"
     config["processor_class"] = "Qwen2_5_VLProcessor"
+    config["errors"] = "replace"
+    config["add_prefix_space"] = False
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
     (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
     from transformers import AutoTokenizer
