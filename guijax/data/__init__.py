@@ -1,1 +1,2 @@
-"""Training data: trajectory stores and the grain pipeline from trajectories to batches."""
+"""Training data: the trajectory store (store.py: atomic ArrayRecord shards), the grain pipeline from trajectories
+to sharded training batches (pipeline.py), and the trainer's earlier step pipeline (steps.py)."""

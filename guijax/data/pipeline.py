@@ -1,0 +1,267 @@
+"""Trajectories -> per-step examples -> length-bucketed batches -> globally sharded arrays, as a grain pipeline.
+
+    refs = step_refs(trajectories, advantages)                # one StepRef per (trajectory, step)
+    ds = make_dataset(trajectories, refs, processor, model_cfg, PipelineConfig(batch_size=8, seed=0))
+    it = iter(ds); batch = next(it); state = it.get_state()  # state goes into the checkpoint
+    arrays = global_batch(batch, mesh)                        # jax Arrays sharded over (data, fsdp)
+
+Each step becomes one example: the prompt the agent saw at that step, rebuilt with `build_messages` (instruction,
+optional plan, earlier turns as text, the last `max_images` screenshots as images) and rendered with the chat
+template, followed by the response tokens — the exact sampled ids for on-policy steps, or for off-policy text
+(expert / converted traces, which have no sampled ids) the tokenised response closed with <|im_end|>.
+
+Alignment convention. Example-level arrays are indexed by token position: `loss_mask[t] = 1` iff token t is a
+response token, and `behaviour_logprobs[t]` / `advantages[t]` belong to that token. Batch-level training
+arrays are indexed by prediction position, because the model at position t predicts token t+1:
+`targets[:, t] = input_ids[:, t+1]`, and `loss_mask`, `behaviour_logprobs`, `advantages` are shifted left by one
+the same way, so `loss_mask[:, t] = 1` exactly when `targets[:, t]` is a response token. The last column never
+has a target (mask 0).
+
+Encoding (chat template, tokenizer, image resize + patchify) and collation (M-RoPE positions, vision window
+layout) run inside grain transforms, so with `worker_count > 0` they run in grain worker processes, off the
+trainer's thread. Batches are padded to a few length buckets and patch-count multiples (static shapes: a
+handful of compiled programs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, Mapping, Sequence
+
+import grain
+import numpy as np
+
+from guijax.models.config import ModelConfig
+from guijax.models.positions import mrope_positions, vision_layout
+from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages
+from guijax.rollout.trajectory import Source, Trajectory
+from guijax.sampling import bucket_for, pad_images
+
+IM_END = "<|im_end|>"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    batch_size: int = 8
+    max_images: int = 5  # K: screenshots kept as images (the current one included); older turns are text
+    length_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
+    patch_bucket: int = 1024  # a batch's patch count is padded to a multiple of this
+    system_prompt: str = SYSTEM_PROMPT
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = 1  # None: repeat forever (each epoch shuffled differently)
+    drop_remainder: bool = False  # True keeps every batch the same size (needed when it must divide the mesh)
+    worker_count: int = 0  # grain worker processes for encoding + collation; 0: in the calling process
+    worker_buffer_size: int = 2  # batches each worker prepares ahead
+    read_threads: int = 1  # in-process prefetch threads when worker_count == 0 (0: fully synchronous)
+    prefetch: int = 2  # in-process prefetch buffer (batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRef:
+    """Which step of which trajectory, with the trajectory's scalar advantage."""
+
+    trajectory: int
+    step: int
+    advantage: float
+
+
+def step_refs(trajectories: Sequence[Trajectory] | Any,
+              advantages: Sequence[float] | np.ndarray | Mapping[int, float] | None = None) -> list[StepRef]:
+    """Flatten trajectories into step references.
+
+    advantages: None (1.0 everywhere, e.g. SFT), an array aligned with `trajectories`, or a mapping
+    {trajectory index: advantage} that also selects which trajectories are used (e.g. nonzero ones only).
+    `trajectories` may be a TrajectoryStore; its step counts are read without decoding screenshots.
+    """
+    counts = ([n for _, n in trajectories.summaries()] if hasattr(trajectories, "summaries")
+              else [len(t.steps) for t in trajectories])
+    if advantages is None:
+        chosen = {i: 1.0 for i in range(len(counts))}
+    elif isinstance(advantages, Mapping):
+        bad = [i for i in advantages if not 0 <= int(i) < len(counts)]
+        if bad:
+            raise ValueError(f"advantages name trajectories {bad} outside the {len(counts)} given")
+        chosen = {int(i): float(a) for i, a in sorted(advantages.items())}
+    else:
+        adv = np.asarray(advantages, np.float64).reshape(-1)
+        if len(adv) != len(counts):
+            raise ValueError(f"{len(adv)} advantages for {len(counts)} trajectories")
+        chosen = {i: float(a) for i, a in enumerate(adv)}
+    return [StepRef(i, j, a) for i, a in chosen.items() for j in range(counts[i])]
+
+
+class EncodeStep(grain.transforms.Map):
+    """StepRef -> one example (token-aligned arrays, see the module docstring). Picklable for grain workers:
+    holds the trajectories (a list or a TrajectoryStore) and a processor, or the processor's directory, which
+    each worker then loads itself."""
+
+    def __init__(self, trajectories: Sequence[Trajectory] | Any, processor: Any, config: PipelineConfig):
+        self.trajectories, self.config = trajectories, config
+        self._processor_path = str(processor) if isinstance(processor, (str, pathlib.Path)) else None
+        self._processor = None if self._processor_path else processor
+
+    @property
+    def processor(self) -> Any:
+        if self._processor is None:
+            from guijax.models.processor import Processor
+
+            self._processor = Processor.from_pretrained(self._processor_path)
+        return self._processor
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self._processor_path:
+            state["_processor"] = None
+        return state
+
+    def map(self, ref: StepRef) -> dict[str, Any]:
+        traj = self.trajectories[ref.trajectory]
+        step = traj.steps[ref.step]
+        where = f"task {traj.task_id} (trajectory {ref.trajectory}) step {ref.step}"
+        turns = [Turn(s.screenshot, s.response) for s in traj.steps[:ref.step]]
+        messages, images = build_messages(traj.instruction, turns, step.screenshot, max_images=self.config.max_images,
+                                          plan=traj.plan, system_prompt=self.config.system_prompt)
+        proc = self.processor
+        prompt = proc(text=[proc.apply_chat_template(messages, add_generation_prompt=True)], images=[images])
+        prompt_ids = np.asarray(prompt["input_ids"][0], np.int32)
+        sampled = len(step.response_tokens) > 0
+        if sampled:
+            response = np.asarray(step.response_tokens, np.int32)
+            behaviour = np.asarray(step.behaviour_logprobs, np.float32)
+            if behaviour.shape != response.shape:
+                raise ValueError(f"{where}: {len(behaviour)} behaviour log-probs for {len(response)} response tokens")
+        else:  # off-policy text: no sampled ids, no behaviour log-probs
+            tok = proc.tokenizer
+            ids = tok(step.response, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(IM_END)]
+            response, behaviour = np.asarray(ids, np.int32), np.zeros(len(ids), np.float32)
+        n_prompt, n = len(prompt_ids), len(prompt_ids) + len(response)
+        if n > max(self.config.length_buckets):
+            raise ValueError(f"{where}: {n} tokens ({n_prompt} prompt + {len(response)} response) exceed the largest "
+                             f"length bucket {max(self.config.length_buckets)}")
+        loss_mask = np.zeros(n, np.float32)
+        loss_mask[n_prompt:] = 1.0
+        behaviour_lp = np.zeros(n, np.float32)
+        behaviour_lp[n_prompt:] = behaviour
+        return {"input_ids": np.concatenate([prompt_ids, response]), "loss_mask": loss_mask,
+                "advantages": loss_mask * np.float32(ref.advantage), "behaviour_logprobs": behaviour_lp,
+                "pixel_values": np.asarray(prompt["pixel_values"], np.float32),
+                "image_grid_thw": np.asarray(prompt["image_grid_thw"], np.int64).reshape(-1, 3),
+                "trajectory": ref.trajectory, "step": ref.step, "task_id": traj.task_id,
+                "source": Source(traj.source).value, "sampled": sampled}
+
+
+class Collate:
+    """A list of examples -> one padded batch: exactly the arrays the model forward (ModelInputs fields) and
+    the train step take, plus host-only `meta`. A class, not a lambda, so grain workers can unpickle it.
+
+    Row flags: `off_policy` marks trajectories not sampled by the current rollout (source replay, cache or
+    expert: LUFFY's off-policy rows); `expert` marks steps with no sampled ids (text tokenised here, zero
+    behaviour log-probs: the rows an RL+SFT cross-entropy term applies to)."""
+
+    def __init__(self, model_cfg: ModelConfig, config: PipelineConfig, pad_id: int = 0):
+        self.model_cfg, self.config, self.pad_id = model_cfg, config, pad_id
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        cfg = self.model_cfg
+        lengths = [len(e["input_ids"]) for e in examples]
+        try:
+            length = bucket_for(max(lengths), self.config.length_buckets)
+        except ValueError:
+            e = examples[int(np.argmax(lengths))]
+            raise ValueError(f"task {e['task_id']} (trajectory {e['trajectory']}) step {e['step']}: {max(lengths)} "
+                             f"tokens exceed the largest length bucket {max(self.config.length_buckets)}") from None
+        b = len(examples)
+        ids = np.full((b, length), self.pad_id, np.int32)
+        mask = np.zeros((b, length), np.int32)
+        token = {k: np.zeros((b, length), np.float32) for k in ("loss_mask", "behaviour_logprobs", "advantages")}
+        for i, e in enumerate(examples):
+            n = lengths[i]
+            ids[i, :n], mask[i, :n] = e["input_ids"], 1
+            for k in token:
+                token[k][i, :n] = e[k]
+        # position t predicts token t+1: shift targets and everything that describes the target left by one
+        shifted = {k: np.concatenate([v[:, 1:], np.zeros((b, 1), v.dtype)], axis=1) for k, v in token.items()}
+        targets = np.concatenate([ids[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
+        grids = np.concatenate([e["image_grid_thw"] for e in examples]).reshape(-1, 3)
+        positions, _ = mrope_positions(ids, mask, grids if len(grids) else None, cfg)
+        vision = None
+        if len(grids):
+            pixels = np.concatenate([e["pixel_values"] for e in examples])
+            pixels, padded_grids = pad_images(pixels, grids, self.config.patch_bucket, cfg.vision.spatial_merge_size)
+            vision = vision_layout(padded_grids, cfg.vision).inputs(pixels)
+        sources = [e["source"] for e in examples]
+        return {"input_ids": ids, "attention_mask": mask, "positions": positions, "vision": vision,
+                "targets": targets, **shifted,
+                "off_policy": np.asarray([s != Source.ON_POLICY.value for s in sources]),
+                "expert": np.asarray([not e["sampled"] for e in examples], np.float32),
+                "meta": {"trajectory": np.asarray([e["trajectory"] for e in examples], np.int32),
+                         "step": np.asarray([e["step"] for e in examples], np.int32),
+                         "task_id": np.asarray([e["task_id"] for e in examples]), "source": np.asarray(sources)}}
+
+
+def make_dataset(trajectories: Sequence[Trajectory] | Any, refs: Sequence[StepRef], processor: Any,
+                 model_cfg: ModelConfig, config: PipelineConfig) -> grain.IterDataset:
+    """The batch pipeline. Deterministic for `config.seed` (also across worker counts); `iter()` of it gives a
+    grain DatasetIterator whose `get_state()` / `set_state()` resume it exactly.
+
+    processor: a guijax.models.processor.Processor, or its directory (then loaded inside each worker).
+    """
+    if not refs:
+        raise ValueError("no steps to train on: every trajectory was empty or filtered out")
+    encode = EncodeStep(trajectories, processor, config)
+    pad_id = encode.processor.tokenizer.pad_token_id  # same padding whichever form the processor came in
+    ds = grain.MapDataset.source(list(refs))
+    if config.shuffle:
+        ds = ds.shuffle(seed=config.seed)
+    if config.num_epochs != 1:
+        ds = ds.repeat(config.num_epochs)
+    ds = ds.map(encode).batch(config.batch_size, drop_remainder=config.drop_remainder,
+                              batch_fn=Collate(model_cfg, config, int(pad_id or 0)))
+    if config.worker_count > 0:
+        _ensure_absl_flags()
+        return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=config.worker_count,
+                                         per_worker_buffer_size=config.worker_buffer_size))
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=config.prefetch))
+
+
+def _ensure_absl_flags() -> None:
+    """grain's worker processes read absl flags; outside an absl app (pytest, notebooks) take their defaults."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def global_batch(local: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """Host-local numpy batch -> jax Arrays: rows sharded over the mesh's (data, fsdp) axes (`positions` on its
+    batch axis 1), vision inputs replicated (patches of all rows are one concatenated array, not per-row),
+    `meta` left on the host. With several processes each contributes its local rows; vision inputs are then
+    per-process and cannot be assembled into one array, so that case is refused rather than guessed."""
+    import jax
+
+    from guijax.sharding import batch_sharding, replicated
+
+    rows = local["input_ids"].shape[0]
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (rows * jax.process_count()) % ways:
+        raise ValueError(f"global batch of {rows * jax.process_count()} rows does not divide over data x fsdp = {ways} "
+                         "devices; choose batch_size accordingly and drop_remainder=True")
+    if jax.process_count() > 1 and local.get("vision") is not None:
+        raise NotImplementedError("global_batch: vision inputs from several processes cannot be merged into one "
+                                  "patch array yet (window indices and segments are per-process)")
+    out: dict[str, Any] = {}
+    for key, value in local.items():
+        if key == "meta" or value is None:
+            out[key] = value
+        elif key == "vision":
+            out[key] = jax.device_put(value, replicated(mesh))
+        else:
+            value = np.asarray(value)
+            if value.ndim == 0:
+                out[key] = jax.device_put(value, replicated(mesh))
+                continue
+            axis = 1 if key == "positions" else 0
+            out[key] = jax.make_array_from_process_local_data(batch_sharding(mesh, value.ndim, axis), value)
+    return out

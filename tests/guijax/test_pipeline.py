@@ -1,0 +1,295 @@
+"""grain step pipeline: prompts rebuilt exactly, masks on the response tokens (shifted for targets), off-policy
+text closed with <|im_end|>, length/patch buckets, forward inputs equal to per-example ones (the tiny model gives
+the same logits padded or not), deterministic order, resumable iterator state, worker processes, global sharding."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from guijax import sharding
+from guijax.data.pipeline import Collate, EncodeStep, PipelineConfig, StepRef, global_batch, make_dataset, step_refs
+from guijax.data.store import TrajectoryStore
+from guijax.models import policy as policy_lib
+from guijax.models.config import PRESETS
+from guijax.models.processor import Processor
+from guijax.models.tokenizer import agent_corpus, build_tokenizer, special_token_ids
+from guijax.rollout.prompt import Turn, build_messages
+from guijax.rollout.trajectory import Source, Step, Trajectory
+
+SYSTEM = "Task: {instruction}\n"
+CONFIG = PipelineConfig(batch_size=4, max_images=2, length_buckets=(64, 128, 256, 512), patch_bucket=64,
+                        system_prompt=SYSTEM, seed=3)
+
+
+@pytest.fixture(scope="module")
+def proc(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(path, vocab_size=512, corpus=agent_corpus(300))
+    return Processor.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def cfg(proc):
+    return PRESETS["tiny"].replace(**special_token_ids(proc.tokenizer))
+
+
+def make_trajectories(proc, n: int = 4) -> list[Trajectory]:
+    """On-policy trajectories with sampled ids + log-probs, and expert ones with text only; mixed screen sizes."""
+    rs = np.random.RandomState(0)
+    im_end = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    for i in range(n):
+        sampled = i % 2 == 0
+        steps = []
+        for j in range(1 + i % 3):
+            h, w = [(56, 56), (84, 112), (112, 84)][(i + j) % 3]
+            text = f"Thought: click button {j}\nAction: click(start_box='({i},{j})')"
+            tokens = np.asarray(proc.tokenizer(text, add_special_tokens=False)["input_ids"] + [im_end], np.int32)
+            steps.append(Step(rs.randint(0, 256, (h, w, 3), dtype=np.uint8), text,
+                              tokens if sampled else np.zeros(0, np.int32),
+                              -rs.rand(len(tokens)).astype(np.float32) if sampled else np.zeros(0, np.float32)))
+        out.append(Trajectory(f"task-{i}", f"open the file menu {i}", steps,
+                              source=Source.ON_POLICY if sampled else Source.EXPERT,
+                              plan=("open menu", "click file") if i == 1 else ()))
+    return out
+
+
+def collect(ds, k=None):
+    it = iter(ds)
+    return [next(it) for _ in range(k)] if k else list(it)
+
+
+def assert_batches_equal(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            assert_batches_equal(a[key], b[key])
+        elif a[key] is None:
+            assert b[key] is None
+        else:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_step_refs(proc):
+    trajs = make_trajectories(proc)
+    refs = step_refs(trajs, [0.5, -1.0, 2.0, 0.0])
+    assert [(r.trajectory, r.step) for r in refs] == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 0)]
+    assert [r.advantage for r in refs[:3]] == [0.5, -1.0, -1.0]
+    assert [(r.trajectory, r.step, r.advantage) for r in step_refs(trajs, {2: 1.5, 0: -0.5})] == [
+        (0, 0, -0.5), (2, 0, 1.5), (2, 1, 1.5), (2, 2, 1.5)]
+    assert {r.advantage for r in step_refs(trajs)} == {1.0}
+    with pytest.raises(ValueError, match="3 advantages for 4 trajectories"):
+        step_refs(trajs, [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"outside the 4 given"):
+        step_refs(trajs, {7: 1.0})
+
+
+def test_example_prompt_and_response_tokens(proc):
+    trajs = make_trajectories(proc)
+    encode = EncodeStep(trajs, proc, CONFIG)
+    im_end = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for ref in step_refs(trajs, [0.5, -1.0, 2.0, 0.25]):
+        ex = encode.map(ref)
+        traj, step = trajs[ref.trajectory], trajs[ref.trajectory].steps[ref.step]
+        ids, mask = ex["input_ids"], ex["loss_mask"]
+        n_prompt = int((mask == 0).sum())
+        assert mask[n_prompt:].all() and not mask[:n_prompt].any()  # mask is exactly the trailing response
+        messages, images = build_messages(traj.instruction, [Turn(s.screenshot, s.response) for s in traj.steps[:ref.step]],
+                                          step.screenshot, max_images=2, plan=traj.plan, system_prompt=SYSTEM)
+        assert len(images) == min(2, ref.step + 1) == len(ex["image_grid_thw"])
+        prompt_text = proc.apply_chat_template(messages, add_generation_prompt=True)
+        assert prompt_text.endswith("<|im_start|>assistant\n") and ("1. open menu" in prompt_text) == (ref.trajectory == 1)
+        reference = proc(text=[prompt_text], images=[images])
+        np.testing.assert_array_equal(ids[:n_prompt], reference["input_ids"][0])
+        np.testing.assert_array_equal(ex["pixel_values"], reference["pixel_values"])
+        response = ids[n_prompt:]
+        if traj.source is Source.ON_POLICY:  # the exact sampled ids and their log-probs
+            np.testing.assert_array_equal(response, step.response_tokens)
+            np.testing.assert_array_equal(ex["behaviour_logprobs"][n_prompt:], step.behaviour_logprobs)
+        else:  # off-policy text: tokenised and closed with <|im_end|>; no behaviour log-probs
+            assert response[-1] == im_end
+            assert proc.tokenizer.decode(response) == step.response + "<|im_end|>"
+            assert not ex["behaviour_logprobs"].any()
+        assert not ex["behaviour_logprobs"][:n_prompt].any()
+        np.testing.assert_array_equal(ex["advantages"], mask * np.float32(ref.advantage))
+        assert (ex["trajectory"], ex["step"], ex["task_id"], ex["source"]) == (
+            ref.trajectory, ref.step, traj.task_id, traj.source.value)
+
+
+def test_batches_shift_targets_and_masks(proc, cfg):
+    trajs = make_trajectories(proc)
+    refs = step_refs(trajs, [0.5, -1.0, 2.0, 0.25])
+    config = dataclasses.replace(CONFIG, shuffle=False)
+    batches = collect(make_dataset(trajs, refs, proc, cfg, config))
+    assert [len(b["input_ids"]) for b in batches] == [4, 3]
+    encode = EncodeStep(trajs, proc, config)
+    for k, batch in enumerate(batches):
+        ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        assert ids.shape[1] in config.length_buckets
+        lengths = attn.sum(1)
+        assert ids.shape[1] == min(b for b in config.length_buckets if b >= lengths.max())  # smallest bucket
+        for row in range(len(ids)):
+            ref = refs[4 * k + row]
+            ex = encode.map(ref)
+            n = len(ex["input_ids"])
+            assert lengths[row] == n and (ids[row, n:] == proc.tokenizer.pad_token_id).all()
+            np.testing.assert_array_equal(batch["targets"][row, :n - 1], ids[row, 1:n])  # t predicts t+1
+            response = ex["input_ids"][ex["loss_mask"] > 0]
+            np.testing.assert_array_equal(batch["targets"][row][lm[row] > 0], response)
+            assert lm[row].sum() == len(response) and lm[row, n - 1:].sum() == 0
+            np.testing.assert_array_equal(batch["behaviour_logprobs"][row][lm[row] > 0],
+                                          ex["behaviour_logprobs"][ex["loss_mask"] > 0])
+            np.testing.assert_array_equal(batch["advantages"][row], lm[row] * np.float32(ref.advantage))
+            source = trajs[ref.trajectory].source
+            assert batch["off_policy"][row] == (source is not Source.ON_POLICY)
+            assert batch["expert"][row] == float(source is Source.EXPERT)
+            assert (batch["meta"]["trajectory"][row], batch["meta"]["step"][row]) == (ref.trajectory, ref.step)
+            assert batch["meta"]["task_id"][row] == trajs[ref.trajectory].task_id
+        assert batch["vision"]["pixel_values"].shape[0] % config.patch_bucket == 0
+
+
+def _first_batch_and_examples(proc, cfg, batch_size=3):
+    trajs = make_trajectories(proc)
+    refs = step_refs(trajs)
+    config = dataclasses.replace(CONFIG, shuffle=False, batch_size=batch_size)
+    batch = collect(make_dataset(trajs, refs, proc, cfg, config), 1)[0]
+    encode = EncodeStep(trajs, proc, config)
+    return batch, [encode.map(r) for r in refs[:batch_size]]
+
+
+def test_batch_positions_and_vision_match_prepare_inputs(proc, cfg):
+    """Positions equal prepare_inputs' on the same batch with the unpadded images; the filler image only
+    appends zero patches and one grid row that no image-pad token refers to."""
+    batch, examples = _first_batch_and_examples(proc, cfg)
+    grids = np.concatenate([e["image_grid_thw"] for e in examples])
+    pixels = np.concatenate([e["pixel_values"] for e in examples])
+    assert len(pixels) % CONFIG.patch_bucket != 0  # so the filler image is really exercised
+    reference = policy_lib.prepare_inputs(cfg, batch["input_ids"], batch["attention_mask"], pixels, grids)
+    np.testing.assert_array_equal(batch["positions"], reference.positions)
+    vision = batch["vision"]
+    assert vision.keys() == reference.vision.keys()
+    np.testing.assert_array_equal(vision["pixel_values"][:len(pixels)], pixels)
+    assert not vision["pixel_values"][len(pixels):].any()
+    assert len(vision["pixel_values"]) == -(-len(pixels) // CONFIG.patch_bucket) * CONFIG.patch_bucket
+    assert len(vision["full_segments"]) == len(vision["pixel_values"])
+    assert vision["full_segments"][-1] == len(grids)  # the filler is its own frame
+
+
+@pytest.mark.slow
+def test_padded_batch_forward_equals_each_example_alone(proc, cfg):
+    """The tiny model's logits on the padded batch (filler image, length bucket, other rows) equal those of
+    each example run alone through prepare_inputs."""
+    from guijax.models import weights
+
+    batch, examples = _first_batch_and_examples(proc, cfg)
+    module = weights.build_module(cfg)
+    params = weights.init_params(module, jax.random.PRNGKey(0))
+    forward = jax.jit(lambda p, x: module.apply({"params": p}, x.input_ids, x.positions, x.attention_mask, x.vision)[0])
+    padded = forward(params, policy_lib.ModelInputs(batch["input_ids"], batch["positions"], batch["attention_mask"],
+                                                    batch["vision"]))
+    for row, e in enumerate(examples):
+        alone = policy_lib.prepare_inputs(cfg, e["input_ids"][None], None, e["pixel_values"], e["image_grid_thw"])
+        n = len(e["input_ids"])
+        np.testing.assert_allclose(np.asarray(padded[row, :n]), np.asarray(forward(params, alone)[0]), atol=2e-4)
+
+
+def test_too_long_examples_name_the_task(proc, cfg):
+    trajs = make_trajectories(proc)
+    tight = dataclasses.replace(CONFIG, length_buckets=(32,))
+    with pytest.raises(ValueError, match=r"task task-2 \(trajectory 2\) step 1: \d+ tokens .* exceed the largest "
+                                         r"length bucket 32"):
+        EncodeStep(trajs, proc, tight).map(StepRef(2, 1, 1.0))
+    example = EncodeStep(trajs, proc, CONFIG).map(StepRef(3, 0, 1.0))
+    with pytest.raises(ValueError, match=rf"task task-3 \(trajectory 3\) step 0: {len(example['input_ids'])} tokens "
+                                         r"exceed the largest length bucket 32"):
+        Collate(cfg, tight)([example])
+
+
+def test_order_is_deterministic_and_epochs_reshuffle(proc, cfg):
+    trajs = make_trajectories(proc)
+    refs = step_refs(trajs)
+    config = dataclasses.replace(CONFIG, batch_size=1, num_epochs=2)
+
+    def order(c):
+        return [(int(b["meta"]["trajectory"][0]), int(b["meta"]["step"][0])) for b in collect(
+            make_dataset(trajs, refs, proc, cfg, c))]
+
+    first = order(config)
+    assert first == order(config)
+    everything = sorted((r.trajectory, r.step) for r in refs)
+    assert sorted(first[:7]) == everything and sorted(first[7:]) == everything  # epochs stay whole
+    assert first[:7] != first[7:]  # and are shuffled differently
+    assert order(dataclasses.replace(config, seed=4)) != first
+    assert order(dataclasses.replace(config, shuffle=False, num_epochs=1)) == [(r.trajectory, r.step) for r in refs]
+
+
+def test_iterator_state_restores(proc, cfg):
+    trajs = make_trajectories(proc)
+    refs = step_refs(trajs, [1.0, 2.0, 3.0, 4.0])
+    config = dataclasses.replace(CONFIG, batch_size=2, num_epochs=None)  # endless: resumes across epochs
+    it = iter(make_dataset(trajs, refs, proc, cfg, config))
+    for _ in range(3):
+        next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(4)]
+    fresh = iter(make_dataset(trajs, refs, proc, cfg, config))
+    fresh.set_state(state)
+    for want in expected:
+        assert_batches_equal(next(fresh), want)
+
+
+def test_store_source_equals_list(proc, cfg, tmp_path):
+    trajs = make_trajectories(proc)
+    store = TrajectoryStore(tmp_path)
+    store.append(trajs[:3])
+    store.append(trajs[3:])
+    advantages = {0: 1.0, 1: -0.5, 3: 2.0}
+    assert step_refs(store, advantages) == step_refs(trajs, advantages)
+    refs = step_refs(store, advantages)
+    for a, b in zip(collect(make_dataset(store, refs, proc, cfg, CONFIG)),
+                    collect(make_dataset(trajs, refs, proc, cfg, CONFIG))):
+        assert_batches_equal(a, b)
+
+
+def test_worker_process_gives_identical_batches(proc, cfg):
+    trajs = make_trajectories(proc)
+    refs = step_refs(trajs)
+    config = dataclasses.replace(CONFIG, batch_size=2, num_epochs=2)
+    local = collect(make_dataset(trajs, refs, proc, cfg, config))
+    # the processor travels as its directory and is loaded inside the worker
+    worker = collect(make_dataset(trajs, refs, proc.tokenizer.name_or_path, cfg,
+                                  dataclasses.replace(config, worker_count=1)))
+    assert len(local) == len(worker) == 7
+    for a, b in zip(local, worker):
+        assert_batches_equal(a, b)
+    workers = dataclasses.replace(config, worker_count=1)
+    it = iter(make_dataset(trajs, refs, proc, cfg, workers))
+    next(it), next(it)
+    resumed = iter(make_dataset(trajs, refs, proc, cfg, workers))
+    resumed.set_state(it.get_state())
+    for want in local[2:4]:
+        assert_batches_equal(next(resumed), want)
+
+
+def test_global_batch_shards_rows(proc, cfg):
+    trajs = make_trajectories(proc)
+    config = dataclasses.replace(CONFIG, batch_size=8, num_epochs=2, drop_remainder=True)
+    local = collect(make_dataset(trajs, step_refs(trajs), proc, cfg, config), 1)[0]
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4, tensor=1))
+    out = global_batch(local, mesh)
+    assert out["input_ids"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+    assert out["positions"].sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None)
+    assert out["advantages"].sharding.spec[0] == ("data", "fsdp") and out["off_policy"].shape == (8,)
+    assert len(out["input_ids"].addressable_shards) == 8
+    assert out["input_ids"].addressable_shards[0].data.shape == (1, local["input_ids"].shape[1])
+    assert out["vision"]["pixel_values"].sharding.is_fully_replicated
+    assert out["meta"] is local["meta"]
+    for key in ("input_ids", "positions", "targets", "loss_mask", "behaviour_logprobs", "advantages", "expert"):
+        np.testing.assert_array_equal(np.asarray(out[key]), local[key], err_msg=key)
+    np.testing.assert_array_equal(np.asarray(out["vision"]["window_index"]), local["vision"]["window_index"])
+    six = dict(local, input_ids=local["input_ids"][:6])
+    with pytest.raises(ValueError, match="6 rows does not divide over data x fsdp = 8"):
+        global_batch(six, mesh)
