@@ -4,13 +4,20 @@ Each slot is one process holding one environment (the synthetic desk, a remote O
 a picklable factory. Calls go to all addressed slots at once and are collected under a deadline; a worker
 that crashes or does not answer in time is killed and restarted, and its episode comes back as an error
 with the reason — reported, never scored as a task failure. Workers are started with the 'spawn' method so
-they never inherit a JAX runtime from the trainer, and they die with the pool (daemon processes, atexit).
+they never inherit a JAX runtime from the trainer, and they die with the pool (daemon processes, atexit)
+or, should the trainer itself be killed, on their own (a watchdog thread notices the parent is gone).
+
+Slots are the episode ids of a round: `reset(tasks)` starts episode i on slot i, `step({slot: actions})`
+advances any subset of live episodes (they end at different times), `evaluate(slots)` scores finished ones.
+A caller with more episodes than workers runs them in rounds (guijax's rollout engine does).
 """
 from __future__ import annotations
 
 import atexit
 import dataclasses
 import multiprocessing as mp
+import os
+import threading
 import time
 import traceback
 import weakref
@@ -29,7 +36,21 @@ class Result:
     error: str | None = None
 
 
-def _worker(conn: Connection, factory: Callable[[], Env]) -> None:
+def _watch_parent(parent_pid: int, period_s: float = 0.5) -> None:
+    """Exit when the parent process is gone (re-parented): a SIGKILLed trainer leaves no orphan workers.
+    A thread, not prctl(PR_SET_PDEATHSIG), which fires when the creating *thread* exits."""
+    def run() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(period_s)
+
+    threading.Thread(target=run, name="envpool-parent-watch", daemon=True).start()
+
+
+def _worker(conn: Connection, factory: Callable[[], Env], parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        _watch_parent(parent_pid)
     env = None
     try:
         env = factory()
@@ -65,6 +86,7 @@ class EnvPool:
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = [None] * num_workers
         self._conns: list[Connection | None] = [None] * num_workers
+        self._down: dict[int, str] = {}  # slot -> why its worker could not be restarted (retried next call)
         self.restarts = 0
         for slot in range(num_workers):
             self._start(slot)
@@ -79,7 +101,8 @@ class EnvPool:
 
     def _start(self, slot: int) -> None:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker, args=(child, self.factory), daemon=True, name=f"envpool-{slot}")
+        proc = self._ctx.Process(target=_worker, args=(child, self.factory, os.getpid()), daemon=True,
+                                 name=f"envpool-{slot}")
         proc.start()
         child.close()
         self._procs[slot], self._conns[slot] = proc, parent
@@ -104,10 +127,16 @@ class EnvPool:
             proc.join(5)
 
     def _restart(self, slot: int) -> None:
+        """Replace a slot's worker. A factory that fails now (a remote VM being down) leaves the slot down,
+        to be retried on its next call, instead of raising into the training loop."""
         self._kill(slot)
-        self._start(slot)
-        self._await_ready(slot)
         self.restarts += 1
+        try:
+            self._start(slot)
+            self._await_ready(slot)
+            self._down.pop(slot, None)
+        except (RuntimeError, OSError) as e:
+            self._down[slot] = str(e)
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
@@ -121,6 +150,11 @@ class EnvPool:
         for slot, args in slot_args.items():
             if not 0 <= slot < self.num_workers:
                 raise IndexError(f"slot {slot} out of range for a pool of {self.num_workers}")
+            if slot in self._down:
+                self._restart(slot)
+                if slot in self._down:
+                    results[slot] = Result(False, error=f"env worker {slot} is down: {self._down[slot]}")
+                    continue
             try:
                 self._conns[slot].send((method, args, {}))
                 pending[self._conns[slot]] = slot
@@ -147,26 +181,30 @@ class EnvPool:
             broken.add(slot)
         for slot in sorted(broken):
             self._restart(slot)
-        return results
+        return {slot: results[slot] for slot in slot_args}
 
     def reset(self, tasks: Sequence[Task], slots: Sequence[int] | None = None,
-              seeds: Sequence[int] | None = None) -> dict[int, Result]:
+              seeds: Sequence[int] | None = None, timeout_s: float | None = None) -> dict[int, Result]:
         """Start one episode per task on slots 0..len(tasks)-1 (or the given slots); `seeds` makes each
         episode's randomness (pop-ups) reproducible wherever it runs."""
         slots = list(range(len(tasks))) if slots is None else list(slots)
         if len(tasks) > self.num_workers or len(slots) != len(tasks):
             raise ValueError(f"{len(tasks)} tasks for {len(slots)} slots of a pool of {self.num_workers}: "
                              "run more episodes than workers in rounds")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"reset: slots {slots} repeat a slot")
         if seeds is None:
-            return self.call("reset", {s: (t,) for s, t in zip(slots, tasks)})
-        return self.call("reset", {s: (t, seed) for s, t, seed in zip(slots, tasks, seeds)})
+            return self.call("reset", {s: (t,) for s, t in zip(slots, tasks)}, timeout_s)
+        if len(seeds) != len(tasks):
+            raise ValueError(f"reset: {len(seeds)} seeds for {len(tasks)} tasks")
+        return self.call("reset", {s: (t, seed) for s, t, seed in zip(slots, tasks, seeds)}, timeout_s)
 
-    def step(self, actions: dict[int, Any]) -> dict[int, Result]:
+    def step(self, actions: dict[int, Any], timeout_s: float | None = None) -> dict[int, Result]:
         """actions: slot -> an Action or a list of Actions (one response); returns slot -> StepResult."""
-        return self.call("step", {s: (a,) for s, a in actions.items()})
+        return self.call("step", {s: (a,) for s, a in actions.items()}, timeout_s)
 
-    def evaluate(self, slots: Sequence[int]) -> dict[int, Result]:
-        return self.call("evaluate", {s: () for s in slots})
+    def evaluate(self, slots: Sequence[int], timeout_s: float | None = None) -> dict[int, Result]:
+        return self.call("evaluate", {s: () for s in slots}, timeout_s)
 
     def close(self) -> None:
         self._finalizer()

@@ -17,7 +17,7 @@ class Node:
     role: str
     name: str
     rect: Box
-    window: str | None  # owning window title; "" for the pop-up dialog
+    window: str | None  # owning window title; "" for the pop-up, CONFIRM / BANNER for those layers
     attrs: str  # the rest of the line: state text, "front", "occluded"
 
     def attr(self, key: str) -> str | None:
@@ -25,6 +25,11 @@ class Node:
         if not m:
             return None
         return m.group(2) if m.group(2) is not None else m.group(1)
+
+
+CONFIRM = "#confirm"  # owner of the confirmation dialog's buttons (not a valid window title on the desk)
+BANNER = "#banner"  # owner of the banner's dismiss button
+_LAYERS = {"dialog": "", "alertdialog": CONFIRM, "banner": BANNER}
 
 
 def parse_tree(text: str) -> list[Node]:
@@ -37,8 +42,8 @@ def parse_tree(text: str) -> list[Node]:
         role, name = m.group("role"), m.group("name")
         if role == "window":
             window = name
-        elif role == "dialog":
-            window = ""
+        elif role in _LAYERS:
+            window = _LAYERS[role]
         nodes.append(Node(role, name, rect, name if role == "window" else window, m.group("rest").strip()))
     return nodes
 
@@ -52,6 +57,10 @@ def describe(role: str, name: str, window: str | None) -> str:
     """Canonical element description for a node (what the expert writes in its S2 actions)."""
     if window == "":
         return f'the "{name}" button of the pop-up'
+    if window == CONFIRM:
+        return f'the "{name}" button of the confirmation dialog'
+    if window == BANNER:
+        return f'the "{name}" button of the notification banner'
     if role == "option":
         return f'the "{name}" option of the open menu'
     return f'the "{name}" {role} in the "{window}" window'
@@ -64,7 +73,7 @@ def ground(text: str, description: str) -> Box:
     if m:
         in_front: list[Box] = []  # the tree lists the pop-up and windows front to back
         for n in nodes:
-            if n.role in ("window", "dialog") and n.name != m.group(1):
+            if n.role in _LAYERS or (n.role == "window" and n.name != m.group(1)):
                 in_front.append(n.rect)
             elif n.role == "window":
                 return _visible_part((n.rect[0], n.rect[1], n.rect[2], n.rect[1] + 16), in_front)

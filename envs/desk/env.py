@@ -28,7 +28,8 @@ def scene_from_task(task: Task, rng: random.Random, size: tuple[int, int]) -> Sc
         windows = [layout_window(w["title"], tuple(w["rect"]), w["widgets"]) for w in params["windows"]]
     except KeyError as e:
         raise TaskError(f"task {task.id}: desk_scene parameters miss key {e}") from None
-    return Scene(windows, size, rng, params.get("popup_prob", 0.0), params.get("popup_step_prob", 0.0))
+    return Scene(windows, size, rng, params.get("popup_prob", 0.0), params.get("popup_step_prob", 0.0),
+                 params.get("banner_prob", 0.0), params.get("banner_step_prob", 0.0))
 
 
 class DeskEnv:
@@ -36,6 +37,7 @@ class DeskEnv:
 
     def __init__(self, screen_hw: tuple[int, int] = DEFAULT_SIZE, step_limit: int = DEFAULT_STEP_LIMIT,
                  seed: int = 0, popups: bool = True):
+        """`popups=False` turns off the stochastic pop-ups and banners (a static desk)."""
         self.screen_hw = tuple(screen_hw)
         self.step_limit = step_limit
         self.seed = seed
@@ -54,9 +56,9 @@ class DeskEnv:
         seed = episode_seed if episode_seed is not None else zlib.crc32(f"{self.seed}/{task.id}/{self.episode}".encode())
         self.task = task
         self.scene = scene_from_task(task, random.Random(seed), self.screen_hw)
-        if not self.popups:
-            self.scene.popup = None
-            self.scene.popup_step_prob = 0.0
+        if not self.popups:  # no dynamic UI at all: neither pop-ups nor banners
+            self.scene.popup = self.scene.banner = None
+            self.scene.popup_step_prob = self.scene.banner_step_prob = 0.0
         self.steps = 0
         self.last_control = None
         return self.observe()

@@ -12,8 +12,13 @@ from envs.api import Task, TaskError
 from envs.metrics import combine, evaluator_funcs, get_metric, register_metric
 
 
+_PROPERTIES = {"clicks_at_least", "checked", "text", "value"}
+
+
 def _match_widget(actual: dict[str, Any], expected: dict[str, Any], tolerance: float) -> bool:
     for key, want in expected.items():
+        if key not in _PROPERTIES:
+            raise TaskError(f"desk_state: unknown widget property {key!r}; known: {sorted(_PROPERTIES)}")
         if key == "clicks_at_least":
             if actual.get("clicks", 0) < want:
                 return False
@@ -34,12 +39,15 @@ def desk_state(result: dict[str, Any], expected: dict[str, Any], slider_toleranc
                 return 0.0
             continue
         window = result["windows"].get(title)
-        if window is None:
-            return 0.0
+        if window is None:  # windows never close on the desk: this is a typo in the task, not a failure
+            raise TaskError(f"desk_state: expected names window {title!r}, the desk has {sorted(result['windows'])}")
         if "saved" in want and bool(window["saved"]) != want["saved"]:
             return 0.0
         for name, props in want.get("widgets", {}).items():
-            if name not in window["widgets"] or not _match_widget(window["widgets"][name], props, slider_tolerance):
+            if name not in window["widgets"]:
+                raise TaskError(f"desk_state: window {title!r} has no stateful widget {name!r}; "
+                                f"it has {sorted(window['widgets'])}")
+            if not _match_widget(window["widgets"][name], props, slider_tolerance):
                 return 0.0
     return 1.0
 
@@ -53,5 +61,8 @@ def evaluate_state(task: Task, state: dict[str, Any]) -> float:
     expected = expected if isinstance(expected, list) else [expected] * len(funcs)
     options = evaluator.get("options", {})
     options = options if isinstance(options, list) else [options] * len(funcs)
-    scores = [get_metric(f)(state, e, **o) for f, e, o in zip(funcs, expected, options)]
+    try:
+        scores = [get_metric(f)(state, e, **o) for f, e, o in zip(funcs, expected, options)]
+    except TaskError as e:
+        raise TaskError(f"task {task.id} ({task.source or 'generated'}): evaluator: {e}") from None
     return combine(scores, evaluator.get("conj", "and"))

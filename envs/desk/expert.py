@@ -2,7 +2,8 @@
 
 It writes a global plan of subgoals, reads the accessibility tree at every step, acts in the S2-style
 action space with element descriptions, and grounds them on the tree. Pop-ups are closed first. With
-`noise` > 0 some actions are replaced by a click on a random element, so traces are imperfect.
+`noise` > 0 each action is, with that probability, replaced by a click on a random element (a wrong
+action) or by a wait (a missed one), so traces are imperfect.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from PIL import Image
 from envs.actions.model import Action
 from envs.actions.s2 import S2Action, s2_to_actions
 from envs.api import Task
-from envs.desk.a11y import describe, ground, parse_tree
+from envs.desk.a11y import BANNER, CONFIRM, GroundingError, describe, ground, parse_tree
+from envs.desk.scene import inside
 
 
 def plan_text(subgoal: dict[str, Any]) -> str:
@@ -38,6 +40,8 @@ def plan_text(subgoal: dict[str, Any]) -> str:
         return f'Scroll the {subgoal["target"]} list to "{subgoal["item"]}" and select it'
     if op == "focus_window":
         return f'Bring the {subgoal["target"]} window to the front'
+    if op == "confirm":
+        return "Confirm the dialog with OK"
     if op == "hotkey":
         return f'Press {"+".join(k.capitalize() for k in subgoal["keys"])}'
     if op == "done":
@@ -69,26 +73,58 @@ class ScriptedExpert:
         return None
 
     def next_action(self, task: Task, a11y: str, progress: int) -> tuple[S2Action, int]:
-        """The next S2 action and the index of the subgoal it serves (subgoals already satisfied are skipped)."""
+        """The next S2 action and the index of the subgoal it serves (subgoals already satisfied are skipped).
+
+        Like a framework agent re-reading the screen, it first clears what blocks its way: a pop-up, a
+        confirmation dialog it did not mean to open (Cancel), a banner over its target (Dismiss)."""
         nodes = parse_tree(a11y)
         if any(n.role == "dialog" for n in nodes):
             return S2Action("click", {"element_description": describe("button", "Close", "")}), progress
         if self.noise and self.rng.random() < self.noise:
+            if self.rng.random() < 0.5:  # a missed action: the step passes without effect
+                return S2Action("wait", {"time": 1.0}), progress
             target = self.rng.choice([n for n in nodes if n.role in ("button", "checkbox", "field", "dropdown")])
             return S2Action("click", {"element_description": describe(target.role, target.name, target.window)}), progress
         subgoals = expert_subgoals(task)
+        confirm_open = any(n.role == "alertdialog" for n in nodes)
         while progress < len(subgoals):
-            action = self._act(subgoals[progress], nodes)
-            if action is not None:
-                return action, progress
-            progress += 1
+            goal = subgoals[progress]
+            action = self._act(goal, nodes)
+            if action is None:
+                progress += 1
+                continue
+            if confirm_open and goal["op"] != "confirm":
+                goal.pop("_sent", None)  # not sent after all
+                return S2Action("click", {"element_description": describe("button", "Cancel", CONFIRM)}), progress
+            if goal["op"] != "confirm" and self._banner_blocks(action, a11y, nodes):  # the dialog is above it
+                goal.pop("_sent", None)
+                return S2Action("click", {"element_description": describe("button", "Dismiss", BANNER)}), progress
+            return action, progress
         return S2Action("done"), progress
+
+    @staticmethod
+    def _banner_blocks(action: S2Action, a11y: str, nodes) -> bool:
+        """Whether the banner lies where `action` would press (element centre, drag start), or hides it."""
+        banner = next((n for n in nodes if n.role == "banner"), None)
+        if banner is None:
+            return False
+        for key in ("element_description", "starting_description"):
+            desc = action.args.get(key)
+            if not desc:
+                continue
+            try:
+                x1, y1, x2, y2 = ground(a11y, desc)
+            except GroundingError:
+                return True  # e.g. a title bar wholly under the banner
+            if inside(banner.rect, ((x1 + x2) // 2, (y1 + y2) // 2)):
+                return True
+        return False
 
     def _act(self, goal: dict[str, Any], nodes) -> S2Action | None:
         """The action that advances `goal`, or None when the goal already holds in the tree."""
         op, win = goal["op"], goal.get("window")
         front = next((n.name for n in nodes if n.role == "window" and "front" in n.attrs), None)
-        if win is not None and front != win and op not in ("focus_window", "hotkey"):
+        if win is not None and front != win and op not in ("focus_window", "hotkey", "confirm"):
             return S2Action("click", {"element_description": f'the title bar of the "{win}" window'})
         if op == "focus_window":
             if front == goal["target"]:
@@ -103,6 +139,11 @@ class ScriptedExpert:
                 return None
             goal["_sent"] = True
             return S2Action("hotkey", {"keys": list(goal["keys"])})
+        if op == "confirm":
+            if goal.get("_sent") or not any(n.role == "alertdialog" for n in nodes):
+                return None
+            goal["_sent"] = True
+            return S2Action("click", {"element_description": describe("button", "OK", CONFIRM)})
         node = self._node(nodes, win, {"click": "button", "check": "checkbox", "type": "field", "select": "dropdown",
                                        "slider": "slider", "list_select": "list"}[op], goal["target"])
         if node is None:

@@ -2,7 +2,9 @@
 the scene (setup step `desk_scene`), the instruction, the executable validator (`desk_state`), and the
 expert's subgoals (`extra["expert"]`), from which the scripted expert writes its plan and actions.
 
-Steps below are those of a noise-free expert without pop-ups.
+Steps below are those of a noise-free expert without pop-ups. Every scene carries the dynamic UI that
+defeats replayed actions (BEPA): a modal pop-up (30% at reset, 5% per step) and a non-modal banner over a
+random strip of the screen (20% at reset, 3% per step); DeskEnv(popups=False) turns both off.
 """
 from __future__ import annotations
 
@@ -26,13 +28,16 @@ def _window(title: str, rect, widgets) -> dict[str, Any]:
 
 
 def _task(instruction: str, windows, expected: dict[str, Any], expert: list[dict[str, Any]],
-          popup_prob: float = 0.3, popup_step_prob: float = 0.05, func: str = "desk_state") -> dict[str, Any]:
+          popup_prob: float = 0.3, popup_step_prob: float = 0.05, func: str = "desk_state",
+          banner_prob: float = 0.2, banner_step_prob: float = 0.03) -> dict[str, Any]:
     evaluator: dict[str, Any] = {"func": func}
     if func == "desk_state":
         evaluator.update(expected=expected, options={"slider_tolerance": 3})
     return {"instruction": instruction,
             "config": [{"type": "desk_scene", "parameters": {"windows": windows, "popup_prob": popup_prob,
-                                                             "popup_step_prob": popup_step_prob}}],
+                                                             "popup_step_prob": popup_step_prob,
+                                                             "banner_prob": banner_prob,
+                                                             "banner_step_prob": banner_step_prob}}],
             "evaluator": evaluator, "expert": expert}
 
 
@@ -159,14 +164,56 @@ def infeasible_toggle(rng: random.Random, size) -> dict[str, Any]:
                  [{"op": "fail"}], func="infeasible")
 
 
+def confirm_action(rng: random.Random, size) -> dict[str, Any]:
+    """A button that asks for confirmation: pressing it only counts once the dialog's OK is clicked."""
+    names = rng.sample(("Delete", "Archive", "Reset", "Sign out", "Empty trash"), 3)
+    target = names[0]
+    rng.shuffle(names)
+    widgets = [{"kind": "label", "name": "Info", "text": "Account actions"}] + [
+        {"kind": "button", "name": n, "confirm": f"{n}: are you sure?"} for n in names]
+    return _task(f'Click "{target}" and confirm it.', [_window("Account", _full(size), widgets)],
+                 {"Account": {"widgets": {target: {"clicks_at_least": 1}}}},
+                 [{"op": "click", "window": "Account", "target": target}, {"op": "confirm"}, {"op": "done"}])
+
+
+def copy_between_windows(rng: random.Random, size) -> dict[str, Any]:
+    """Read a code shown in one window and enter it in another (the target window starts behind)."""
+    h, w = size
+    code = f"{rng.randrange(1000, 10000)}"
+    field = rng.choice(("Order", "Code", "Ticket"))
+    mail = _window("Mail", (20, 40, w - 4, h - 4), [
+        {"kind": "label", "name": "Subject", "text": "Your order is on its way"},
+        {"kind": "label", "name": "Body", "text": f"{field} number: {code}"}])
+    shop = _window("Shop", (4, 4, w - 40, h // 2 + 20), [
+        {"kind": "field", "name": field}, {"kind": "button", "name": "Track"}])
+    return _task(f'Copy the {field.lower()} number from the Mail window into the {field} field of the Shop '
+                 f'window, then click Track.', [shop, mail],
+                 {"Shop": {"widgets": {field: {"text": code}, "Track": {"clicks_at_least": 1}}}},
+                 [{"op": "focus_window", "target": "Shop"},
+                  {"op": "type", "window": "Shop", "target": field, "text": code},
+                  {"op": "click", "window": "Shop", "target": "Track"}, {"op": "done"}])
+
+
+def infeasible_option(rng: random.Random, size) -> dict[str, Any]:
+    name = rng.choice(sorted(DROPDOWNS))
+    missing = rng.choice([o for o in ("Purple", "Huge", "Klingon", "Sepia") if o not in DROPDOWNS[name]])
+    widgets = [{"kind": "dropdown", "name": name, "options": list(DROPDOWNS[name]), "value": DROPDOWNS[name][0]},
+               {"kind": "button", "name": "OK"}]
+    return _task(f"Set {name} to {missing}.", [_window("Preferences", _full(size), widgets)], {},
+                 [{"op": "fail"}], func="infeasible")
+
+
 FAMILIES: dict[str, tuple[int, Family]] = {  # name -> (difficulty 1..5, generator)
     "click_button": (1, click_button),
     "toggle_checkbox": (1, toggle_checkbox),
     "set_slider": (2, set_slider),
     "type_field": (2, type_field),
     "choose_option": (2, choose_option),
+    "confirm_action": (2, confirm_action),
+    "copy_between_windows": (3, copy_between_windows),
     "pick_from_list": (3, pick_from_list),
     "fill_form": (4, fill_form),
     "settings_then_note": (5, settings_then_note),
     "infeasible_toggle": (1, infeasible_toggle),
+    "infeasible_option": (1, infeasible_option),
 }

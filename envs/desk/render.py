@@ -1,15 +1,15 @@
 """Pillow rendering of a Scene into an RGB uint8 screenshot, and its accessibility tree as text.
 
-The a11y tree lists what a person could see: the pop-up (if any) first, then windows front to back with
+The a11y tree lists what a person could see: the pop-up, confirmation dialog and banner (if any) first, then windows front to back with
 their visible widgets, one line each: `role "name" [x1,y1,x2,y2] state`. Widgets hidden behind another
-window or under the pop-up are still listed (as OSWorld's tree lists them) but marked `occluded`.
+window or under the pop-up, dialog or banner are still listed (as OSWorld's tree lists them) but marked `occluded`.
 """
 from __future__ import annotations
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from envs.desk.scene import Rect, Scene, Widget, inside
+from envs.desk.scene import TITLE_H, Rect, Scene, Widget, inside
 
 BG = (58, 110, 165)
 WINDOW = (236, 236, 236)
@@ -118,6 +118,25 @@ class Renderer:
             for w in win.widgets:
                 if w.kind == "dropdown" and w.open:
                     _draw_menu(image, draw, w)
+        if scene.banner is not None:
+            b = scene.banner
+            x1, y1, x2, y2 = b.rect
+            draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=(255, 214, 90), outline=INK)
+            _text(image, (x1 + 6, y1 + 4), b.message, INK)
+            cx1, cy1, cx2, cy2 = b.close_rect
+            draw.rectangle((cx1, cy1, cx2 - 1, cy2 - 1), fill=(250, 240, 200), outline=INK)
+            _text(image, (cx1 + 5, cy1 + 2), "x", INK)
+        if scene.confirm is not None:
+            c = scene.confirm
+            x1, y1, x2, y2 = c.rect
+            draw.rectangle((x1 + 3, y1 + 3, x2 + 2, y2 + 2), fill=(30, 30, 30))
+            draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=WINDOW, outline=INK)
+            draw.rectangle((x1, y1, x2 - 1, y1 + TITLE_H - 1), fill=TITLE_FRONT)
+            _text(image, (x1 + 4, y1 + 2), "Confirm", (255, 255, 255))
+            _text(image, (x1 + 5, y1 + TITLE_H + 4), c.message, INK)
+            for label, (bx1, by1, bx2, by2) in (("OK", c.ok_rect), ("Cancel", c.cancel_rect)):
+                draw.rectangle((bx1, by1, bx2 - 1, by2 - 1), fill=(214, 214, 220), outline=INK)
+                _text(image, (bx1 + 5, by1 + 2), label, INK)
         if scene.popup is not None:
             p = scene.popup
             x1, y1, x2, y2 = p.rect
@@ -135,8 +154,9 @@ class Renderer:
 
 def _occluded(scene: Scene, window_index: int, rect: Rect) -> bool:
     cx, cy = (rect[0] + rect[2]) // 2, (rect[1] + rect[3]) // 2
-    if scene.popup is not None and inside(scene.popup.rect, (cx, cy)):
-        return True
+    for layer in (scene.popup, scene.confirm, scene.banner):
+        if layer is not None and inside(layer.rect, (cx, cy)):
+            return True
     return any(inside(w.rect, (cx, cy)) for w in scene.windows[window_index + 1:])
 
 
@@ -146,6 +166,15 @@ def a11y_tree(scene: Scene) -> str:
         p = scene.popup
         lines.append(f'dialog "{p.title}" [{",".join(map(str, p.rect))}] message="{p.message}"')
         lines.append(f'  button "Close" [{",".join(map(str, p.close_rect))}]')
+    if scene.confirm is not None:
+        c = scene.confirm
+        lines.append(f'alertdialog "Confirm" [{",".join(map(str, c.rect))}] message="{c.message}"')
+        lines.append(f'  button "OK" [{",".join(map(str, c.ok_rect))}]')
+        lines.append(f'  button "Cancel" [{",".join(map(str, c.cancel_rect))}]')
+    if scene.banner is not None:
+        b = scene.banner
+        lines.append(f'banner "Notification" [{",".join(map(str, b.rect))}] message="{b.message}"')
+        lines.append(f'  button "Dismiss" [{",".join(map(str, b.close_rect))}]')
     for index in range(len(scene.windows) - 1, -1, -1):
         win = scene.windows[index]
         front = " front" if win is scene.front else ""

@@ -34,6 +34,7 @@ class Widget:
     open: bool = False  # dropdown expanded
     offset: int = 0  # list scroll offset
     select_all: bool = False  # field: next typing replaces the content
+    confirm: str = ""  # button: ask this question in a confirmation dialog; only OK counts as a press
 
     def state(self) -> dict[str, Any]:
         if self.kind == "button":
@@ -96,6 +97,44 @@ class Popup:
         return (x2 - 52, y2 - 22, x2 - 6, y2 - 6)
 
 
+@dataclasses.dataclass
+class Banner:
+    """A non-modal notification strip across the screen: it swallows input that lands on it (covering the
+    widgets beneath) until dismissed with its "x" button; keys still reach the focused field."""
+
+    message: str
+    rect: Rect
+
+    @property
+    def close_rect(self) -> Rect:
+        x1, y1, x2, y2 = self.rect
+        return (x2 - 20, y1 + 2, x2 - 4, y2 - 2)
+
+
+@dataclasses.dataclass
+class Confirm:
+    """The modal confirmation dialog opened by a button with `confirm` set: OK (or Enter) presses the
+    button, Cancel (or Esc) closes the dialog without pressing it."""
+
+    window: str
+    button: str
+    message: str
+    rect: Rect
+
+    @property
+    def ok_rect(self) -> Rect:
+        x1, y1, x2, y2 = self.rect
+        return (x2 - 98, y2 - 22, x2 - 56, y2 - 6)
+
+    @property
+    def cancel_rect(self) -> Rect:
+        x1, y1, x2, y2 = self.rect
+        return (x2 - 52, y2 - 22, x2 - 6, y2 - 6)
+
+
+BANNER_MESSAGES = ("Backup finished.", "3 new messages", "Sale: 50% off today", "Storage almost full",
+                   "New sign-in detected")
+
 POPUP_MESSAGES = (("Update available", "Restart to update?"), ("Cookie notice", "We use cookies."),
                   ("Verify you are human", "Press Close to go on."), ("Newsletter", "Subscribe today!"),
                   ("Low battery", "Plug in your laptop."))
@@ -118,7 +157,7 @@ def layout_window(title: str, rect: Rect, specs: list[dict[str, Any]]) -> Window
             w_rect = (left, y, x2 - 6, y + ROW_H - 4)
         widget = Widget(kind=kind, name=name, rect=w_rect, text=spec.get("text", ""),
                         checked=spec.get("checked", False), options=tuple(spec.get("options", ())),
-                        value=spec.get("value"))
+                        value=spec.get("value"), confirm=spec.get("confirm", ""))
         widgets.append(widget)
         y = w_rect[3] + 4
     return Window(title, rect, widgets)
@@ -128,17 +167,23 @@ class Scene:
     """All windows (last = front), an optional pop-up, focus, and the effect of each input event."""
 
     def __init__(self, windows: list[Window], size: tuple[int, int], rng: random.Random,
-                 popup_prob: float = 0.0, popup_step_prob: float = 0.0):
+                 popup_prob: float = 0.0, popup_step_prob: float = 0.0,
+                 banner_prob: float = 0.0, banner_step_prob: float = 0.0):
         self.windows = windows
         self.height, self.width = size
         self.rng = rng
         self.popup_prob, self.popup_step_prob = popup_prob, popup_step_prob
+        self.banner_prob, self.banner_step_prob = banner_prob, banner_step_prob
         self.popup: Popup | None = None
+        self.banner: Banner | None = None
+        self.confirm: Confirm | None = None
         self.focus: tuple[str, str] | None = None  # (window title, widget name)
         self.popups_seen = 0
         self.version = 0  # bumped on every visible change; the renderer caches on it
         if rng.random() < popup_prob:
             self.spawn_popup()
+        if banner_prob > 0 and rng.random() < banner_prob:  # no draw without banners: older episodes replay
+            self.spawn_banner()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -159,7 +204,7 @@ class Scene:
     def state(self) -> dict[str, Any]:
         return {"windows": {w.title: {"saved": w.saved, "widgets": {x.name: x.state() for x in w.widgets if x.state()}}
                             for w in self.windows},
-                "front": self.front.title, "popup": self.popup is not None}
+                "front": self.front.title, "popup": self.popup is not None, "dialog": self.confirm is not None}
 
     def window_at(self, point: tuple[int, int]) -> Window | None:
         for w in reversed(self.windows):
@@ -177,9 +222,32 @@ class Scene:
         self.popups_seen += 1
         self.version += 1
 
+    def spawn_banner(self) -> None:
+        y = self.rng.randint(TITLE_H + 6, max(TITLE_H + 6, self.height - 26))
+        self.banner = Banner(self.rng.choice(BANNER_MESSAGES), (0, y, self.width, y + 20))
+        self.version += 1
+
     def after_step(self) -> None:
         if self.popup is None and self.rng.random() < self.popup_step_prob:
             self.spawn_popup()
+        if self.banner_step_prob > 0 and self.banner is None and self.rng.random() < self.banner_step_prob:
+            self.spawn_banner()
+
+    def _blocked(self, point: tuple[int, int]) -> bool:
+        """Pointer input that a pop-up, confirmation dialog or banner takes instead of the windows."""
+        return (self.popup is not None or self.confirm is not None
+                or (self.banner is not None and inside(self.banner.rect, point)))
+
+    def _answer_confirm(self, ok: bool) -> None:
+        c = self.confirm
+        if ok:
+            self.window(c.window).widget(c.button).clicks += 1
+        self.confirm = None
+
+    def _open_confirm(self, win: Window, w: Widget) -> None:
+        bw, bh = min(200, self.width - 20), 64
+        x, y = (self.width - bw) // 2, max(TITLE_H + 4, (self.height - bh) // 2)
+        self.confirm = Confirm(win.title, w.name, w.confirm, (x, y, x + bw, y + bh))
 
     def _close_menus(self, keep: Widget | None = None) -> None:
         for w in self.windows:
@@ -194,6 +262,16 @@ class Scene:
         if self.popup is not None:
             if button == "left" and inside(self.popup.close_rect, point):
                 self.popup = None
+            return
+        if self.confirm is not None:
+            if button == "left" and inside(self.confirm.ok_rect, point):
+                self._answer_confirm(True)
+            elif button == "left" and inside(self.confirm.cancel_rect, point):
+                self._answer_confirm(False)
+            return
+        if self.banner is not None and inside(self.banner.rect, point):
+            if button == "left" and inside(self.banner.close_rect, point):
+                self.banner = None
             return
         for win in self.windows:
             for w in win.widgets:
@@ -215,7 +293,9 @@ class Scene:
         for w in win.widgets:
             if not inside(w.rect, point):
                 continue
-            if w.kind == "button":
+            if w.kind == "button" and w.confirm:
+                self._open_confirm(win, w)
+            elif w.kind == "button":
                 w.clicks += 1
             elif w.kind == "checkbox":
                 w.checked = not w.checked
@@ -239,7 +319,7 @@ class Scene:
     def drag(self, start: tuple[int, int], end: tuple[int, int]) -> None:
         """Dragging a slider's knob (or anywhere on its track) moves it to the release point."""
         self.version += 1
-        if self.popup is not None:
+        if self._blocked(start):
             return
         win = self.window_at(start)
         if win is None or win is not self.front:
@@ -250,7 +330,7 @@ class Scene:
 
     def scroll(self, point: tuple[int, int] | None, direction: str, amount: float) -> None:
         self.version += 1
-        if self.popup is not None or point is None:
+        if point is None or self._blocked(point):
             return
         win = self.window_at(point)
         if win is None:
@@ -264,7 +344,7 @@ class Scene:
     def type_text(self, text: str) -> None:
         self.version += 1
         w = self.focused_widget()
-        if self.popup is not None or w is None:
+        if self.popup is not None or self.confirm is not None or w is None:
             return
         body = text[:-1] if text.endswith("\n") else text
         w.text = body if w.select_all else w.text + body
@@ -275,6 +355,10 @@ class Scene:
         if self.popup is not None:
             if keys in (("esc",), ("enter",)):
                 self.popup = None
+            return
+        if self.confirm is not None:
+            if keys in (("esc",), ("enter",)):
+                self._answer_confirm(keys == ("enter",))
             return
         w = self.focused_widget()
         if keys == ("ctrl", "s"):

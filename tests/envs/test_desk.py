@@ -139,3 +139,76 @@ def test_grounding_errors_name_the_description(tasks):
     assert parse_tree(obs.a11y_tree)[0].role == "window"
     with pytest.raises(GroundingError, match="cannot ground element description 'the moon'"):
         ground(obs.a11y_tree, "the moon")
+
+
+def _center(box):
+    return ((box[0] + box[2]) // 2, (box[1] + box[3]) // 2)
+
+
+def _episode_with(env, task, want_banner: bool, want_popup: bool = False):
+    for seed in range(200):
+        obs = env.reset(task, episode_seed=seed)
+        if (env.scene.banner is not None) == want_banner and (env.scene.popup is not None) == want_popup:
+            return obs
+    pytest.fail("no episode seed gave the wanted dynamic UI")
+
+
+def test_banner_swallows_clicks_beneath_it_but_not_keys(tasks):
+    task = next(t for t in tasks if t.domain == "type_field")
+    env = DeskEnv()
+    _episode_with(env, task, want_banner=True)
+    field = env.scene.front.widgets[0]
+    banner = env.scene.banner
+    banner.rect = (0, field.rect[1] - 2, env.scene.width, field.rect[3] + 2)  # move it over the field
+    env.scene.version += 1
+    line = next(x for x in env.observe().a11y_tree.splitlines() if x.strip().startswith(f'field "{field.name}"'))
+    assert line.endswith(" occluded")
+    env.step(Action(ActionType.CLICK, point=_center(field.rect)))
+    assert env.scene.focus is None  # the click landed on the banner
+    env.step(Action(ActionType.CLICK, point=_center(ground(env.observe().a11y_tree,
+                                                          'the "Dismiss" button of the notification banner'))))
+    assert env.scene.banner is None
+    env.step(Action(ActionType.CLICK, point=_center(field.rect)))
+    env.scene.banner = banner  # a banner does not take the keyboard
+    env.step(Action(ActionType.TYPE, text="zz"))
+    assert field.text.endswith("zz")
+
+
+def test_confirmation_dialog_only_ok_presses_the_button(tasks):
+    task = next(t for t in tasks if t.domain == "confirm_action")
+    target = task.extra["expert"][0]["target"]
+    env = DeskEnv(popups=False)
+    env.reset(task)
+    button = env.scene.window("Account").widget(target)
+    env.step(Action(ActionType.CLICK, point=_center(button.rect)))
+    tree = env.observe().a11y_tree
+    assert tree.startswith('alertdialog "Confirm"') and f"{target}: are you sure?" in tree
+    env.step(Action(ActionType.CLICK, point=_center(button.rect)))  # modal: the window underneath is blocked
+    env.step(Action(ActionType.CLICK, point=_center(ground(tree, 'the "Cancel" button of the confirmation dialog'))))
+    assert env.scene.confirm is None and button.clicks == 0 and env.evaluate() == 0.0
+    env.step(Action(ActionType.CLICK, point=_center(button.rect)))
+    env.step(Action(ActionType.HOTKEY, keys=("esc",)))
+    assert env.scene.confirm is None and button.clicks == 0
+    env.step(Action(ActionType.CLICK, point=_center(button.rect)))
+    env.step(Action(ActionType.PRESS_ENTER))
+    assert button.clicks == 1 and env.evaluate() == 1.0
+
+
+def test_expert_dismisses_a_banner_over_its_target(tasks):
+    task = next(t for t in tasks if t.domain == "fill_form")
+    env = DeskEnv(seed=0)
+    for seed in range(300):
+        trace = run_expert(_SeededEnv(env, seed), task, ScriptedExpert())
+        if any("notification banner" in s.s2 for s in trace.steps):
+            assert trace.reward == 1.0
+            return
+    pytest.fail("no episode seed put a banner over the expert's way")
+
+
+def test_noise_gives_wrong_and_missed_actions(tasks):
+    task = next(t for t in tasks if t.domain == "settings_then_note")
+    env = DeskEnv(popups=False)
+    s2 = [s.s2 for seed in range(6) for s in run_expert(env, task, ScriptedExpert(noise=0.4, seed=seed)).steps]
+    assert any(a.startswith("agent.wait(") for a in s2)
+    clean = run_expert(env, task, ScriptedExpert())
+    assert not any(s.s2.startswith("agent.wait(") for s in clean.steps)

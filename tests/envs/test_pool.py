@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -27,6 +31,20 @@ class SlowDeskFactory:
                 return super().step(action)
 
         return Slow(popups=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlakyFactory:
+    """A desk that cannot be built while `marker` exists (a remote VM that is down)."""
+
+    marker: str
+
+    def __call__(self):
+        from envs.desk.env import DeskEnv
+
+        if os.path.exists(self.marker):
+            raise ConnectionError(f"server down ({self.marker})")
+        return DeskEnv(popups=False)
 
 
 def _alive(pid: int) -> bool:
@@ -97,3 +115,83 @@ def test_bad_input_errors(tasks):
         pool.reset(tasks[:1])
         out = pool.step({0: "click(1,2)"})
         assert not out[0].ok and "expects Action objects" in out[0].error
+
+
+def test_worker_killed_mid_step(tasks):
+    """SIGKILL while the worker is inside env.step: the call returns promptly with that episode errored."""
+    with EnvPool(SlowDeskFactory(), 2, timeout_s=30) as pool:
+        pool.reset(tasks[:2])
+        victim = pool.worker_pids()[0]
+        killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        out = pool.step({0: Action(ActionType.TYPE, text="hang"), 1: Action(ActionType.WAIT)})
+        killer.join()
+        assert time.monotonic() - start < 15
+        assert not out[0].ok and "crashed during 'step'" in out[0].error and out[1].ok
+        assert pool.restarts == 1 and not _alive(victim)
+        assert pool.reset([tasks[3]], slots=[0])[0].ok
+
+
+def test_unbuildable_worker_is_reported_not_raised(tasks, tmp_path):
+    marker = tmp_path / "down"
+    with EnvPool(FlakyFactory(str(marker)), 2, timeout_s=30) as pool:
+        pool.reset(tasks[:2])
+        marker.touch()
+        os.kill(pool.worker_pids()[1], signal.SIGKILL)
+        time.sleep(0.2)
+        out = pool.step({0: Action(ActionType.WAIT), 1: Action(ActionType.WAIT)})
+        assert out[0].ok and not out[1].ok and "crashed" in out[1].error
+        again = pool.reset(tasks[:2])
+        assert again[0].ok and not again[1].ok and "is down" in again[1].error and "server down" in again[1].error
+        marker.unlink()
+        assert pool.reset(tasks[:2])[1].ok  # retried and back
+
+
+TRAINER = """
+import time
+from envs.actions.model import Action, ActionType
+from envs.desk.env import DeskEnv
+from envs.pool import EnvPool
+
+
+class Hang:
+    def __call__(self):
+        class Hung(DeskEnv):
+            def step(self, action):
+                time.sleep(300)
+
+        return Hung(popups=False)
+
+
+if __name__ == "__main__":  # spawned workers re-import this file
+    from envs.tasks import generate_desk_tasks
+
+    pool = EnvPool(Hang(), 2, timeout_s=300)
+    pool.reset(generate_desk_tasks(2, seed=0, families=["click_button"]))
+    print(*pool.worker_pids(), flush=True)
+    pool.step({0: Action(ActionType.WAIT), 1: Action(ActionType.WAIT)})
+"""
+
+
+def test_no_orphans_when_the_trainer_is_killed(tmp_path):
+    """SIGKILL the trainer while its workers are busy in env.step: they must not outlive it."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        time.sleep(0.5)  # the workers are now sleeping inside step
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [p for p in pids if _alive(p)]
+    for p in alive:  # do not leave them behind if the test fails
+        os.kill(p, signal.SIGKILL)
+    assert not alive

@@ -43,3 +43,17 @@ def test_splits(tasks):
     assert split_tasks(tasks, held_out_fraction=0.25, seed=1) == split_tasks(tasks, held_out_fraction=0.25, seed=1)
 
     assert split is split_tasks
+
+
+def test_evaluator_typos_name_the_task_and_key(tasks):
+    task = next(t for t in tasks if t.domain == "type_field")
+    env = DeskEnv(popups=False)
+    for expected, message in (({"Profle": {}}, "expected names window 'Profle'"),
+                              ({"Profile": {"widgets": {"Nme": {"text": "x"}}}}, "window 'Profile' has no stateful widget 'Nme'"),
+                              ({"Profile": {"widgets": {task.extra["expert"][0]["target"]: {"txt": "x"}}}},
+                               "unknown widget property 'txt'")):
+        bad = Task.from_dict({**task.to_dict(), "evaluator": {"func": "desk_state", "expected": expected}},
+                             source="bad.json")
+        env.reset(bad)
+        with pytest.raises(TaskError, match=rf"task {task.id} \(bad\.json\): evaluator: desk_state: {message}"):
+            env.evaluate()
