@@ -1,0 +1,398 @@
+"""An OSWorld-compatible VM server for a local X display: `python -m envs.server --port 5000 [--display :N]`.
+
+It answers the HTTP endpoints OSWorld's PythonController and SetupController call (same paths, request and
+response shapes): /screenshot, /execute, /setup/execute, /setup/launch, /setup/open_file, /setup/upload,
+/setup/download_file, /setup/activate_window, /setup/close_window, /file, /list_directory, /platform,
+/cursor_position, /screen_size, /run_python, /run_bash_script, /terminal, /accessibility; plus /guijax/reset
+(close the apps this server started), which OSWorld VMs lack (there the provider reverts a snapshot).
+
+SECURITY: this server runs arbitrary commands and code sent to it. It binds 127.0.0.1 by default; binding
+any other address requires --token, and then every request must carry `Authorization: Bearer <token>`
+(also required on loopback when a token is given). Without --display it starts its own Xvfb desktop with a
+private HOME; with --display it drives that existing display and the real HOME.
+
+Each request runs in its own thread; a command that hangs is killed after --timeout seconds (default 90)
+and answered with HTTP 500, so it never takes the server down.
+"""
+from __future__ import annotations
+
+import argparse
+import email.parser
+import email.policy
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+from envs.desktop.controller import ControllerError, LocalController
+from envs.desktop.display import Display
+
+log = logging.getLogger("envs.server")
+
+
+class Reply(Exception):
+    """Raised by a handler to answer right away (status + body)."""
+
+    def __init__(self, status: int, body: Any, content_type: str | None = None):
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class DesktopServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], controller: LocalController, token: str | None = None,
+                 timeout_s: float = 90.0):
+        host = address[0]
+        if not _is_loopback(host) and not token:
+            raise ValueError(f"refusing to bind {host}: the server runs arbitrary code; pass --token to bind a "
+                             f"non-loopback address")
+        self.controller = controller
+        self.token = token
+        self.timeout_s = timeout_s
+        super().__init__(address, Handler)
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: DesktopServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # route through logging, not stderr
+        log.info("%s %s", self.address_string(), fmt % args)
+
+    # -- plumbing ----------------------------------------------------------------------------------------
+    def _send(self, status: int, body: Any, content_type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        if isinstance(body, (dict, list)):
+            data, content_type = json.dumps(body).encode(), content_type or "application/json"
+        elif isinstance(body, str):
+            data, content_type = body.encode(), content_type or "text/html; charset=utf-8"
+        else:
+            data, content_type = bytes(body), content_type or "application/octet-stream"
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _body(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n > 0 else b""
+
+    def _json(self) -> dict[str, Any]:
+        raw = self._body()
+        try:
+            data = json.loads(raw or b"{}")
+        except json.JSONDecodeError as e:
+            raise Reply(400, {"status": "error", "message": f"invalid JSON body: {e}"})
+        if not isinstance(data, dict):
+            raise Reply(400, {"status": "error", "message": "JSON body must be an object"})
+        return data
+
+    def _form(self) -> tuple[dict[str, str], dict[str, bytes]]:
+        """Fields and files of an urlencoded or multipart/form-data body."""
+        ctype = self.headers.get("Content-Type", "")
+        raw = self._body()
+        if ctype.startswith("multipart/form-data"):
+            msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+                b"Content-Type: " + ctype.encode() + b"\r\n\r\n" + raw)
+            fields: dict[str, str] = {}
+            files: dict[str, bytes] = {}
+            for part in msg.iter_parts():
+                name = part.get_param("name", header="content-disposition")
+                payload = part.get_payload(decode=True) or b""
+                if part.get_filename() is not None:
+                    files[name] = payload
+                else:
+                    fields[name] = payload.decode()
+            return fields, files
+        return {k: v[0] for k, v in urllib.parse.parse_qs(raw.decode()).items()}, {}
+
+    def _authorized(self) -> bool:
+        token = self.server.token
+        if not token:
+            return True
+        got = self.headers.get("Authorization", "")
+        got = got[7:] if got.startswith("Bearer ") else self.headers.get("X-Guijax-Token", "")
+        return hmac.compare_digest(got.encode(), token.encode())
+
+    def _dispatch(self, method: str) -> None:
+        path = urllib.parse.urlparse(self.path).path.rstrip("/") or "/"
+        if not self._authorized():
+            self._body()
+            self._send(401, {"status": "error", "message": "missing or wrong token (Authorization: Bearer ...)"})
+            return
+        route = ROUTES.get((method, path))
+        if route is None:
+            self._body()
+            known = any(p == path for _, p in ROUTES)
+            self._send(405 if known else 404, {"status": "error", "message": f"no route {method} {path}"})
+            return
+        try:
+            status, body, ctype = route(self)
+        except Reply as r:
+            status, body, ctype = r.status, r.body, r.content_type
+        except ControllerError as e:
+            status, body, ctype = e.status, {"status": "error", "message": str(e)}, None
+        except Exception as e:  # a handler bug must not kill the server
+            log.exception("handler %s %s failed", method, path)
+            status, body, ctype = 500, {"status": "error", "message": f"{type(e).__name__}: {e}"}, None
+        try:
+            self._send(status, body, ctype)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    @property
+    def ctl(self) -> LocalController:
+        return self.server.controller
+
+
+# -- endpoints (each returns status, body, content type) ------------------------------------------------------
+def _timeout(h: Handler, requested: Any = None) -> float:
+    limit = h.server.timeout_s
+    try:
+        return min(float(requested), limit) if requested is not None else limit
+    except (TypeError, ValueError):
+        raise Reply(400, {"status": "error", "message": f"invalid timeout {requested!r}"})
+
+
+def screenshot(h: Handler):
+    from envs.desktop.screen import png_bytes
+
+    return 200, png_bytes(h.ctl.screenshot()), "image/png"
+
+
+def execute(h: Handler):
+    data = h._json()
+    shell = bool(data.get("shell", False))
+    command = data.get("command", "" if shell else [])
+    if not command:
+        return 400, {"status": "error", "message": "command is required"}, None
+    r = h.ctl.execute(command, shell=shell, timeout_s=_timeout(h))
+    if r.get("timed_out") or r.get("message"):
+        return 500, {"status": "error", "message": r.get("message") or r["error"]}, None
+    return 200, {"status": "success", "output": r["output"], "error": r["error"], "returncode": r["returncode"]}, None
+
+
+def launch(h: Handler):
+    data = h._json()
+    shell = bool(data.get("shell", False))
+    command = data.get("command", "" if shell else [])
+    if not command:
+        return 400, {"status": "error", "message": "command is required"}, None
+    h.ctl.launch(command, shell=shell)
+    shown = command if shell or isinstance(command, str) else " ".join(command)
+    return 200, f"{shown} launched successfully", None
+
+
+def open_file(h: Handler):
+    data = h._json()
+    if not data.get("path"):
+        return 400, "Path not supplied!", None
+    h.ctl.open_file(data["path"], window_name=data.get("window_name"),
+                    timeout_s=_timeout(h, data.get("timeout_seconds")))
+    return 200, "File opened and window activated successfully", None
+
+
+def upload(h: Handler):
+    fields, files = h._form()
+    if "file_path" not in fields or "file_data" not in files:
+        return 400, {"error": "file_path and file_data are required"}, None
+    h.ctl.upload(fields["file_path"], files["file_data"])
+    return 200, f"File Uploaded: {len(files['file_data'])} bytes", None
+
+
+def download_file(h: Handler):
+    data = h._json()
+    if not data.get("url") or not data.get("path"):
+        return 400, "Path or URL not supplied!", None
+    try:
+        h.ctl.download_file(data["url"], data["path"])
+    except OSError as e:
+        return 500, f"Failed to download {data['url']}. Error: {e}", None
+    size = len(h.ctl.get_file(data["path"]) or b"")
+    return 200, f"File downloaded successfully: {size} bytes", None
+
+
+def _window(kind: str) -> Callable[[Handler], tuple]:
+    def run(h: Handler):
+        data = h._json()
+        if not data.get("window_name"):
+            return 400, "window_name required", None
+        fn = h.ctl.activate_window if kind == "activate" else h.ctl.close_window
+        if not fn(data["window_name"], strict=bool(data.get("strict", False)), by_class=bool(data.get("by_class", False))):
+            return 404, f"Window {data['window_name']} not found", None
+        return 200, ("Window activated successfully" if kind == "activate" else "Window closed successfully."), None
+
+    return run
+
+
+def get_file(h: Handler):
+    fields, _ = h._form()
+    if "file_path" not in fields:
+        return 400, {"error": "file_path is required"}, None
+    data = h.ctl.get_file(fields["file_path"])
+    if data is None:
+        return 404, {"error": "File not found"}, None
+    return 200, data, "application/octet-stream"
+
+
+def list_directory(h: Handler):
+    data = h._json()
+    if "path" not in data:
+        return 400, {"error": "Missing 'path' parameter"}, None
+    tree = h.ctl.list_directory(data["path"])
+    if tree is None:
+        return 400, {"error": "The provided path is not a directory"}, None
+    return 200, {"directory_tree": tree}, None
+
+
+def platform_(h: Handler):
+    return 200, h.ctl.platform(), None
+
+
+def cursor_position(h: Handler):
+    return 200, list(h.ctl.cursor_position()), None
+
+
+def screen_size(h: Handler):
+    h._body()
+    w, hh = h.ctl.screen_size()
+    return 200, {"width": w, "height": hh}, None
+
+
+def run_python(h: Handler):
+    data = h._json()
+    if not data.get("code"):
+        return 400, {"status": "error", "message": "Code not supplied!"}, None
+    r = h.ctl.run_python(data["code"], timeout_s=_timeout(h, data.get("timeout")))
+    if r.pop("timed_out", False):
+        return 500, {"status": "error", "message": "Execution timeout: Code took too long to execute",
+                     "error": "TimeoutExpired", "need_more": False, "output": None}, None
+    return 200, r, None
+
+
+def run_bash_script(h: Handler):
+    data = h._json()
+    if not data.get("script"):
+        return 400, {"status": "error", "output": "Script not supplied!", "error": "", "returncode": -1}, None
+    timeout = _timeout(h, data.get("timeout"))
+    r = h.ctl.run_bash_script(data["script"], timeout_s=timeout, working_dir=data.get("working_dir"))
+    if r["returncode"] == -1 and r["output"].startswith(("Script execution timed out", "Working directory")):
+        return (500 if "timed out" in r["output"] else 400), r, None
+    return 200, r, None
+
+
+def terminal(h: Handler):
+    return 200, {"output": h.ctl.terminal_output(), "status": "success"}, None
+
+
+def accessibility(h: Handler):
+    """The local desktop exposes no AT-SPI tree: AT is null (agents fall back to screenshots)."""
+    return 200, {"AT": None}, None
+
+
+def reset(h: Handler):
+    h._body()
+    h.ctl.reset()
+    return 200, {"status": "success"}, None
+
+
+ROUTES: dict[tuple[str, str], Callable[[Handler], tuple]] = {
+    ("GET", "/screenshot"): screenshot,
+    ("POST", "/execute"): execute,
+    ("POST", "/setup/execute"): execute,
+    ("POST", "/setup/launch"): launch,
+    ("POST", "/setup/open_file"): open_file,
+    ("POST", "/setup/upload"): upload,
+    ("POST", "/setup/download_file"): download_file,
+    ("POST", "/setup/activate_window"): _window("activate"),
+    ("POST", "/setup/close_window"): _window("close"),
+    ("POST", "/file"): get_file,
+    ("POST", "/list_directory"): list_directory,
+    ("GET", "/platform"): platform_,
+    ("GET", "/cursor_position"): cursor_position,
+    ("POST", "/screen_size"): screen_size,
+    ("GET", "/screen_size"): screen_size,
+    ("POST", "/run_python"): run_python,
+    ("POST", "/run_bash_script"): run_bash_script,
+    ("GET", "/terminal"): terminal,
+    ("GET", "/accessibility"): accessibility,
+    ("POST", "/guijax/reset"): reset,
+}
+
+
+def serve(host: str = "127.0.0.1", port: int = 5000, display: str | None = None, token: str | None = None,
+          timeout_s: float = 90.0, screen_size: tuple[int, int] = (1920, 1080), cache_dirs: tuple[str, ...] = (),
+          allow_network: bool = False, ready: Callable[[DesktopServer], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM; `ready` is called with the bound server (tests read its port)."""
+    if not _is_loopback(host) and not token:
+        raise SystemExit(f"refusing to bind {host}: this server runs arbitrary code; pass --token TOKEN")
+    disp = Display.attach(display) if display else Display(screen_size)
+    controller = LocalController(disp, timeout_s, cache_dirs, allow_network)
+    server = DesktopServer((host, port), controller, token, timeout_s)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    log.info("serving %s on http://%s:%d (display %s)", "with token" if token else "without token",
+             host, server.server_address[1], disp.name)
+    if ready:
+        ready(server)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+        controller.close()
+        disp.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m envs.server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --token")
+    p.add_argument("--token", default=os.environ.get("GUIJAX_SERVER_TOKEN"),
+                   help="shared secret every request must carry (Authorization: Bearer TOKEN)")
+    p.add_argument("--display", default=None, help="existing X display to drive (default: start an Xvfb)")
+    p.add_argument("--timeout", type=float, default=90.0, help="seconds before a command is killed")
+    p.add_argument("--screen", default="1920x1080", help="size of the Xvfb screen started without --display")
+    p.add_argument("--cache-dir", action="append", default=[], help="local cache for /setup/download_file")
+    p.add_argument("--allow-network", action="store_true", help="let /setup/download_file fetch http(s) URLs")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    w, h = (int(x) for x in a.screen.lower().split("x"))
+    serve(a.host, a.port, a.display, a.token, a.timeout, (w, h), tuple(a.cache_dir), a.allow_network)
+
+
+if __name__ == "__main__":
+    main()
