@@ -53,6 +53,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.length_buckets = (256, 512, 1024, 2048, 4096, 8192, 16384)
     c.pipeline.patch_bucket = 1024
+    c.pipeline.worker_count = 0  # grain worker processes for prompt encoding + image patches (0: in-process threads)
 
     c.train = ml_collections.ConfigDict()
     c.train.iterations = 100
@@ -90,6 +91,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.sft.learning_rate = 1e-4
     c.sft.traces_per_task = 1
     c.sft.expert_noise = 0.0
+    c.sft.checkpoint_every = 50  # steps between SFT checkpoints (params, optimiser, grain iterator position)
 
     c.algorithm = ml_collections.ConfigDict()
     c.algorithm.name = "grpo"

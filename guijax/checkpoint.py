@@ -10,7 +10,19 @@ import pathlib
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+
+def _uncommit_single_device_leaves(state: Any) -> Any:
+    """Leaves created outside the mesh (optimiser step counts, the step number) are uncommitted before a save,
+    so jit may place them anywhere; restored, they come back committed to one device, which jit then refuses
+    to mix with mesh-sharded parameters. Hand those back as host arrays, uncommitted again."""
+    leaves = jax.tree.leaves(state)
+    if not any(len(getattr(x, "sharding", None).device_set) > 1 for x in leaves if hasattr(x, "sharding")):
+        return state
+    single = lambda x: isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding)  # noqa: E731
+    return jax.tree.map(lambda x: np.asarray(x) if single(x) else x, state)
 
 
 class Checkpointer:
@@ -32,7 +44,7 @@ class Checkpointer:
                               abstract_state)
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                  meta=ocp.args.JsonRestore()))
-        return out["state"], out["meta"]
+        return _uncommit_single_device_leaves(out["state"]), out["meta"]
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -162,7 +162,9 @@ def sft(run: Run) -> None:
     writer = MetricsWriter(run.workdir, "sft_metrics.jsonl", console=False)
     params, losses_seen = sft_steps(policy, trajectories, policy.processor, run.config,
                                     pipeline_config(run.config, run.system_prompt), run.config.sft.steps,
-                                    run.config.sft.batch_size, seed=run.config.seed, log=writer.write)
+                                    run.config.sft.batch_size, seed=run.config.seed, log=writer.write,
+                                    checkpoint_dir=run.workdir / "sft_checkpoints",
+                                    checkpoint_every=run.config.sft.checkpoint_every)
     writer.close()
     policy.params = params
     save_pretrained(policy, out)

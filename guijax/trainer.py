@@ -23,10 +23,12 @@ from guijax import advantages as adv_lib
 from guijax import losses, optim, train_step
 from guijax.algorithms import Algorithm
 from guijax.checkpoint import Checkpointer
-from guijax.data.steps import PipelineConfig, batches, step_refs
+from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
+from guijax.data.store import TrajectoryStore
 from guijax.metrics import MetricsWriter
 from guijax.models.policy import Policy
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
+from guijax.rollout.prompt import SYSTEM_PROMPT
 from guijax.rollout.trajectory import Status, Trajectory
 from guijax.sampling import Sampler, SamplingConfig
 
@@ -46,8 +48,15 @@ def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperatu
 
 
 def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str | None) -> PipelineConfig:
-    return PipelineConfig(max_images=config.rollout.max_images, length_buckets=tuple(config.pipeline.length_buckets),
-                          patch_bucket=config.pipeline.patch_bucket, system_prompt=system_prompt)
+    return PipelineConfig(batch_size=config.train.minibatch_size, max_images=config.rollout.max_images,
+                          length_buckets=tuple(config.pipeline.length_buckets),
+                          patch_bucket=config.pipeline.patch_bucket, system_prompt=system_prompt or SYSTEM_PROMPT,
+                          seed=config.seed, worker_count=config.pipeline.worker_count)
+
+
+def device_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """The arrays a jitted step takes: everything but the host-only `meta`."""
+    return {k: v for k, v in batch.items() if k != "meta"}
 
 
 @dataclasses.dataclass
@@ -86,6 +95,7 @@ class Trainer:
         self.pipeline = pipeline_config(config, parts.system_prompt)
         self.ckpt = Checkpointer(self.workdir / "checkpoints", keep=config.train.keep_checkpoints)
         self.metrics = MetricsWriter(self.workdir)
+        self.store = TrajectoryStore(self.workdir / "trajectories")
         self.iteration = 0
         self.nonfinite_in_row = 0
 
@@ -103,8 +113,17 @@ class Trainer:
         self.iteration = meta["iteration"]
         self.nonfinite_in_row = meta.get("nonfinite_in_row", 0)
         self.parts.algorithm.load_state_dict(meta["algorithm"])
+        self._drop_shards_from(self.iteration)
         logging.info("resumed from checkpoint at iteration %d", self.iteration)
         return True
+
+    def _drop_shards_from(self, iteration: int) -> None:
+        """Trajectories written after the restored checkpoint are rewritten (identically) by the rerun."""
+        for path in self.store.shards:
+            stem = path.name.split(".")[0]
+            if stem.startswith("iter-") and stem[5:].isdigit() and int(stem[5:]) >= iteration:
+                path.unlink()
+        self.store.refresh()
 
     # ------------------------------------------------------------------ one iteration
     def _tasks_for(self, iteration: int) -> list[Task]:
@@ -129,6 +148,9 @@ class Trainer:
             groups.append(self.parts.algorithm.assemble(task, group))
         for reason in dropped:
             logging.warning("dropped an episode whose environment failed: %s", reason)
+        t_store = time.perf_counter()
+        self.store.append(rollouts, name=f"iter-{self.iteration:06d}")  # every episode, failures included
+        t_store = time.perf_counter() - t_store
         trajectories = [t for g in groups for t in g]
         group_ids = np.concatenate([np.full(len(g), i) for i, g in enumerate(groups)]).astype(np.int32)
         rewards = np.asarray([t.reward for t in trajectories], np.float32)
@@ -142,6 +164,7 @@ class Trainer:
             "format_error_rate": float(np.mean([t.status == Status.PARSE_ERROR for t in on_policy])) if on_policy else 0.0,
             "env_errors": len(dropped), "zero_variance_groups": int(stats.zero_variance_groups),
             "episodes": len(rollouts), "time_env_s": timing["env_s"], "time_sampling_s": timing["sample_s"],
+            "time_store_s": t_store,
             "response_tokens_mean": float(np.mean([len(s.response_tokens) for t in on_policy for s in t.steps]))
             if on_policy else 0.0,
             "behaviour_logprob_mean": float(np.mean(np.concatenate(
@@ -156,13 +179,13 @@ class Trainer:
 
     def _update(self, trajectories: Sequence[Trajectory], advantages: np.ndarray) -> dict[str, float]:
         cfg = self.config
-        refs = step_refs(trajectories, advantages.tolist(), [t.source.value != "on_policy" for t in trajectories])
-        refs = [r for r in refs if r.advantage != 0.0]
-        data = batches(trajectories, refs, self.parts.processor, self.module.cfg, self.pipeline,
-                       cfg.train.minibatch_size, seed=cfg.seed * 31 + self.iteration)
+        refs = step_refs(trajectories, {i: float(a) for i, a in enumerate(advantages) if a != 0.0})
+        data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
+                            dataclasses.replace(self.pipeline, seed=cfg.seed * 31 + self.iteration))
         t0 = time.perf_counter()
         prepared = []
         for batch in data:  # old log-probs under θ_old, fixed for every epoch
+            batch = device_batch(batch)
             old, _ = self.logprob_fn(self.state.params, batch)
             prepared.append(dict(batch, old_logp=np.asarray(old)))
         t_old = time.perf_counter() - t0
@@ -205,10 +228,16 @@ class Trainer:
         self.metrics.close()
 
 
-def sft_steps(policy: Policy, trajectories: Sequence[Trajectory], processor: Any, config: ml_collections.ConfigDict,
-              pipeline: PipelineConfig, steps: int, batch_size: int, seed: int,
-              log: Any = None) -> tuple[Any, list[float]]:
-    """Supervised warm start on (converted expert) trajectories: token cross-entropy on the responses."""
+def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processor: Any,
+              config: ml_collections.ConfigDict, pipeline: PipelineConfig, steps: int, batch_size: int, seed: int,
+              log: Any = None, checkpoint_dir: str | pathlib.Path | None = None,
+              checkpoint_every: int = 50) -> tuple[Any, list[float]]:
+    """Supervised warm start on (converted expert) trajectories: token cross-entropy on the responses.
+
+    `trajectories` may be a list or a TrajectoryStore. With `checkpoint_dir`, parameters, optimiser state,
+    the losses so far and the grain iterator's position are saved every `checkpoint_every` steps, and a
+    rerun continues from the newest save with the same batches an uninterrupted run would have seen.
+    """
     sft_optim = ml_collections.ConfigDict(config.optim.to_dict())
     sft_optim.learning_rate = config.sft.learning_rate
     sft_optim.total_steps = max(steps, sft_optim.warmup_steps + 1)
@@ -216,16 +245,25 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory], processor: Any
     step_fn = train_step.make_train_step(policy.module, tx, train_step.StepConfig(kind="sft",
                                                                                  impl=config.train.logprob_impl))
     state = train_step.TrainState(policy.params, tx.init(policy.params), jnp.int32(0))
-    refs = step_refs(trajectories, [1.0] * len(trajectories))
+    data = make_dataset(trajectories, step_refs(trajectories), processor, policy.module.cfg,
+                        dataclasses.replace(pipeline, batch_size=batch_size, seed=seed, num_epochs=None))
+    it = iter(data)
     losses_seen: list[float] = []
-    epoch = 0
-    while len(losses_seen) < steps:
-        for batch in batches(trajectories, refs, processor, policy.module.cfg, pipeline, batch_size, seed=seed + epoch):
-            state, m = step_fn(state, batch)
+    ckpt = Checkpointer(checkpoint_dir, keep=1) if checkpoint_dir else None
+    if ckpt is not None and ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(ckpt.latest_step(), state)
+        it.set_state(meta["data"])
+        losses_seen = list(meta["losses"])
+        logging.info("sft: resumed at step %d", len(losses_seen))
+    try:
+        while len(losses_seen) < steps:
+            state, m = step_fn(state, device_batch(next(it)))
             losses_seen.append(float(m["loss"]))
             if log is not None:
                 log({"sft_step": len(losses_seen), "sft_loss": losses_seen[-1]})
-            if len(losses_seen) >= steps:
-                break
-        epoch += 1
+            if ckpt is not None and len(losses_seen) % checkpoint_every == 0 and len(losses_seen) < steps:
+                ckpt.save(len(losses_seen), state, {"data": it.get_state(), "losses": losses_seen})
+    finally:
+        if ckpt is not None:
+            ckpt.close()
     return state.params, losses_seen

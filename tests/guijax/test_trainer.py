@@ -13,6 +13,8 @@ import time
 import pytest
 
 from guijax import launch, stages
+from guijax.data.store import TrajectoryStore
+from guijax.trainer import pipeline_config, sft_steps
 from guijax.evaluation import pass_at_k
 
 RECIPE = textwrap.dedent("""
@@ -76,8 +78,32 @@ def test_recipe_end_to_end_and_rerun_resumes(tmp_path):
     assert report["tasks"] == 2 and set(report) >= {"success_rate", "pass@1", "pass@2", "per_domain"}
     assert "| after RL |" in (workdir / "report.md").read_text()
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2]
+    store = TrajectoryStore(workdir / "trajectories")  # every episode of every iteration, readable back
+    assert [p.name.split(".")[0] for p in store.shards] == ["iter-000000", "iter-000001"]
+    assert len(store) == 4 + 4 and all(len(t.steps) >= 1 for t in store)
+    assert [round(t.reward, 6) for t in store][:4] != [] and store[0].steps[0].screenshot.ndim == 3
     stages.run_stages(config, workdir)  # everything exists: nothing runs again
     assert len(_iteration_records(workdir)) == 2
+
+
+def test_sft_resumes_from_its_checkpoint_with_the_same_batches(tmp_path):
+    config = launch.resolve(_recipe(tmp_path, 1), [])
+    run = stages.Run(config, tmp_path / "run")
+    stages.base_model(run)
+    stages.tasks(run)
+    trajectories = stages.expert_trajectories(run, run.tasks()["train"])
+    pipeline = pipeline_config(config, run.system_prompt)
+
+    def losses(steps, checkpoint_dir=None):
+        policy = run.load_policy(run.base_model_dir)
+        return sft_steps(policy, trajectories, policy.processor, config, pipeline, steps, 2, seed=0,
+                         checkpoint_dir=checkpoint_dir, checkpoint_every=2)[1]
+
+    uninterrupted = losses(4)
+    assert losses(3, tmp_path / "ck") == pytest.approx(uninterrupted[:3], rel=1e-5)  # saved at step 2
+    resumed = losses(4, tmp_path / "ck")  # restores step 2 and runs steps 3 and 4 again
+    assert resumed == pytest.approx(uninterrupted, rel=1e-5)
+    run.close()
 
 
 def test_pass_at_k():
