@@ -71,6 +71,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 5
     c.train.keep_checkpoints = 3
     c.train.max_nonfinite_in_row = 3
+    c.train.task_filter = ""  # "valuable": train only on the tasks the select stage kept (ARPO)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 1e-6
@@ -91,10 +92,31 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.sft.learning_rate = 1e-4
     c.sft.traces_per_task = 1
     c.sft.expert_noise = 0.0
+    c.sft.families = ()  # empty: every family of the training split
+    c.sft.plan_fraction = 0.0  # share of SFT traces repeated with the plan appended (BEPA LEVEL-1 prompts)
     c.sft.checkpoint_every = 50  # steps between SFT checkpoints (params, optimiser, grain iterator position)
 
     c.algorithm = ml_collections.ConfigDict()
-    c.algorithm.name = "grpo"
+    c.algorithm.name = "grpo"  # grpo | arpo | bepa | trace_replacement | luffy | rl_sft
+    c.algorithm.seed_cache = ""  # bepa: "level1" (D_self from the level1 stage) | "conv" (D_conv) | "" (empty)
+
+    c.bepa = ml_collections.ConfigDict()
+    c.bepa.update_rule = "random"  # U: random | logprob | shortest
+    c.bepa.plan_extractor = "rule"  # rule | chat (OpenAI-compatible; never used in tests)
+    c.bepa.plan_url = ""
+    c.bepa.plan_model = "gpt-4o"
+    c.bepa.plan_api_key_env = "OPENAI_API_KEY"
+    c.bepa.expert_noise = 0.0  # scripted expert: chance of a wrong or missed action per step
+    c.bepa.base_pass_k = 5  # level1: plain base-policy rollouts per task (its pass@k)
+    c.bepa.level1_rollouts = 1  # level1: plan-conditioned rollouts per task
+
+    c.arpo = ml_collections.ConfigDict()
+    c.arpo.buffer_size = 8
+    c.arpo.selection_rollouts = 16  # select stage: base-policy rollouts per task
+
+    c.compare = ml_collections.ConfigDict()
+    c.compare.methods = ("grpo", "bepa")  # the methods stage trains each from the same base policy
+    c.compare.sft_epochs = 3  # SFT / SFT+RL baselines: epochs over D_conv
 
     c.eval = ml_collections.ConfigDict()
     c.eval.splits = ("train", "held_out")

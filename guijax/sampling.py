@@ -33,6 +33,11 @@ class SamplingConfig:
     stop_strings: tuple[str, ...] = ()  # cut on the host after decoding
     prompt_buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS
     patch_bucket: int = 1024  # image patches are padded up to a multiple of this
+    # Never sample the vision placeholders (image/video pad, vision start/end): they are input-only, and one in
+    # a response would be taken for an image by M-RoPE and the vision merge when the step is trained on.
+    # Released checkpoints give them ~0 probability; a fresh or tiny model does not. The behaviour log-probs
+    # are then over the other tokens, off from the trainer's full-vocabulary ones by log(1 - p(placeholders)).
+    suppress_vision_tokens: bool = True
 
 
 @dataclasses.dataclass
@@ -151,8 +156,14 @@ class Sampler:
         head = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
         head = head.astype(self.module.dtype)
 
+        suppressed = [i for i in (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
+                                  cfg.vision_end_token_id) if i is not None and 0 <= i < cfg.vocab_size]
+        blocked = jnp.zeros((cfg.vocab_size,), jnp.float32)
+        if sc.suppress_vision_tokens and suppressed:
+            blocked = blocked.at[jnp.asarray(suppressed)].set(-jnp.inf)
+
         def logits_of(h):
-            return jnp.einsum("bd,dv->bv", h, head, preferred_element_type=jnp.float32)
+            return jnp.einsum("bd,dv->bv", h, head, preferred_element_type=jnp.float32) + blocked
 
         stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
         tokens = jnp.zeros((b, sc.max_new_tokens), jnp.int32)

@@ -7,14 +7,16 @@ when that result already exists, so re-running a command with the same --workdir
     eval_base    success of the base policy per split (eval_base.json)
     grpo         the RL loop with the recipe's algorithm hook (checkpoints/, metrics.jsonl)
     eval_final   success of the trained policy (eval_final.json)
-    export       final policy in Hugging Face format (final_model/)
     report       report.md with the results table and curves.png
+
+The expert-guided stages (expert, level1, select, methods, table) live in guijax/stages_bepa.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
+import random
 from typing import Any, Callable
 
 import jax
@@ -134,18 +136,37 @@ def tasks(run: Run) -> None:
 
 
 def expert_trajectories(run: Run, task_list) -> list:
+    """Converted successful scripted-expert traces (`sft.traces_per_task` per task); each carries the plan
+    φ(τ) of the rule-based extractor in meta["phi_plan"] for plan-conditioned SFT examples."""
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
+    from guijax.plans import RulePlanExtractor
     from guijax.rollout.conversion import convert_trace
 
     e = run.config.env
     env = DeskEnv(tuple(e.screen), e.step_limit, seed=run.config.seed, popups=e.popups)
+    extractor = RulePlanExtractor()
     out = []
     for i, task in enumerate(task_list):
         for k in range(run.config.sft.traces_per_task):
             trace = run_expert(env, task, ScriptedExpert(noise=run.config.sft.expert_noise, seed=run.config.seed + 97 * i + k))
             if trace.reward >= 1.0:
-                out.append(convert_trace(trace))
+                converted = convert_trace(trace)
+                converted.meta["phi_plan"] = extractor(trace)
+                out.append(converted)
     return out
+
+
+def sft_trajectories(run: Run) -> list:
+    """The warm start's data: expert traces of the training tasks (of `sft.families` when set), plus a
+    `sft.plan_fraction` share repeated with the plan appended to the instruction, so the base policy knows
+    what a plan is (a released UI-TARS model reads one as ordinary instruction text)."""
+    s = run.config.sft
+    tasks = [t for t in run.tasks()["train"] if not s.families or t.domain in s.families]
+    trajectories = expert_trajectories(run, tasks)
+    rng = random.Random(run.config.seed + 5)
+    planned = [dataclasses.replace(t, plan=tuple(t.meta["phi_plan"])) for t in trajectories
+               if rng.random() < s.plan_fraction]
+    return trajectories + planned
 
 
 @stage("sft")
@@ -158,7 +179,7 @@ def sft(run: Run) -> None:
     if (out / "config.json").exists() or run.config.sft.steps == 0:
         return
     policy = run.load_policy(run.base_model_dir)
-    trajectories = expert_trajectories(run, run.tasks()["train"])
+    trajectories = sft_trajectories(run)
     writer = MetricsWriter(run.workdir, "sft_metrics.jsonl", console=False)
     params, losses_seen = sft_steps(policy, trajectories, policy.processor, run.config,
                                     pipeline_config(run.config, run.system_prompt), run.config.sft.steps,
@@ -197,15 +218,18 @@ def eval_base(run: Run) -> None:
 
 @stage("grpo")
 def grpo(run: Run) -> None:
-    from guijax.algorithms import make_algorithm
     from guijax.models.policy import save_pretrained
     from guijax.trainer import Components, Trainer
 
     if (run.workdir / "trained_model" / "config.json").exists():
         return
+    from guijax.stages_bepa import make_hook, training_tasks
+
     policy = run.load_policy(policy_dir(run))
-    parts = Components(policy, run.pool(), policy.processor, run.tasks()["train"],
-                       make_algorithm(run.config.algorithm.name), run.system_prompt, run.mesh())
+    hook = make_hook(run, run.workdir, {"algorithm": run.config.algorithm.name,
+                                        "seed_cache": run.config.algorithm.seed_cache}, run.config)
+    parts = Components(policy, run.pool(), policy.processor, training_tasks(run, run.config), hook,
+                       run.system_prompt, run.mesh())
     trainer = Trainer(run.config, run.workdir, parts)
     trainer.maybe_restore()
     trainer.fit()
@@ -240,6 +264,8 @@ def report(run: Run) -> None:
 
 
 def run_stages(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:
+    import guijax.stages_bepa  # noqa: F401  (registers the expert-guided stages)
+
     unknown = [s for s in config.stages if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stages {unknown} in config.stages; available: {list(STAGES)}")

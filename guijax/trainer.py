@@ -98,6 +98,23 @@ class Trainer:
         self.store = TrajectoryStore(self.workdir / "trajectories")
         self.iteration = 0
         self.nonfinite_in_row = 0
+        if getattr(parts.algorithm, "update_rule", None) == "logprob" and getattr(parts.algorithm, "scorer", 0) is None:
+            parts.algorithm.scorer = self.score_trajectories
+
+    def score_trajectories(self, trajectories: Sequence[Trajectory]) -> list[float]:
+        """Mean response-token log-prob of each trajectory under the current policy (BEPA's U = logprob)."""
+        refs = step_refs(trajectories)
+        totals, counts = np.zeros(len(trajectories)), np.zeros(len(trajectories))
+        data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
+                            dataclasses.replace(self.pipeline, shuffle=False))
+        for batch in data:
+            logp, _ = self.logprob_fn(self.state.params, device_batch(batch))
+            mask = batch["loss_mask"]
+            per_row = (np.asarray(logp) * mask).sum(axis=1)
+            for row, traj in enumerate(batch["meta"]["trajectory"]):
+                totals[traj] += per_row[row]
+                counts[traj] += mask[row].sum()
+        return list(totals / np.maximum(counts, 1.0))
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
@@ -151,11 +168,15 @@ class Trainer:
         t_store = time.perf_counter()
         self.store.append(rollouts, name=f"iter-{self.iteration:06d}")  # every episode, failures included
         t_store = time.perf_counter() - t_store
-        trajectories = [t for g in groups for t in g]
-        group_ids = np.concatenate([np.full(len(g), i) for i, g in enumerate(groups)]).astype(np.int32)
-        rewards = np.asarray([t.reward for t in trajectories], np.float32)
+        # RL+SFT's expert rows ride along for the cross-entropy term only: no part in group advantages
+        scored = [[t for t in g if not t.meta.get("sft_only")] for g in groups]
+        sft_only = [t for g in groups for t in g if t.meta.get("sft_only")]
+        trajectories = [t for g in scored for t in g] + sft_only
+        group_ids = np.concatenate([np.full(len(g), i) for i, g in enumerate(scored)] + [np.zeros(0)]).astype(np.int32)
+        rewards = np.asarray([t.reward for g in scored for t in g], np.float32)
         stats = adv_lib.group_advantages(rewards, group_ids, len(groups), eps=1e-6)
-        advantages = np.asarray(stats.advantages)
+        advantages = np.concatenate([np.asarray(stats.advantages), np.zeros(len(sft_only), np.float32)])
+        keep = [i for i, a in enumerate(advantages) if a != 0.0 or i >= len(advantages) - len(sft_only)]
         on_policy = [t for t in rollouts if t.status != Status.ENV_ERROR]
         metrics: dict[str, float] = {
             "iteration": self.iteration,
@@ -170,16 +191,19 @@ class Trainer:
             "behaviour_logprob_mean": float(np.mean(np.concatenate(
                 [s.behaviour_logprobs for t in on_policy for s in t.steps] or [np.zeros(1)]))),
         }
-        update = self._update(trajectories, advantages) if np.any(advantages != 0) else {}
+        metrics["injected"] = sum(t.source.value != "on_policy" for t in trajectories)
+        metrics.update(self.parts.algorithm.metrics())
+        update = self._update(trajectories, advantages, keep) if keep else {}
         metrics.update(update)
         metrics["time_iteration_s"] = time.perf_counter() - t_start
         metrics["tokens_per_s"] = metrics.get("trained_tokens", 0) / max(metrics.get("time_update_s", 0.0), 1e-9)
         self.iteration += 1
         return metrics
 
-    def _update(self, trajectories: Sequence[Trajectory], advantages: np.ndarray) -> dict[str, float]:
+    def _update(self, trajectories: Sequence[Trajectory], advantages: np.ndarray,
+                keep: Sequence[int]) -> dict[str, float]:
         cfg = self.config
-        refs = step_refs(trajectories, {i: float(a) for i, a in enumerate(advantages) if a != 0.0})
+        refs = step_refs(trajectories, {i: float(advantages[i]) for i in keep})
         data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
                             dataclasses.replace(self.pipeline, seed=cfg.seed * 31 + self.iteration))
         t0 = time.perf_counter()

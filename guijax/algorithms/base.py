@@ -23,6 +23,10 @@ class Algorithm(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def metrics(self) -> dict[str, float]:
+        """Counters since the last call (injections, cache updates), logged with the iteration."""
+        ...
+
 
 class GRPO:
     """Plain group-relative policy optimisation: train on the on-policy group as it is."""
@@ -42,11 +46,38 @@ class GRPO:
         if state:
             raise ValueError(f"GRPO has no state, got keys {sorted(state)}")
 
+    def metrics(self) -> dict[str, float]:
+        return {}
 
-ALGORITHMS = {"grpo": GRPO}
+
+def _registry() -> dict[str, Any]:
+    from guijax.algorithms.arpo import ARPO
+    from guijax.algorithms.bepa import BEPA
+    from guijax.algorithms.expert_mix import LUFFY, RLPlusSFT, TraceReplacement
+
+    return {"grpo": GRPO, "arpo": ARPO, "bepa": BEPA, "trace_replacement": TraceReplacement, "luffy": LUFFY,
+            "rl_sft": RLPlusSFT}
+
+
+def algorithm_names() -> list[str]:
+    return sorted(_registry())
 
 
 def make_algorithm(name: str, **kwargs: Any) -> Algorithm:
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; available: {sorted(ALGORITHMS)}")
-    return ALGORITHMS[name](**kwargs)
+    """kwargs: the hook's own options (from `config.algorithm`), plus `store` (a TrajectoryStore for hooks that
+    checkpoint trajectories) and `expert_traces` ({task id: converted trace}) for hooks that use them; hooks
+    ignore the shared keys they do not take."""
+    registry = _registry()
+    if name not in registry:
+        raise ValueError(f"unknown algorithm {name!r}; available: {sorted(registry)}")
+    cls = registry[name]
+    import inspect
+
+    params = {} if cls.__init__ is object.__init__ else inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    shared = {"store", "expert_traces", "seed"}
+    unknown = [k for k in kwargs if k not in params and k not in shared and not takes_any]
+    if unknown:
+        raise ValueError(f"algorithm {name!r} has no option(s) {unknown}; it takes "
+                         f"{[p for p in params if p not in ('self',)]}")
+    return cls(**{k: v for k, v in kwargs.items() if k in params or takes_any})

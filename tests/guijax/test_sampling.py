@@ -2,6 +2,8 @@
 top-k / top-p truncation; bucketing; sharded sampling."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -66,22 +68,49 @@ def test_greedy_equals_transformers_generate(checkpoint):
     assert out.lengths.tolist() == [new, new] and not out.stopped.any()
 
 
-def test_cached_logprobs_equal_full_forward(checkpoint):
-    """Behaviour log-probs from the decode loop equal a fresh full forward over prompt + response."""
+@pytest.mark.parametrize("suppress", [False, True])
+def test_cached_logprobs_equal_full_forward(checkpoint, suppress):
+    """Behaviour log-probs from the decode loop equal a fresh full forward over prompt + response (with the
+    vision placeholders, when suppressed, removed from the softmax), and placeholders are never sampled."""
     path, _ = checkpoint
     policy = policy_lib.from_pretrained(path)
+    cfg = policy.module.cfg
     inputs = _prompts(1)
     sampler = sampling.Sampler(policy.module, sampling.SamplingConfig(temperature=1.0, max_new_tokens=6,
-                                                                      stop_token_ids=(-5,), patch_bucket=128))
+                                                                      stop_token_ids=(-5,), patch_bucket=128,
+                                                                      suppress_vision_tokens=suppress))
     out = sampler.generate(policy.params, jax.random.PRNGKey(7), **inputs)
     full_ids = np.concatenate([inputs["input_ids"], out.tokens], axis=1)
     full_mask = np.concatenate([inputs["attention_mask"], np.ones_like(out.tokens)], axis=1)
     logits = np.asarray(policy.logits(input_ids=full_ids, attention_mask=full_mask,
                                       pixel_values=inputs["pixel_values"], image_grid_thw=GRIDS))
     prompt_len = inputs["input_ids"].shape[1]
-    logp = jax.nn.log_softmax(logits[:, prompt_len - 1:-1], axis=-1)
+    logits = np.array(logits[:, prompt_len - 1:-1])
+    placeholders = [cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id]
+    if suppress:
+        logits[..., placeholders] = -np.inf
+        assert not np.isin(out.tokens, placeholders).any()
+    logp = jax.nn.log_softmax(logits, axis=-1)
     expected = np.take_along_axis(np.asarray(logp), out.tokens[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(out.logprobs, expected, atol=2e-5)
+
+
+def test_vision_placeholders_are_never_sampled_even_when_most_likely(checkpoint):
+    path, _ = checkpoint
+    policy = policy_lib.from_pretrained(path)
+    cfg = policy.module.cfg
+    params = jax.tree.map(lambda x: x, policy.params)
+    head_key = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+    head = np.asarray(params[head_key]).copy()
+    if cfg.tie_word_embeddings:
+        pytest.skip("test checkpoint ties embeddings")
+    head[:, cfg.image_token_id] = 50.0  # the image pad dominates every step's logits
+    params[head_key] = head
+    sc = sampling.SamplingConfig(temperature=1.0, max_new_tokens=5, stop_token_ids=(-5,), patch_bucket=64)
+    out = sampling.Sampler(policy.module, sc).generate(params, jax.random.PRNGKey(1), **_prompts())
+    assert not (out.tokens == cfg.image_token_id).any()
+    raw = sampling.Sampler(policy.module, dataclasses.replace(sc, suppress_vision_tokens=False))
+    assert (raw.generate(params, jax.random.PRNGKey(1), **_prompts()).tokens == cfg.image_token_id).mean() > 0.5
 
 
 def test_stop_token_ends_rows_independently(checkpoint):

@@ -1,0 +1,71 @@
+"""ARPO's experience replay (arpo.txt §3.3): a per-task FIFO of successful trajectories; a group that is all
+failure gets one failed rollout replaced by a random buffered success, so it has a non-zero advantage."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Sequence
+
+import numpy as np
+
+from envs.api import Task
+from guijax.algorithms.persist import TrajectoryBank
+from guijax.data.store import TrajectoryStore
+from guijax.rollout.trajectory import Source, Trajectory
+
+
+class ARPO:
+    name = "arpo"
+
+    def __init__(self, buffer_size: int = 8, success_threshold: float = 0.1, std_threshold: float = 0.05,
+                 mean_threshold: float = 0.2, seed: int = 0, store: TrajectoryStore | None = None):
+        """Thresholds are those of the paper's code: a success has reward > 0.1; a group counts as all
+        failure when its reward std < 0.05 and mean < 0.2."""
+        if buffer_size < 1:
+            raise ValueError(f"ARPO buffer_size must be >= 1, got {buffer_size}")
+        self.buffer_size, self.success_threshold = buffer_size, success_threshold
+        self.std_threshold, self.mean_threshold = std_threshold, mean_threshold
+        self.seed, self.draws = seed, 0
+        self.buffers: dict[str, list[Trajectory]] = {}
+        self.bank = TrajectoryBank(store)
+        self._replaced = 0
+
+    def _rng(self) -> random.Random:
+        self.draws += 1
+        return random.Random(self.seed * 1_000_003 + self.draws)
+
+    def observe(self, task: Task, rollouts: Sequence[Trajectory]) -> None:
+        buf = self.buffers.setdefault(task.id, [])
+        for t in rollouts:
+            if t.source == Source.ON_POLICY and t.reward > self.success_threshold:
+                buf.append(t)
+        del buf[:max(0, len(buf) - self.buffer_size)]  # FIFO: the oldest go first
+
+    def assemble(self, task: Task, rollouts: Sequence[Trajectory]) -> list[Trajectory]:
+        group = list(rollouts)
+        buf = self.buffers.get(task.id, [])
+        if not group or not buf:
+            return group
+        rewards = np.asarray([t.reward for t in group], np.float64)
+        if rewards.std() >= self.std_threshold or rewards.mean() >= self.mean_threshold:
+            return group
+        rng = self._rng()
+        failed = [i for i, t in enumerate(group) if t.reward <= self.success_threshold]
+        slot = rng.choice(failed) if failed else 0
+        group[slot] = dataclasses.replace(rng.choice(buf), source=Source.REPLAY)
+        self._replaced += 1
+        return group
+
+    def metrics(self) -> dict[str, float]:
+        out = {"replay_injections": float(self._replaced),
+               "replay_buffered": float(sum(len(b) for b in self.buffers.values()))}
+        self._replaced = 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        refs = self.bank.refs(t for b in self.buffers.values() for t in b)
+        return {"draws": self.draws, "buffers": {k: [refs[id(t)] for t in b] for k, b in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.draws = int(state["draws"])
+        self.buffers = {k: [self.bank.load(i) for i in v] for k, v in state["buffers"].items()}

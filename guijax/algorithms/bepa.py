@@ -1,0 +1,90 @@
+"""BEPA LEVEL-2 (bepa.txt §4.2, Algorithm 2): a per-task cache holding one successful trajectory.
+
+After a group with at least one success the cache is refreshed with U(successes); when a group has no
+success and the cache is non-empty, the group's FIRST failed trajectory is replaced by the cached one,
+re-encoded under the plain instruction (no plan). Its π_old log-probs are not carried over: the trainer
+computes old log-probs of every row under the current θ_old, which is what separates BEPA from LUFFY's
+constant off-policy probabilities. The cache is seeded by LEVEL-1's self-rolled successes (D_self).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Callable, Iterable, Sequence
+
+from envs.api import Task
+from guijax.algorithms.persist import TrajectoryBank
+from guijax.data.store import TrajectoryStore
+from guijax.rollout.trajectory import Source, Trajectory
+
+UPDATE_RULES = ("random", "logprob", "shortest")
+Scorer = Callable[[Sequence[Trajectory]], Sequence[float]]
+
+
+class BEPA:
+    name = "bepa"
+
+    def __init__(self, update_rule: str = "random", seed: int = 0, store: TrajectoryStore | None = None,
+                 scorer: Scorer | None = None, refresh: bool = True):
+        """update_rule U: random (the paper's default), logprob (highest mean token log-prob under the current
+        policy; needs `scorer`, which the trainer binds) or shortest (fewest steps, then fewest tokens).
+        refresh=False keeps the LEVEL-1 seed for good (the static-cache ablation)."""
+        if update_rule not in UPDATE_RULES:
+            raise ValueError(f"unknown BEPA update_rule {update_rule!r}; choose one of {UPDATE_RULES}")
+        self.update_rule, self.seed, self.scorer, self.refresh = update_rule, seed, scorer, refresh
+        self.draws = 0
+        self.cache: dict[str, Trajectory] = {}
+        self.bank = TrajectoryBank(store)
+        self._updates = self._injections = self._groups = 0
+
+    def seed_cache(self, trajectories: Iterable[Trajectory]) -> int:
+        """LEVEL-1: cache the first verified success of each task (plan-conditioned self-rolls)."""
+        added = 0
+        for t in trajectories:
+            if t.success and t.task_id not in self.cache:
+                self.cache[t.task_id] = t
+                added += 1
+        return added
+
+    def _choose(self, successes: list[Trajectory]) -> Trajectory:
+        if self.update_rule == "shortest":
+            return min(successes, key=lambda t: (len(t.steps), t.num_tokens))
+        if self.update_rule == "logprob":
+            if self.scorer is None:
+                raise ValueError("BEPA update_rule='logprob' needs a scorer (the trainer binds one)")
+            scores = list(self.scorer(successes))
+            return successes[max(range(len(successes)), key=scores.__getitem__)]
+        self.draws += 1
+        return random.Random(self.seed * 1_000_003 + self.draws).choice(successes)
+
+    def observe(self, task: Task, rollouts: Sequence[Trajectory]) -> None:
+        self._groups += 1
+        successes = [t for t in rollouts if t.success and t.source == Source.ON_POLICY]
+        if successes and (self.refresh or task.id not in self.cache):
+            self.cache[task.id] = self._choose(successes)
+            self._updates += 1
+
+    def assemble(self, task: Task, rollouts: Sequence[Trajectory]) -> list[Trajectory]:
+        group = list(rollouts)
+        cached = self.cache.get(task.id)
+        if not group or cached is None or any(t.success for t in group):
+            return group
+        group[0] = dataclasses.replace(cached.without_plan(), source=Source.CACHE)  # Eq. (3): replaces τ_{x,1}
+        self._injections += 1
+        return group
+
+    def metrics(self) -> dict[str, float]:
+        """Per iteration: how often the cache was refreshed and injected (BEPA logs the update frequency)."""
+        groups = max(self._groups, 1)
+        out = {"cache_size": float(len(self.cache)), "cache_updates": float(self._updates),
+               "cache_update_frequency": self._updates / groups, "cache_injections": float(self._injections)}
+        self._updates = self._injections = self._groups = 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        refs = self.bank.refs(self.cache.values())
+        return {"draws": self.draws, "cache": {k: refs[id(t)] for k, t in self.cache.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.draws = int(state["draws"])
+        self.cache = {k: self.bank.load(i) for k, i in state["cache"].items()}

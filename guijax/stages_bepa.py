@@ -1,0 +1,309 @@
+"""Stages of the expert-guided recipes (BEPA and its baselines, ARPO task selection), on guijax.stages' Run.
+
+    expert    run the framework expert on every task; keep successes as D_E, extract plans φ(τ^E), convert
+              them to UI-TARS trajectories (D_conv)
+    level1    BEPA LEVEL-1: the base policy k times per task plain (its pass@k) and k times conditioned on the
+              plan; verified plan-conditioned successes are D_self (the cache seeds); the expert-only split is
+              D_self minus the tasks the base policy solves (bepa.txt §5.1)
+    select    ARPO's valuable-task selection: keep training tasks the base policy solves at least once in k
+    methods   train every method of `config.compare.methods` from the same base policy with the same budget
+              and seeds, each in WORKDIR/methods/NAME, and evaluate it on every split
+    table     BEPA-Table-1-style success table (expert-only / train / held-out / overall) of the base policy
+              and every method, as table.md and table.json
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import random
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from guijax.stages import Run, policy_dir, stage
+
+# Each method: the algorithm hook, its options, and what it changes in the train section. `seed_cache`:
+# "level1" (D_self) or "conv" (converted expert traces). `pre_sft`: SFT epochs on D_conv before RL;
+# `rl`: False for the SFT-only baseline.
+METHODS: dict[str, dict[str, Any]] = {
+    "grpo": {"algorithm": "grpo"},
+    "bepa": {"algorithm": "bepa", "seed_cache": "level1"},
+    "level1_only": {"algorithm": "bepa", "seed_cache": "level1", "options": {"refresh": False}},
+    "level2_only": {"algorithm": "bepa", "seed_cache": "conv"},
+    "arpo": {"algorithm": "arpo"},
+    "trace_replacement": {"algorithm": "trace_replacement"},
+    "luffy": {"algorithm": "luffy", "train": {"loss": "luffy"}},
+    "rl_sft": {"algorithm": "rl_sft", "train": {"sft_coef": 1.0}},
+    "sft": {"algorithm": "grpo", "pre_sft": True, "rl": False},
+    "sft_rl": {"algorithm": "grpo", "pre_sft": True},
+}
+
+
+def _write_json(path: pathlib.Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def all_tasks(run: Run) -> list:
+    seen, out = set(), []
+    for tasks in run.tasks().values():
+        for t in tasks:
+            if t.id not in seen:
+                seen.add(t.id)
+                out.append(t)
+    return out
+
+
+def expert_traces(run: Run) -> dict[str, Any]:
+    """{task id: converted expert trajectory (D_conv)} written by the expert stage."""
+    from guijax.data.store import TrajectoryStore
+
+    if "expert_traces" not in run._cache:
+        directory = run.workdir / "expert_traces"
+        if not (run.workdir / "expert.json").exists():
+            raise FileNotFoundError(f"{run.workdir}/expert.json missing: add the 'expert' stage before this one")
+        run._cache["expert_traces"] = {t.task_id: t for t in TrajectoryStore(directory)}
+    return run._cache["expert_traces"]
+
+
+def plans(run: Run) -> dict[str, list[str]]:
+    data = json.loads((run.workdir / "expert.json").read_text())
+    return {k: v["plan"] for k, v in data["tasks"].items() if v["success"]}
+
+
+@stage("expert")
+def expert(run: Run) -> None:
+    from envs.desk import DeskEnv, ScriptedExpert, run_expert
+    from guijax.data.store import TrajectoryStore
+    from guijax.plans import make_extractor
+    from guijax.rollout.conversion import convert_trace
+
+    out = run.workdir / "expert.json"
+    if out.exists():
+        return
+    b, e = run.config.bepa, run.config.env
+    extractor = make_extractor(b.plan_extractor, b.plan_url, b.plan_model, b.plan_api_key_env)
+    env = DeskEnv(tuple(e.screen), e.step_limit, seed=run.config.seed, popups=e.popups)
+    results, converted = {}, []
+    tasks = all_tasks(run)
+    for i, task in enumerate(tasks):
+        trace = run_expert(env, task, ScriptedExpert(noise=b.expert_noise, seed=run.config.seed * 7 + i))
+        ok = trace.reward >= 1.0
+        results[task.id] = {"success": ok, "steps": len(trace.steps), "plan": extractor(trace) if ok else []}
+        if ok:
+            converted.append(convert_trace(trace))
+    store_dir = run.workdir / "expert_traces"
+    for stale in store_dir.glob("expert.*"):  # from a crash between the shard and expert.json
+        stale.unlink()
+    TrajectoryStore(store_dir).append(converted, name="expert")
+    _write_json(out, {"expert_noise": b.expert_noise, "tasks": results})
+    print(f"expert: solved {len(converted)}/{len(tasks)} tasks (noise {b.expert_noise}); plans by "
+          f"{b.plan_extractor} extractor")
+
+
+def _successes_by_task(rollouts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in rollouts:
+        out[t.task_id] = out.get(t.task_id, 0) + int(t.success)
+    return out
+
+
+@stage("level1")
+def level1(run: Run) -> None:
+    from guijax.data.store import TrajectoryStore
+
+    out = run.workdir / "level1.json"
+    if out.exists():
+        return
+    b = run.config.bepa
+    policy = run.load_policy(policy_dir(run))
+    engine = run.engine(policy, run.config.rollout.temperature)
+    train = run.tasks()["train"]
+    key = jax.random.PRNGKey(run.config.seed + 4242)
+    plain, _ = engine.run(policy.params, train, b.base_pass_k, key, seed=run.config.seed + 1)
+    with_plan = [t for t in train if t.id in plans(run)]
+    guided, _ = engine.run(policy.params, with_plan, b.level1_rollouts, jax.random.fold_in(key, 1),
+                           plans=plans(run), seed=run.config.seed + 2)
+    base_ok, guided_ok = _successes_by_task(plain), _successes_by_task(guided)
+    d_self = [t for t in guided if t.success]
+    store_dir = run.workdir / "level1_trajectories"
+    for stale in store_dir.glob("d_self.*"):
+        stale.unlink()
+    TrajectoryStore(store_dir).append(d_self, name="d_self")
+    expert_only = sorted(k for k, n in guided_ok.items() if n > 0 and base_ok.get(k, 0) == 0)
+    splits = json.loads((run.workdir / "splits.json").read_text())
+    splits["expert_only"] = expert_only
+    _write_json(run.workdir / "splits.json", splits)
+    run._cache.pop("tasks", None)
+    _write_json(out, {"base_pass_k": b.base_pass_k, "level1_rollouts": b.level1_rollouts,
+                      "base_successes": base_ok, "plan_conditioned_successes": guided_ok,
+                      "d_self": len(d_self), "expert_only": expert_only})
+    print(f"level1: base pass@{b.base_pass_k} solves {sum(n > 0 for n in base_ok.values())}/{len(train)} train "
+          f"tasks; plan-conditioned solves {sum(n > 0 for n in guided_ok.values())}/{len(with_plan)}; "
+          f"|D_self| = {len(d_self)}; expert-only tasks: {len(expert_only)}")
+
+
+@stage("select")
+def select(run: Run) -> None:
+    """ARPO §3.4: keep the training tasks the base policy solves at least once in k rollouts."""
+    out = run.workdir / "valuable_tasks.json"
+    if out.exists():
+        return
+    policy = run.load_policy(policy_dir(run))
+    engine = run.engine(policy, run.config.rollout.temperature)
+    train = run.tasks()["train"]
+    k = run.config.arpo.selection_rollouts
+    rollouts, _ = engine.run(policy.params, train, k, jax.random.PRNGKey(run.config.seed + 77), seed=run.config.seed + 3)
+    ok = _successes_by_task(rollouts)
+    keep = [t.id for t in train if ok.get(t.id, 0) > 0]
+    _write_json(out, {"rollouts_per_task": k, "successes": ok, "valuable": keep})
+    print(f"select: {len(keep)}/{len(train)} training tasks solved at least once in {k} rollouts")
+
+
+def training_tasks(run: Run, config) -> list:
+    """The train split, or with `train.task_filter = "valuable"` the part of it the select stage kept."""
+    tasks = run.tasks()["train"]
+    if config.train.task_filter == "valuable":
+        selected = run.workdir / "valuable_tasks.json"
+        if not selected.exists():
+            raise FileNotFoundError(f"train.task_filter='valuable' needs {selected}: add the 'select' stage first")
+        keep = set(json.loads(selected.read_text())["valuable"])
+        tasks = [t for t in tasks if t.id in keep]
+        if not tasks:
+            raise ValueError("the select stage kept no training task (the base policy solved none); "
+                             "nothing to train on with train.task_filter='valuable'")
+    elif config.train.task_filter:
+        raise ValueError(f"unknown train.task_filter {config.train.task_filter!r}; choose '' or 'valuable'")
+    return tasks
+
+
+def method_config(run: Run, name: str):
+    """The run's config with a method's algorithm and train overrides applied."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r} in compare.methods; available: {sorted(METHODS)}")
+    spec = METHODS[name]
+    config = run.config.copy_and_resolve_references()
+    config.algorithm.name = spec["algorithm"]
+    for k, v in spec.get("train", {}).items():
+        config.train[k] = v
+    return config, spec
+
+
+def make_hook(run: Run, workdir: pathlib.Path, spec: dict[str, Any], config):
+    from guijax.algorithms import make_algorithm
+    from guijax.data.store import TrajectoryStore
+
+    hook_options = dict(spec.get("options", {}))
+    if spec["algorithm"] == "bepa":
+        hook_options["update_rule"] = config.bepa.update_rule
+    if spec["algorithm"] == "arpo":
+        hook_options["buffer_size"] = config.arpo.buffer_size
+    traces = expert_traces(run) if (run.workdir / "expert.json").exists() else {}
+    hook = make_algorithm(spec["algorithm"], store=TrajectoryStore(workdir / "algorithm_trajectories"),
+                          expert_traces=traces, seed=config.seed, **hook_options)
+    seed = spec.get("seed_cache") or ""
+    if seed and spec["algorithm"] != "bepa":
+        raise ValueError(f"seed_cache={seed!r} is for the bepa algorithm, not {spec['algorithm']!r}")
+    if seed == "level1":
+        hook.seed_cache(TrajectoryStore(run.workdir / "level1_trajectories"))
+    elif seed == "conv":
+        hook.seed_cache(traces.values())
+    elif seed:
+        raise ValueError(f"unknown algorithm.seed_cache {seed!r}; choose 'level1', 'conv' or ''")
+    return hook
+
+
+def train_method(run: Run, name: str) -> pathlib.Path:
+    """Train one method from the base policy in WORKDIR/methods/NAME; returns its trained model directory."""
+    from guijax.metrics import MetricsWriter
+    from guijax.models.policy import save_pretrained
+    from guijax.trainer import Components, Trainer, pipeline_config, sft_steps
+
+    config, spec = method_config(run, name)
+    workdir = run.workdir / "methods" / name
+    final = workdir / "trained_model"
+    if (final / "config.json").exists():
+        return final
+    workdir.mkdir(parents=True, exist_ok=True)
+    policy = run.load_policy(policy_dir(run))
+    if spec.get("pre_sft"):
+        traces = [t for t in expert_traces(run).values() if t.task_id in {x.id for x in run.tasks()["train"]}]
+        writer = MetricsWriter(workdir, "sft_metrics.jsonl", console=False)
+        steps = max(1, config.compare.sft_epochs * sum(len(t.steps) for t in traces) // config.sft.batch_size)
+        policy.params, _ = sft_steps(policy, traces, policy.processor, config, pipeline_config(config, run.system_prompt),
+                                     steps, config.sft.batch_size, seed=config.seed, log=writer.write,
+                                     checkpoint_dir=workdir / "sft_checkpoints")
+        writer.close()
+    if spec.get("rl", True):
+        parts = Components(policy, run.pool(), policy.processor, training_tasks(run, config),
+                           make_hook(run, workdir, spec, config),
+                           run.system_prompt, run.mesh())
+        trainer = Trainer(config, workdir, parts)
+        trainer.maybe_restore()
+        trainer.fit()
+        trainer.close()
+        policy.params = trainer.state.params
+    save_pretrained(policy, final)
+    return final
+
+
+@stage("methods")
+def methods(run: Run) -> None:
+    from guijax.evaluation import evaluate, write_report
+
+    ev = run.config.eval
+    for name in run.config.compare.methods:
+        report_path = run.workdir / "methods" / name / "eval.json"
+        if report_path.exists():
+            continue
+        print(f"methods: training {name}")
+        model_dir = train_method(run, name)
+        policy = run.load_policy(model_dir)
+        splits = {k: v for k, v in run.tasks().items() if k in ev.splits}
+        report = evaluate(run.engine(policy, ev.temperature), policy.params, splits, ev.episodes_per_task,
+                          seed=run.config.seed + 12345, ks=tuple(ev.pass_k))
+        write_report(report_path.parent, "eval", report)
+        print(f"{name}: " + ", ".join(f"{s} {100 * r.get('success_rate', 0):.1f}%" for s, r in report["splits"].items()))
+
+
+def overall(report: dict[str, Any], splits: dict[str, list]) -> float | None:
+    """Success over every task once (train ∪ held-out), weighting each split by its task count."""
+    parts = [(report["splits"][s]["success_rate"], len(splits[s])) for s in ("train", "held_out")
+             if s in report["splits"] and report["splits"][s].get("tasks")]
+    n = sum(w for _, w in parts)
+    return sum(r * w for r, w in parts) / n if n else None
+
+
+@stage("table")
+def table(run: Run) -> None:
+    rows: dict[str, dict[str, Any]] = {}
+    base = run.workdir / "eval_base.json"
+    if base.exists():
+        rows["base policy"] = json.loads(base.read_text())
+    for name in run.config.compare.methods:
+        path = run.workdir / "methods" / name / "eval.json"
+        if path.exists():
+            rows[name] = json.loads(path.read_text())
+    splits = run.tasks()
+    columns = [s for s in ("expert_only", "train", "held_out") if s in splits]
+    header = "| policy | " + " | ".join(f"{c} ({len(splits[c])})" for c in columns) + " | overall |"
+    lines = [header, "|---" * (len(columns) + 2) + "|"]
+    data = {}
+    for name, report in rows.items():
+        cells, values = [], {}
+        for c in columns:
+            r = report["splits"].get(c, {})
+            values[c] = r.get("success_rate") if r.get("tasks") else None
+            cells.append("–" if values[c] is None else f"{100 * values[c]:.1f}%")
+        values["overall"] = overall(report, splits)
+        cells.append("–" if values["overall"] is None else f"{100 * values['overall']:.1f}%")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        data[name] = values
+    text = "\n".join(lines)
+    (run.workdir / "table.md").write_text(text + "\n")
+    _write_json(run.workdir / "table.json", data)
+    print(f"\n{run.config.name}: success rate by split (tasks in parentheses)\n\n{text}\n")
