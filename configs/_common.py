@@ -27,7 +27,12 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.mesh.num_devices = 0  # 0: the devices present; set it to dry-run a pod-sized mesh on a laptop
 
     c.env = ml_collections.ConfigDict()
-    c.env.kind = "desk"
+    c.env.kind = "desk"  # desk (synthetic, in-process workers) | osworld (remote desktop servers)
+    c.env.server_urls = ()  # osworld: one server URL per rollout worker (OSWorld VMs or `python -m envs.server`)
+    c.env.server_token_env = ""  # osworld: environment variable holding the servers' bearer token
+    c.env.osworld_dir = ""  # osworld: OSWorld's evaluation_examples folder
+    c.env.osworld_split = ""  # osworld: a split file ({domain: [ids]}); empty: every task in osworld_dir
+    c.env.cache_dirs = ()  # osworld: local folders with files the tasks would download
     c.env.num_workers = 2
     c.env.timeout_s = 120.0
     c.env.screen = (280, 280)
@@ -93,6 +98,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.sft.traces_per_task = 1
     c.sft.expert_noise = 0.0
     c.sft.families = ()  # empty: every family of the training split
+    c.sft.plan_only_families = ()  # families whose traces appear only plan-conditioned
     c.sft.plan_fraction = 0.0  # share of SFT traces repeated with the plan appended (BEPA LEVEL-1 prompts)
     c.sft.checkpoint_every = 50  # steps between SFT checkpoints (params, optimiser, grain iterator position)
 
@@ -106,6 +112,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.bepa.plan_url = ""
     c.bepa.plan_model = "gpt-4o"
     c.bepa.plan_api_key_env = "OPENAI_API_KEY"
+    c.bepa.expert_dir = ""  # folders of recorded expert traces (trace.json + PNGs); empty: the scripted desk expert
     c.bepa.expert_noise = 0.0  # scripted expert: chance of a wrong or missed action per step
     c.bepa.base_pass_k = 5  # level1: plain base-policy rollouts per task (its pass@k)
     c.bepa.level1_rollouts = 1  # level1: plan-conditioned rollouts per task
@@ -123,4 +130,36 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.eval.episodes_per_task = 4
     c.eval.temperature = 0.6
     c.eval.pass_k = (1,)
+    return c
+
+
+def uitars_on_osworld(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """What the GPU and TPU recipes share: UI-TARS-1.5-7B (Qwen2.5-VL-7B) from a local copy, bf16 weights and
+    optimiser moments with full rematerialisation, OSWorld tasks on remote desktop servers, and the papers'
+    RL hyperparameters (group 8, 15 steps, ε 0.2/0.3, no KL, lr 1e-6, train T 1.0, eval T 0.6)."""
+    c.model.path = "/models/UI-TARS-1.5-7B"  # a local Hugging Face directory; no downloads happen
+    c.model.preset = "qwen2_5_vl_7b"  # the architecture --dry_run uses when model.path is absent
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "bfloat16"
+    c.model.remat = "full"
+    c.optim.state_dtype = "bfloat16"
+    c.optim.learning_rate = 1e-6
+    c.env.kind = "osworld"
+    c.env.osworld_dir = "/data/osworld/evaluation_examples"
+    c.env.server_urls = tuple(f"http://10.0.0.{i}:5000" for i in range(1, 33))  # one per rollout worker
+    c.env.server_token_env = "GUIJAX_SERVER_TOKEN"
+    c.env.step_limit = 15
+    c.env.timeout_s = 300.0
+    c.rollout.group_size = 8
+    c.rollout.tasks_per_iteration = 16
+    c.rollout.max_images = 5
+    c.rollout.max_new_tokens = 512
+    c.pipeline.length_buckets = (4096, 8192, 12288, 16384)
+    c.pipeline.patch_bucket = 4096
+    c.train.eps_low, c.train.eps_high = 0.2, 0.3
+    c.train.kl_coef = 0.0
+    c.train.minibatch_size = 8
+    c.train.iterations = 200
+    c.train.checkpoint_every = 5
+    c.eval.episodes_per_task = 4
     return c

@@ -76,11 +76,16 @@ def _worker(conn: Connection, factory: Callable[[], Env], parent_pid: int | None
 
 
 class EnvPool:
-    def __init__(self, factory: Callable[[], Env], num_workers: int, *, timeout_s: float = 120.0,
-                 start_timeout_s: float = 120.0):
+    def __init__(self, factory: Callable[[], Env] | Sequence[Callable[[], Env]], num_workers: int, *,
+                 timeout_s: float = 120.0, start_timeout_s: float = 120.0):
+        """factory: one picklable factory for every worker, or one per worker (e.g. one remote desktop
+        server URL each)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        self.factory = factory
+        self.factories = list(factory) if isinstance(factory, (list, tuple)) else [factory] * num_workers
+        if len(self.factories) != num_workers:
+            raise ValueError(f"{len(self.factories)} factories for {num_workers} workers; give one or one per worker")
+        self.factory = self.factories[0]
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")
@@ -101,7 +106,7 @@ class EnvPool:
 
     def _start(self, slot: int) -> None:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker, args=(child, self.factory, os.getpid()), daemon=True,
+        proc = self._ctx.Process(target=_worker, args=(child, self.factories[slot], os.getpid()), daemon=True,
                                  name=f"envpool-{slot}")
         proc.start()
         child.close()

@@ -19,7 +19,7 @@ from absl import app, flags, logging
 from guijax import config as config_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "grpo_cpu", "recipe name in configs/ (or a path to a .py file with get_config()); "
+flags.DEFINE_string("config", "bepa_cpu", "recipe name in configs/ (or a path to a .py file with get_config()); "
                     "the default is the most complete CPU recipe")
 flags.DEFINE_string("workdir", None, "run directory (default: runs/<config name>); an existing run is resumed")
 flags.DEFINE_bool("dry_run", False, "build mesh and model abstractly, print sizes, allocate nothing")

@@ -84,8 +84,23 @@ class Run:
             from envs.pool import DeskFactory, EnvPool
 
             e = self.config.env
-            self._cache["pool"] = EnvPool(DeskFactory(tuple(e.screen), e.step_limit, self.config.seed, e.popups),
-                                          e.num_workers, timeout_s=e.timeout_s)
+            if e.kind == "desk":
+                factories = DeskFactory(tuple(e.screen), e.step_limit, self.config.seed, e.popups)
+                workers = e.num_workers
+            elif e.kind == "osworld":
+                import os
+
+                from envs.client import RemoteFactory
+
+                if not e.server_urls:
+                    raise ValueError("env.kind='osworld' needs env.server_urls: one desktop server (an OSWorld VM "
+                                     "or `python -m envs.server`) per rollout worker")
+                token = os.environ.get(e.server_token_env) if e.server_token_env else None
+                factories = [RemoteFactory(url, token, e.step_limit, tuple(e.cache_dirs)) for url in e.server_urls]
+                workers = len(factories)
+            else:
+                raise ValueError(f"unknown env.kind {e.kind!r}; choose 'desk' or 'osworld'")
+            self._cache["pool"] = EnvPool(factories, workers, timeout_s=e.timeout_s)
         return self._cache["pool"]
 
     def engine(self, policy, temperature: float):
@@ -126,8 +141,16 @@ def tasks(run: Run) -> None:
     if (run.workdir / "splits.json").exists():
         return
     e = run.config.env
-    generated = generate_desk_tasks(e.num_tasks, seed=run.config.seed, families=list(e.families) or None,
-                                    screen_hw=tuple(e.screen))
+    if e.kind == "osworld":
+        from envs.osworld.loader import load_osworld, load_split
+
+        if not e.osworld_dir:
+            raise ValueError("env.kind='osworld' needs env.osworld_dir (OSWorld's evaluation_examples folder)")
+        loaded = load_split(e.osworld_split, e.osworld_dir) if e.osworld_split else load_osworld(e.osworld_dir)
+        generated = [t.task for t in loaded]
+    else:
+        generated = generate_desk_tasks(e.num_tasks, seed=run.config.seed, families=list(e.families) or None,
+                                        screen_hw=tuple(e.screen))
     splits = split_tasks(generated, held_out_families=list(e.held_out_families), held_out_fraction=e.held_out_fraction,
                          seed=run.config.seed)
     save_tasks(generated, run.workdir / "tasks.json")
@@ -159,14 +182,26 @@ def expert_trajectories(run: Run, task_list) -> list:
 def sft_trajectories(run: Run) -> list:
     """The warm start's data: expert traces of the training tasks (of `sft.families` when set), plus a
     `sft.plan_fraction` share repeated with the plan appended to the instruction, so the base policy knows
-    what a plan is (a released UI-TARS model reads one as ordinary instruction text)."""
+    what a plan is (a released UI-TARS model reads one as ordinary instruction text). Families in
+    `sft.plan_only_families` appear only with their plan: the base policy can follow a plan there but
+    has never solved the bare instruction, the situation BEPA's LEVEL-1 is built for."""
     s = run.config.sft
-    tasks = [t for t in run.tasks()["train"] if not s.families or t.domain in s.families]
+    unknown = sorted(set(s.plan_only_families) - set(run.config.env.families)) if run.config.env.families else []
+    if unknown:
+        raise ValueError(f"sft.plan_only_families {unknown} are not in env.families {list(run.config.env.families)}")
+    tasks = [t for t in run.tasks()["train"]
+             if not s.families or t.domain in s.families or t.domain in s.plan_only_families]
     trajectories = expert_trajectories(run, tasks)
+    domain = {t.id: t.domain for t in tasks}
     rng = random.Random(run.config.seed + 5)
-    planned = [dataclasses.replace(t, plan=tuple(t.meta["phi_plan"])) for t in trajectories
-               if rng.random() < s.plan_fraction]
-    return trajectories + planned
+    plain, planned = [], []
+    for t in trajectories:
+        plan_only = domain[t.task_id] in s.plan_only_families
+        if not plan_only:
+            plain.append(t)
+        if plan_only or rng.random() < s.plan_fraction:
+            planned.append(dataclasses.replace(t, plan=tuple(t.meta["phi_plan"])))
+    return plain + planned
 
 
 @stage("sft")

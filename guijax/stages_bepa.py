@@ -87,11 +87,19 @@ def expert(run: Run) -> None:
         return
     b, e = run.config.bepa, run.config.env
     extractor = make_extractor(b.plan_extractor, b.plan_url, b.plan_model, b.plan_api_key_env)
-    env = DeskEnv(tuple(e.screen), e.step_limit, seed=run.config.seed, popups=e.popups)
     results, converted = {}, []
     tasks = all_tasks(run)
+    recorded = load_recorded_traces(b.expert_dir) if b.expert_dir else None
+    env = None if recorded is not None else DeskEnv(tuple(e.screen), e.step_limit, seed=run.config.seed,
+                                                     popups=e.popups)
     for i, task in enumerate(tasks):
-        trace = run_expert(env, task, ScriptedExpert(noise=b.expert_noise, seed=run.config.seed * 7 + i))
+        if recorded is not None:
+            trace = recorded.get(task.id)
+            if trace is None:
+                results[task.id] = {"success": False, "steps": 0, "plan": []}
+                continue
+        else:
+            trace = run_expert(env, task, ScriptedExpert(noise=b.expert_noise, seed=run.config.seed * 7 + i))
         ok = trace.reward >= 1.0
         results[task.id] = {"success": ok, "steps": len(trace.steps), "plan": extractor(trace) if ok else []}
         if ok:
@@ -101,8 +109,27 @@ def expert(run: Run) -> None:
         stale.unlink()
     TrajectoryStore(store_dir).append(converted, name="expert")
     _write_json(out, {"expert_noise": b.expert_noise, "tasks": results})
-    print(f"expert: solved {len(converted)}/{len(tasks)} tasks (noise {b.expert_noise}); plans by "
-          f"{b.plan_extractor} extractor")
+    source = f"recorded traces in {b.expert_dir}" if recorded is not None else f"scripted expert, noise {b.expert_noise}"
+    print(f"expert: {len(converted)}/{len(tasks)} tasks solved ({source}); plans by the {b.plan_extractor} extractor")
+
+
+def load_recorded_traces(directory: str) -> dict[str, Any]:
+    """{task id: ExpertTrace} from folders holding trace.json + step PNGs (ExpertTrace.save's layout)."""
+    from envs.desk.expert import ExpertTrace
+
+    root = pathlib.Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"bepa.expert_dir {root} is not a directory")
+    traces = {}
+    for path in sorted(root.rglob("trace.json")):
+        try:
+            trace = ExpertTrace.load(path.parent)
+        except (ValueError, KeyError, OSError) as err:
+            raise ValueError(f"expert trace {path}: {err}") from err
+        traces.setdefault(trace.task_id, trace)
+    if not traces:
+        raise FileNotFoundError(f"no expert traces (*/trace.json) under bepa.expert_dir {root}")
+    return traces
 
 
 def _successes_by_task(rollouts) -> dict[str, int]:

@@ -102,3 +102,43 @@ def test_rule_plan_extractor_drops_dynamic_ui_and_keeps_effective_steps():
     assert all(p == plans[0] for p in plans), plans  # pop-ups never reach the plan
     assert len(plans[0]) == 2 and plans[0][0].startswith("Click") and "pop-up" not in " ".join(plans[0])
     assert parse_numbered_plan("Task: x\n1. Click A\n2) Type \"b\"\nnot a step") == ["Click A", 'Type "b"']
+
+
+def test_expert_stage_reads_recorded_traces(tmp_path):
+    from envs.desk import DeskEnv, ScriptedExpert, run_expert
+
+    config = _config(tmp_path, ("grpo",))
+    run = stages.Run(config, tmp_path / "run")
+    stages.tasks(run)
+    from guijax.stages_bepa import all_tasks, expert
+
+    tasks = all_tasks(run)
+    env = DeskEnv(seed=0, popups=False)
+    for task in tasks[:3]:  # the fourth task has no recorded trace
+        run_expert(env, task, ScriptedExpert(seed=1)).save(tmp_path / "traces" / task.id)
+    config.unlock()
+    config.bepa.expert_dir = str(tmp_path / "traces")
+    expert(run)
+    results = json.loads((tmp_path / "run" / "expert.json").read_text())["tasks"]
+    assert [results[t.id]["success"] for t in tasks] == [True, True, True, False]
+    assert len(TrajectoryStore(tmp_path / "run" / "expert_traces")) == 3
+    config.bepa.expert_dir = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        from guijax.stages_bepa import load_recorded_traces
+
+        load_recorded_traces(config.bepa.expert_dir)
+
+
+@pytest.mark.parametrize("name,devices", [("grpo_gpu", 1), ("grpo_tpu", 64), ("bepa_gpu", 1), ("bepa_tpu", 64)])
+def test_accelerator_recipes_dry_run(name, devices):
+    from guijax.launch import dry_run
+
+    report = dry_run(launch.resolve(name, []))
+    assert report["params"] == 8_292_166_656 and report["param_dtype"] == "bfloat16"
+    assert report["mesh"]["data"] * report["mesh"]["fsdp"] * report["mesh"]["tensor"] == devices
+
+
+def test_osworld_env_without_servers_is_refused(tmp_path):
+    config = launch.resolve("grpo_gpu", ["env.server_urls=()"])
+    with pytest.raises(ValueError, match="server_urls"):
+        stages.Run(config, tmp_path).pool()

@@ -1,0 +1,14 @@
+"""GRPO for UI-TARS-1.5-7B on OSWorld from one H100 (80 GB): bf16 weights and AdamW moments, full remat.
+
+Edit (or override) model.path, env.osworld_dir and env.server_urls for your machines; check the sizes
+first with `python -m guijax.launch --config=grpo_gpu --dry_run`.
+"""
+from configs._common import base, uitars_on_osworld
+
+
+def get_config():
+    c = uitars_on_osworld(base("grpo_gpu"))
+    c.stages = ("base_model", "tasks", "eval_base", "grpo", "eval_final", "report")
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1  # every local GPU in one FSDP axis
+    c.mesh.num_devices = 1  # the dry run's mesh: one H100
+    return c
