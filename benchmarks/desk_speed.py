@@ -18,20 +18,16 @@ from envs.desk import DEFAULT_SIZE, DeskEnv
 from envs.tasks import generate_desk_tasks
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=5000)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}) if hasattr(os, "sched_setaffinity") else None
-    tasks = generate_desk_tasks(18, seed=0)
-    env = DeskEnv(DEFAULT_SIZE, step_limit=10**9, seed=0)
-    rng = random.Random(0)
+def measure(steps: int, seed: int = 0) -> dict:
+    """Steps/s of one DeskEnv in this thread (the caller decides the CPU affinity)."""
+    tasks = generate_desk_tasks(18, seed=seed)
+    env = DeskEnv(DEFAULT_SIZE, step_limit=10**9, seed=seed)
+    rng = random.Random(seed)
     h, w = DEFAULT_SIZE
     kinds = [ActionType.CLICK, ActionType.CLICK, ActionType.TYPE, ActionType.SCROLL, ActionType.HOTKEY]
     env.reset(tasks[0])
     start = time.perf_counter()
-    for i in range(args.steps):
+    for i in range(steps):
         if i % 15 == 0:
             env.reset(tasks[(i // 15) % len(tasks)])
         kind = rng.choice(kinds)
@@ -41,8 +37,18 @@ def main() -> None:
                   ActionType.HOTKEY: Action(kind, keys=("tab",))}[kind]
         env.step(action)
     elapsed = time.perf_counter() - start
-    result = {"steps": args.steps, "seconds": elapsed, "steps_per_second_per_core": args.steps / elapsed,
-              "screen": list(DEFAULT_SIZE)}
+    return {"steps": steps, "seconds": elapsed, "steps_per_second_per_core": steps / elapsed,
+            "screen": list(DEFAULT_SIZE)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}) if hasattr(os, "sched_setaffinity") else None
+    result = measure(args.steps)
+    elapsed = result["seconds"]
     print(f"synthetic desk {DEFAULT_SIZE[1]}x{DEFAULT_SIZE[0]}: {result['steps_per_second_per_core']:.0f} steps/s on one core "
           f"({args.steps} steps in {elapsed:.2f}s, rendering + a11y tree included)")
     if args.json:

@@ -16,7 +16,7 @@ from configs._common import base
 
 def get_config():
     c = base("bepa_cpu")
-    c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "methods", "table")
+    c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "methods", "table", "diagnostics")
     c.model.preset = "small"
     c.model.image_max_pixels = 112 * 112  # 16 image tokens per screenshot
     c.env.families = ("click_button", "toggle_checkbox", "choose_option")

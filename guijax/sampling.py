@@ -38,6 +38,9 @@ class SamplingConfig:
     # Released checkpoints give them ~0 probability; a fresh or tiny model does not. The behaviour log-probs
     # are then over the other tokens, off from the trainer's full-vocabulary ones by log(1 - p(placeholders)).
     suppress_vision_tokens: bool = True
+    # Rows are padded up to the next power of two (text-only dummy rows, dropped from the output), so a
+    # shrinking set of live episodes reuses a few compiled programs instead of compiling one per batch size.
+    pad_batch_to_power_of_two: bool = True
 
 
 @dataclasses.dataclass
@@ -197,13 +200,23 @@ class Sampler:
 
     def generate(self, params: Any, rng: jax.Array, input_ids, attention_mask=None, pixel_values=None,
                  image_grid_thw=None, **_ignored) -> SampleOutput:
+        input_ids = np.asarray(input_ids)
+        attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
+        rows = input_ids.shape[0]
+        if self.config.pad_batch_to_power_of_two and rows & (rows - 1):
+            extra = (1 << rows.bit_length()) - rows  # dummy rows: one valid text token each, no image
+            input_ids = np.concatenate([input_ids, np.zeros((extra, input_ids.shape[1]), input_ids.dtype)])
+            dummy_mask = np.zeros((extra, attention_mask.shape[1]), attention_mask.dtype)
+            dummy_mask[:, 0] = 1
+            attention_mask = np.concatenate([attention_mask, dummy_mask])
         ids, mask, positions, next_position, vision = self._prepare(input_ids, attention_mask, pixel_values,
                                                                     image_grid_thw)
         arrays = (ids, mask, positions, next_position, vision)
         if self.mesh is not None:
             arrays = self._place(arrays)
         tokens, logps, lengths, done = jax.device_get(self._generate(params, *arrays, rng))
-        out = SampleOutput(np.asarray(tokens), np.asarray(logps), np.asarray(lengths), np.asarray(done))
+        out = SampleOutput(np.asarray(tokens)[:rows], np.asarray(logps)[:rows], np.asarray(lengths)[:rows],
+                           np.asarray(done)[:rows])
         if self.tokenizer is not None:
             self._apply_stop_strings(out)
         return out

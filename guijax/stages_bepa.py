@@ -10,6 +10,8 @@
               and seeds, each in WORKDIR/methods/NAME, and evaluate it on every split
     table     BEPA-Table-1-style success table (expert-only / train / held-out / overall) of the base policy
               and every method, as table.md and table.json
+    diagnostics  BEPA §5.4: token-probability histograms, tail mass and JS divergence of D_conv, D_self and
+              on-policy traces under the base policy; the methods' training curves
 """
 from __future__ import annotations
 
@@ -157,6 +159,10 @@ def level1(run: Run) -> None:
                            plans=plans(run), seed=run.config.seed + 2)
     base_ok, guided_ok = _successes_by_task(plain), _successes_by_task(guided)
     d_self = [t for t in guided if t.success]
+    base_dir = run.workdir / "level1_base_rollouts"  # the on-policy reference of the diagnostics stage
+    for stale in base_dir.glob("plain.*"):
+        stale.unlink()
+    TrajectoryStore(base_dir).append(plain, name="plain")
     store_dir = run.workdir / "level1_trajectories"
     for stale in store_dir.glob("d_self.*"):
         stale.unlink()
@@ -334,3 +340,73 @@ def table(run: Run) -> None:
     (run.workdir / "table.md").write_text(text + "\n")
     _write_json(run.workdir / "table.json", data)
     print(f"\n{run.config.name}: success rate by split (tasks in parentheses)\n\n{text}\n")
+
+
+@stage("diagnostics")
+def diagnostics(run: Run) -> None:
+    """BEPA §5.4 under the base policy: token-probability histograms, tail mass Pr(p < 0.2) and JS divergence
+    to the on-policy reference for D_conv, D_self and the base policy's own rollouts (diagnostics.json/.png),
+    and the methods' training curves: entropy, log-prob of on-policy successes and of injected traces,
+    cache update frequency, success (curves_methods.png)."""
+    from guijax import diagnostics as diag
+    from guijax.data.store import TrajectoryStore
+    from guijax.metrics import read_metrics
+    from guijax.train_step import make_logprob_fn
+    from guijax.trainer import pipeline_config
+
+    out = run.workdir / "diagnostics.json"
+    if out.exists():
+        return
+    policy = run.load_policy(policy_dir(run))
+    logprob_fn = make_logprob_fn(policy.module, run.config.rollout.temperature, run.config.train.logprob_impl)
+    train_ids = {t.id for t in run.tasks()["train"]}
+    plain = list(TrajectoryStore(run.workdir / "level1_base_rollouts"))
+    successes = [t for t in plain if t.success]
+    sets = {"on_policy": successes or [t for t in plain if t.steps],
+            "D_self": [t.without_plan() for t in TrajectoryStore(run.workdir / "level1_trajectories")],
+            "D_conv": [t for k, t in expert_traces(run).items() if k in train_ids]}
+    pipeline = pipeline_config(run.config, run.system_prompt)
+    probs = {k: diag.token_probabilities(logprob_fn, policy.params, v, policy.processor, policy.module.cfg, pipeline)
+             for k, v in sets.items() if v}
+    summary = diag.summarize(probs, "on_policy")
+    summary["_reference"] = {"on_policy": "successful plain rollouts of the base policy" if successes
+                             else "all plain rollouts of the base policy (it had no success)"}
+    _write_json(out, summary)
+    diag.plot_histograms({k: v for k, v in summary.items() if not k.startswith("_")},
+                         run.workdir / "diagnostics.png", "token probabilities under the base policy")
+    curves = {}
+    for name in run.config.compare.methods:
+        path = run.workdir / "methods" / name / "metrics.jsonl"
+        if path.exists():
+            curves[name] = [r for r in read_metrics(path) if "iteration" in r]
+    if curves:
+        _plot_method_curves(curves, run.workdir / "curves_methods.png")
+    for name, s in summary.items():
+        if not name.startswith("_"):
+            js = s.get("js_to_on_policy")
+            print(f"diagnostics: {name}: {s['tokens']} tokens, tail mass {100 * s['tail_mass_p_lt_0.2']:.1f}%, "
+                  f"JS to on-policy {js if js is None else round(js, 4)}")
+
+
+def _plot_method_curves(curves: dict[str, list[dict[str, Any]]], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("success_rate", "training success"), ("entropy", "policy entropy"),
+            ("logp_success_on_policy", "log-prob of on-policy successes"),
+            ("logp_injected", "log-prob of injected traces (θ_old)"),
+            ("cache_update_frequency", "cache update frequency")]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+    for ax, (key, title) in zip(axes, keys):
+        for name, records in curves.items():
+            pts = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("iteration")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

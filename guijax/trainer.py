@@ -185,17 +185,22 @@ class Trainer:
             "format_error_rate": float(np.mean([t.status == Status.PARSE_ERROR for t in on_policy])) if on_policy else 0.0,
             "env_errors": len(dropped), "zero_variance_groups": int(stats.zero_variance_groups),
             "episodes": len(rollouts), "time_env_s": timing["env_s"], "time_sampling_s": timing["sample_s"],
-            "time_store_s": t_store,
+            "time_store_s": t_store, "time_rollout_s": timing["wall_s"], "env_steps": timing["steps"],
+            "sampled_tokens": timing["sampled_tokens"],
             "response_tokens_mean": float(np.mean([len(s.response_tokens) for t in on_policy for s in t.steps]))
             if on_policy else 0.0,
             "behaviour_logprob_mean": float(np.mean(np.concatenate(
                 [s.behaviour_logprobs for t in on_policy for s in t.steps] or [np.zeros(1)]))),
         }
         metrics["injected"] = sum(t.source.value != "on_policy" for t in trajectories)
+        won = [s.behaviour_logprobs for t in on_policy if t.success for s in t.steps if len(s.behaviour_logprobs)]
+        metrics["logp_success_on_policy"] = float(np.mean(np.concatenate(won))) if won else None
         metrics.update(self.parts.algorithm.metrics())
         update = self._update(trajectories, advantages, keep) if keep else {}
         metrics.update(update)
         metrics["time_iteration_s"] = time.perf_counter() - t_start
+        # rollouts are synchronous: every second in env calls is a second the trainer waits on environments
+        metrics["env_wait_fraction"] = timing["env_s"] / max(metrics["time_iteration_s"], 1e-9)
         metrics["tokens_per_s"] = metrics.get("trained_tokens", 0) / max(metrics.get("time_update_s", 0.0), 1e-9)
         self.iteration += 1
         return metrics
@@ -207,11 +212,16 @@ class Trainer:
         data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
                             dataclasses.replace(self.pipeline, seed=cfg.seed * 31 + self.iteration))
         t0 = time.perf_counter()
-        prepared = []
+        prepared, injected_logp = [], []
         for batch in data:  # old log-probs under θ_old, fixed for every epoch
+            off = np.asarray(batch["off_policy"], bool)
             batch = device_batch(batch)
             old, _ = self.logprob_fn(self.state.params, batch)
-            prepared.append(dict(batch, old_logp=np.asarray(old)))
+            old = np.asarray(old)
+            if off.any():  # injected traces (replay, cache, expert) as the current θ_old sees them
+                mask = np.asarray(batch["loss_mask"])[off]
+                injected_logp.append((float((old[off] * mask).sum()), float(mask.sum())))
+            prepared.append(dict(batch, old_logp=old))
         t_old = time.perf_counter() - t0
         total_tokens = sum(float(b["loss_mask"].sum()) for b in prepared)
         collected: dict[str, list[float]] = {}
@@ -231,6 +241,8 @@ class Trainer:
                 else:
                     self.nonfinite_in_row = 0
         out = {k: float(np.mean(v)) for k, v in collected.items()}
+        if injected_logp:
+            out["logp_injected"] = sum(a for a, _ in injected_logp) / max(sum(n for _, n in injected_logp), 1.0)
         out.update(time_old_logprobs_s=t_old, time_update_s=time.perf_counter() - t0, trained_tokens=total_tokens,
                    learning_rate=float(self.schedule(int(self.state.step))))
         return out

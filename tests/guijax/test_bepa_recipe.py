@@ -6,6 +6,7 @@ import json
 import pathlib
 import textwrap
 
+import numpy as np
 import pytest
 
 from guijax import launch, stages
@@ -17,7 +18,8 @@ RECIPE = textwrap.dedent("""
 
     def get_config():
         c = base("tiny_bepa")
-        c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "select", "methods", "table")
+        c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "select", "methods", "table",
+                    "diagnostics")
         c.model.preset = "tiny"
         c.model.tokenizer_vocab = 1024
         c.model.image_max_pixels = 112 * 112
@@ -77,6 +79,22 @@ def test_expert_guided_recipe_end_to_end(tmp_path):
     data = json.loads((workdir / "table.json").read_text())
     assert set(data["rl_sft"]) == {"expert_only", "train", "held_out", "overall"}
     assert json.loads((workdir / "valuable_tasks.json").read_text())["rollouts_per_task"] == 1
+    diag = json.loads((workdir / "diagnostics.json").read_text())
+    assert diag["D_conv"]["tokens"] > 0 and 0.0 <= diag["D_conv"]["tail_mass_p_lt_0.2"] <= 1.0
+    assert diag["on_policy"]["js_to_on_policy"] == pytest.approx(0.0, abs=1e-12)
+    assert (workdir / "diagnostics.png").exists() and (workdir / "curves_methods.png").exists()
+    assert "logp_injected" in l2 and l2["logp_injected"] < 0
+
+
+def test_divergence_and_tail_mass():
+    from guijax import diagnostics as diag
+
+    p = diag.histogram(np.array([0.01, 0.02, 0.96, 0.97]))
+    assert p.sum() == pytest.approx(1.0) and p[0] == pytest.approx(0.5) and p[-1] == pytest.approx(0.5)
+    assert diag.tail_mass(np.array([0.1, 0.3, 0.15, 0.9])) == 0.5
+    assert diag.js_divergence(p, p) == pytest.approx(0.0)
+    disjoint = diag.js_divergence(np.array([1.0, 0.0]), np.array([0.0, 1.0]))
+    assert disjoint == pytest.approx(np.log(2))
 
 
 def test_unknown_method_and_seed_cache_are_named(tmp_path):

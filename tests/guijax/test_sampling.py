@@ -163,3 +163,19 @@ def test_sharded_sampling_matches_single_device(checkpoint):
     b = sampling.Sampler(sharded.module, cfg, mesh=mesh).generate(sharded.params, jax.random.PRNGKey(0), **inputs)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_odd_batches_pad_to_a_power_of_two_and_keep_their_rows(checkpoint):
+    """3 text rows run as 4 (one dummy row dropped): same greedy tokens as rows sampled alone."""
+    path, _ = checkpoint
+    policy = policy_lib.from_pretrained(path)
+    rs = np.random.RandomState(3)
+    ids = rs.randint(0, 900, (3, 6)).astype(np.int64)
+    sc = sampling.SamplingConfig(temperature=0.0, max_new_tokens=4, stop_token_ids=(-5,), patch_bucket=64)
+    sampler = sampling.Sampler(policy.module, sc)
+    out = sampler.generate(policy.params, jax.random.PRNGKey(0), input_ids=ids)
+    assert out.tokens.shape == (3, 4) and out.lengths.tolist() == [4, 4, 4]
+    for row in range(3):
+        alone = sampler.generate(policy.params, jax.random.PRNGKey(0), input_ids=ids[row:row + 1])
+        np.testing.assert_array_equal(alone.tokens[0], out.tokens[row])
+        np.testing.assert_allclose(alone.logprobs[0], out.logprobs[row], atol=1e-5)

@@ -1,0 +1,130 @@
+"""Helpers shared by the benchmark scripts: machine description, timing, peak FLOP/s, output files.
+
+Not a benchmark itself. Scripts import it as `bench_common` (their own folder is on sys.path when they run
+as `python benchmarks/NAME.py`; tests load the scripts by path and put the folder there first).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+# Dense bf16 peak FLOP/s per chip from the vendors' spec sheets (without structured sparsity).
+SPEC_PEAK_BF16 = {
+    "h200": 989e12,
+    "h100": 989e12,
+    "a100": 312e12,
+    "tpu v6e": 918e12,
+    "tpu v5p": 459e12,
+    "tpu v5e": 197e12,
+    "tpu v4": 275e12,
+}
+# jax's device_kind spellings -> keys above (checked in order; lower-cased substring match).
+_KIND_ALIASES = (
+    ("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
+    ("v6 lite", "tpu v6e"), ("v6e", "tpu v6e"), ("v5p", "tpu v5p"), ("v5 lite", "tpu v5e"),
+    ("v5e", "tpu v5e"), ("tpu v4", "tpu v4"),
+)
+
+
+def machine_info() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        affinity = os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(), "cpus_usable": affinity, "load_average_at_start": load,
+        "machine": platform.machine(), "processor": platform.processor() or None, "host": platform.node(),
+        "python": platform.python_version(), "jax": jax.__version__,
+    }
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    return (f"{info['host']}: {info['machine']}, {info['cpus_usable']}/{info['cpu_count']} CPUs usable, "
+            f"backend {info['backend']} ({info['device_kind']} x{info['device_count']}), jax {info['jax']}, "
+            f"load average at start {info['load_average_at_start']}")
+
+
+def default_dtype() -> str:
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` calls of fn() after `warmup` untimed ones (compilation happens there);
+    every call is waited on with jax.block_until_ready."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def measure_matmul_peak(n: int = 2048, repeats: int = 5, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Best FLOP/s of a jitted dense n x n @ n x n matmul: the attainable peak of this machine right now
+    (used as the MFU denominator on CPU, where no spec sheet number applies)."""
+    ka, kb = jax.random.split(jax.random.PRNGKey(0))
+    a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    times = time_calls(lambda: f(a, b), repeats, warmup=2)
+    flops = 2.0 * n ** 3
+    return {"n": n, "dtype": jnp.dtype(dtype).name, "best_s": min(times), "median_s": median(times),
+            "flops_per_s": flops / min(times)}
+
+
+def spec_peak(device_kind: str) -> float | None:
+    kind = device_kind.lower()
+    for alias, key in _KIND_ALIASES:
+        if alias in kind:
+            return SPEC_PEAK_BF16[key]
+    return None
+
+
+def peak_flops(matmul_n: int = 2048, repeats: int = 5) -> dict[str, Any]:
+    """MFU denominator: the spec bf16 peak on a known GPU/TPU, else a float32 matmul measured now."""
+    info = jax.devices()[0]
+    if jax.default_backend() != "cpu":
+        spec = spec_peak(info.device_kind)
+        if spec is not None:
+            return {"source": f"spec sheet, dense bf16, {info.device_kind}", "flops_per_s": spec}
+    m = measure_matmul_peak(matmul_n, repeats)
+    return {"source": f"measured: jitted float32 {matmul_n}x{matmul_n} matmul, best of {repeats}",
+            "flops_per_s": m["flops_per_s"], "matmul": m}
+
+
+def write_outputs(json_path: str | None, md_path: str | None, payload: dict[str, Any], markdown: str) -> None:
+    for path, text in ((json_path, json.dumps(payload, indent=2) + "\n"), (md_path, markdown + "\n")):
+        if path:
+            p = pathlib.Path(path)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    return " ".join(["python", f"benchmarks/{script}"] + list(sys.argv[1:] if argv is None else argv))
