@@ -120,6 +120,11 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.arpo = ml_collections.ConfigDict()
     c.arpo.buffer_size = 8
     c.arpo.selection_rollouts = 16  # select stage: base-policy rollouts per task
+    c.arpo.offline_methods = ()  # offline stage: any of rft, dpo, kto (on the select stage's rollouts)
+    c.arpo.offline_steps = 20
+    c.arpo.offline_batch_trajectories = 8
+    c.arpo.offline_learning_rate = 1e-5
+    c.arpo.offline_beta = 0.1
 
     c.compare = ml_collections.ConfigDict()
     c.compare.methods = ("grpo", "bepa")  # the methods stage trains each from the same base policy

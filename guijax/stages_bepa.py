@@ -6,6 +6,8 @@
               plan; verified plan-conditioned successes are D_self (the cache seeds); the expert-only split is
               D_self minus the tasks the base policy solves (bepa.txt §5.1)
     select    ARPO's valuable-task selection: keep training tasks the base policy solves at least once in k
+              (its rollouts are kept for the offline stage)
+    offline   ARPO's offline baselines on those rollouts: rft (SFT on successes), dpo, kto
     methods   train every method of `config.compare.methods` from the same base policy with the same budget
               and seeds, each in WORKDIR/methods/NAME, and evaluate it on every split
     table     BEPA-Table-1-style success table (expert-only / train / held-out / overall) of the base policy
@@ -193,6 +195,12 @@ def select(run: Run) -> None:
     rollouts, _ = engine.run(policy.params, train, k, jax.random.PRNGKey(run.config.seed + 77), seed=run.config.seed + 3)
     ok = _successes_by_task(rollouts)
     keep = [t.id for t in train if ok.get(t.id, 0) > 0]
+    from guijax.data.store import TrajectoryStore
+
+    store_dir = run.workdir / "selection_rollouts"  # the fixed data of the offline stage
+    for stale in store_dir.glob("rollouts.*"):
+        stale.unlink()
+    TrajectoryStore(store_dir).append(rollouts, name="rollouts")
     _write_json(out, {"rollouts_per_task": k, "successes": ok, "valuable": keep})
     print(f"select: {len(keep)}/{len(train)} training tasks solved at least once in {k} rollouts")
 
@@ -286,21 +294,12 @@ def train_method(run: Run, name: str) -> pathlib.Path:
 
 @stage("methods")
 def methods(run: Run) -> None:
-    from guijax.evaluation import evaluate, write_report
-
-    ev = run.config.eval
     for name in run.config.compare.methods:
         report_path = run.workdir / "methods" / name / "eval.json"
         if report_path.exists():
             continue
         print(f"methods: training {name}")
-        model_dir = train_method(run, name)
-        policy = run.load_policy(model_dir)
-        splits = {k: v for k, v in run.tasks().items() if k in ev.splits}
-        report = evaluate(run.engine(policy, ev.temperature), policy.params, splits, ev.episodes_per_task,
-                          seed=run.config.seed + 12345, ks=tuple(ev.pass_k))
-        write_report(report_path.parent, "eval", report)
-        print(f"{name}: " + ", ".join(f"{s} {100 * r.get('success_rate', 0):.1f}%" for s, r in report["splits"].items()))
+        _evaluate_into(run, train_method(run, name), report_path, name)
 
 
 def overall(report: dict[str, Any], splits: dict[str, list]) -> float | None:
@@ -311,13 +310,68 @@ def overall(report: dict[str, Any], splits: dict[str, list]) -> float | None:
     return sum(r * w for r, w in parts) / n if n else None
 
 
+def _evaluate_into(run: Run, model_dir: pathlib.Path, report_path: pathlib.Path, name: str) -> None:
+    from guijax.evaluation import evaluate, write_report
+
+    ev = run.config.eval
+    policy = run.load_policy(model_dir)
+    splits = {k: v for k, v in run.tasks().items() if k in ev.splits}
+    report = evaluate(run.engine(policy, ev.temperature), policy.params, splits, ev.episodes_per_task,
+                      seed=run.config.seed + 12345, ks=tuple(ev.pass_k))
+    write_report(report_path.parent, report_path.stem, report)
+    print(f"{name}: " + ", ".join(f"{s} {100 * r.get('success_rate', 0):.1f}%" for s, r in report["splits"].items()))
+
+
+@stage("offline")
+def offline(run: Run) -> None:
+    """ARPO's offline baselines on the select stage's rollouts: rft (SFT on successes), dpo, kto."""
+    from guijax.data.store import TrajectoryStore
+    from guijax.metrics import MetricsWriter
+    from guijax.models.policy import save_pretrained
+    from guijax.offline import preference_train
+    from guijax.trainer import pipeline_config, sft_steps
+
+    a = run.config.arpo
+    source = run.workdir / "selection_rollouts"
+    if not any(source.glob("*.array_record")):
+        raise FileNotFoundError(f"{source} is empty: the offline stage trains on the select stage's rollouts")
+    rollouts = list(TrajectoryStore(source))
+    pipeline = pipeline_config(run.config, run.system_prompt)
+    for name in a.offline_methods:
+        workdir = run.workdir / "methods" / name
+        report_path = workdir / "eval.json"
+        if report_path.exists():
+            continue
+        model_dir = workdir / "trained_model"
+        if not (model_dir / "config.json").exists():
+            workdir.mkdir(parents=True, exist_ok=True)
+            policy = run.load_policy(policy_dir(run))
+            writer = MetricsWriter(workdir, "offline_metrics.jsonl", console=False)
+            if name == "rft":
+                wins = [t for t in rollouts if t.success]
+                if not wins:
+                    raise ValueError("rft: the select stage's rollouts hold no success to fine-tune on")
+                policy.params, hist = sft_steps(policy, wins, policy.processor, run.config, pipeline, a.offline_steps,
+                                                run.config.sft.batch_size, seed=run.config.seed, log=writer.write)
+            elif name in ("dpo", "kto"):
+                policy.params, hist = preference_train(policy, name, rollouts, run.config, pipeline, a.offline_steps,
+                                                       a.offline_batch_trajectories, seed=run.config.seed,
+                                                       beta=a.offline_beta, log=writer.write)
+            else:
+                raise ValueError(f"unknown offline method {name!r}; choose rft, dpo or kto")
+            writer.close()
+            print(f"offline {name}: loss {hist[0]:.4f} -> {hist[-1]:.4f} over {len(hist)} steps")
+            save_pretrained(policy, model_dir)
+        _evaluate_into(run, model_dir, report_path, name)
+
+
 @stage("table")
 def table(run: Run) -> None:
     rows: dict[str, dict[str, Any]] = {}
     base = run.workdir / "eval_base.json"
     if base.exists():
         rows["base policy"] = json.loads(base.read_text())
-    for name in run.config.compare.methods:
+    for name in tuple(run.config.compare.methods) + tuple(run.config.arpo.offline_methods):
         path = run.workdir / "methods" / name / "eval.json"
         if path.exists():
             rows[name] = json.loads(path.read_text())

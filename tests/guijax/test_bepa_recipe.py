@@ -18,8 +18,8 @@ RECIPE = textwrap.dedent("""
 
     def get_config():
         c = base("tiny_bepa")
-        c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "select", "methods", "table",
-                    "diagnostics")
+        c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "select", "offline", "methods",
+                    "table", "diagnostics")
         c.model.preset = "tiny"
         c.model.tokenizer_vocab = 1024
         c.model.image_max_pixels = 112 * 112
@@ -41,7 +41,10 @@ RECIPE = textwrap.dedent("""
         c.sft.plan_fraction = 0.5
         c.bepa.base_pass_k = 1
         c.bepa.level1_rollouts = 1
-        c.arpo.selection_rollouts = 1
+        c.arpo.selection_rollouts = 2
+        c.arpo.offline_methods = ("kto",)
+        c.arpo.offline_steps = 2
+        c.arpo.offline_batch_trajectories = 4
         c.compare.methods = {methods}
         c.eval.splits = ("expert_only", "train", "held_out")
         c.eval.episodes_per_task = 1
@@ -78,7 +81,9 @@ def test_expert_guided_recipe_end_to_end(tmp_path):
     assert "| base policy |" in table and "| luffy |" in table and "expert_only (" in table
     data = json.loads((workdir / "table.json").read_text())
     assert set(data["rl_sft"]) == {"expert_only", "train", "held_out", "overall"}
-    assert json.loads((workdir / "valuable_tasks.json").read_text())["rollouts_per_task"] == 1
+    assert json.loads((workdir / "valuable_tasks.json").read_text())["rollouts_per_task"] == 2
+    kto = [json.loads(line) for line in (workdir / "methods/kto/offline_metrics.jsonl").read_text().splitlines()]
+    assert len(kto) == 2 and "kto_z0" in kto[0] and "| kto |" in table
     diag = json.loads((workdir / "diagnostics.json").read_text())
     assert diag["D_conv"]["tokens"] > 0 and 0.0 <= diag["D_conv"]["tail_mass_p_lt_0.2"] <= 1.0
     assert diag["on_policy"]["js_to_on_policy"] == pytest.approx(0.0, abs=1e-12)
@@ -160,3 +165,52 @@ def test_osworld_env_without_servers_is_refused(tmp_path):
     config = launch.resolve("grpo_gpu", ["env.server_urls=()"])
     with pytest.raises(ValueError, match="server_urls"):
         stages.Run(config, tmp_path).pool()
+
+
+def test_compare_aggregates_mean_and_std_over_seeds():
+    from guijax.compare import aggregate, markdown
+
+    tables = [{"base policy": {"train": 0.2, "overall": 0.1, "expert_only": None},
+               "bepa": {"train": 0.6, "overall": 0.4}},
+              {"base policy": {"train": 0.4, "overall": 0.3}, "bepa": {"train": 0.8, "overall": 0.5}}]
+    result = aggregate(tables)
+    assert result["base policy"]["train"] == {"mean": pytest.approx(0.3), "std": pytest.approx(0.1), "n": 2}
+    assert "expert_only" not in result["base policy"]
+    text = markdown(result, [0, 1])
+    assert "| bepa | – | 70.0 ± 10.0 | – | 45.0 ± 5.0 |" in text
+
+
+def test_compare_cli_names_unknown_methods(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "guijax.compare", "--config=bepa_cpu", "--seeds=0",
+                           "--methods=grpo,bepa9", f"--workdir={tmp_path}"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "bepa9" in proc.stderr
+
+
+def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path):
+    import dataclasses as dc
+
+    from guijax.offline import dpo_pairs, preference_train
+    from guijax.trainer import pipeline_config
+
+    config = _config(tmp_path, ("grpo",))
+    run = stages.Run(config, tmp_path / "run")
+    stages.base_model(run)
+    stages.tasks(run)
+    wins = stages.expert_trajectories(run, run.tasks()["train"][:2])
+    fails = [dc.replace(t, reward=0.0, steps=[dc.replace(s, response="Thought: no.\nAction: wait()") for s in t.steps])
+             for t in wins]
+    rollouts = wins + fails
+    assert [(w.task_id, l.reward) for w, l in dpo_pairs(rollouts)] == [(w.task_id, 0.0) for w in wins]
+    policy = run.load_policy(run.base_model_dir)
+    config.unlock()
+    config.arpo.offline_learning_rate = 3e-3
+    _, history = preference_train(policy, "dpo", rollouts, config, pipeline_config(config, run.system_prompt), 6, 4)
+    assert history[0] == pytest.approx(np.log(2), abs=1e-4)  # policy == reference: margin 0
+    assert history[-1] < history[0] - 0.05
+    with pytest.raises(ValueError, match="no task has both"):
+        preference_train(policy, "dpo", wins, config, pipeline_config(config, run.system_prompt), 1, 4)
+    run.close()

@@ -1,0 +1,99 @@
+"""Every method of an expert-guided recipe over several seeds, as mean ± std per split:
+
+    python -m guijax.compare --config=bepa_cpu --seeds=0,1,2 --methods=all --workdir=runs/compare
+
+Each seed is a full run of the recipe (its own base policy, expert stage, LEVEL-1, and every method trained
+from that base policy with the same budget) in WORKDIR/seed_N, resumable like any run. The aggregate goes to
+WORKDIR/compare.md and compare.json. `--config.key=value` overrides apply to every seed.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+from absl import app, flags, logging
+
+from guijax import launch
+
+FLAGS = flags.FLAGS  # --config and --workdir are guijax.launch's flags
+flags.DEFINE_string("seeds", "0,1,2", "comma-separated seeds")
+flags.DEFINE_string("methods", "all", "comma-separated methods of guijax.stages_bepa.METHODS, or 'all'")
+
+COLUMNS = ("expert_only", "train", "held_out", "overall")
+
+
+def aggregate(tables: Sequence[dict[str, dict[str, float | None]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """[{row: {column: value}}] per seed -> {row: {column: {"mean", "std", "n"}}} over the seeds that have it."""
+    rows: list[str] = []
+    for t in tables:
+        rows += [r for r in t if r not in rows]
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for row in rows:
+        out[row] = {}
+        for col in COLUMNS:
+            values = [t[row][col] for t in tables if row in t and t[row].get(col) is not None]
+            if values:
+                out[row][col] = {"mean": float(np.mean(values)), "std": float(np.std(values)), "n": len(values)}
+    return out
+
+
+def markdown(result: dict[str, dict[str, dict[str, float]]], seeds: Sequence[int]) -> str:
+    lines = [f"Success rate (%), mean ± std over seeds {list(seeds)}", "",
+             "| policy | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for row, cols in result.items():
+        cells = [f"{100 * c['mean']:.1f} ± {100 * c['std']:.1f}" if (c := cols.get(col)) else "–" for col in COLUMNS]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: Sequence[str],
+        workdir: pathlib.Path) -> dict[str, Any]:
+    from guijax import stages
+    from guijax.stages_bepa import METHODS
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; available: {sorted(METHODS)}")
+    tables = []
+    for seed in seeds:
+        config = launch.resolve(config_name, overrides + [f"seed={seed}", f"compare.methods={tuple(methods)!r}"])
+        if "table" not in config.stages or "methods" not in config.stages:
+            raise ValueError(f"recipe {config_name} has no 'methods' and 'table' stages to compare")
+        seed_dir = workdir / f"seed_{seed}"
+        print(f"compare: seed {seed} -> {seed_dir}")
+        stages.run_stages(config, seed_dir)
+        tables.append(json.loads((seed_dir / "table.json").read_text()))
+    result = aggregate(tables)
+    text = markdown(result, seeds)
+    (workdir / "compare.md").write_text(text + "\n")
+    (workdir / "compare.json").write_text(json.dumps({"seeds": list(seeds), "methods": list(methods),
+                                                      "result": result}, indent=1))
+    print("\n" + text)
+    return result
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from guijax.stages_bepa import METHODS
+
+    seeds = [int(s) for s in FLAGS.seeds.split(",") if s.strip()]
+    methods = sorted(METHODS) if FLAGS.methods == "all" else [m.strip() for m in FLAGS.methods.split(",") if m.strip()]
+    workdir = pathlib.Path(FLAGS.workdir or f"runs/compare_{FLAGS.config}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    logging.set_verbosity(logging.WARNING)
+    run(FLAGS.config, _OVERRIDES, seeds, methods, workdir)
+
+
+_OVERRIDES: list[str] = []
+
+if __name__ == "__main__":
+    rest, overrides = launch.split_overrides(sys.argv)
+    _OVERRIDES[:] = overrides
+    try:
+        app.run(main, argv=rest)
+    except (ValueError, launch.config_lib.ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

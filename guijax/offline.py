@@ -1,0 +1,130 @@
+"""ARPO's offline comparisons on a fixed set of rollouts (arpo.txt §4): rejection-sampling SFT on the
+successes (RFT), DPO on one success/failure pair per task, and KTO with rewards thresholded at 0.5.
+
+Preferences are over whole trajectories: log π(τ) is the sum of the step responses' log-probs (each step's
+prompt rebuilt as in training). The reference policy is the starting policy, frozen. A minibatch holds every
+step of its trajectories in one padded batch; its rows are summed into trajectories with a segment sum.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from guijax import losses, optim, train_step
+from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
+from guijax.models.policy import Policy
+from guijax.rollout.trajectory import Trajectory
+
+
+def dpo_pairs(rollouts: Sequence[Trajectory], seed: int = 0) -> list[tuple[Trajectory, Trajectory]]:
+    """One (success, failure) pair per task that has both, chosen at random (ARPO's offline DPO data)."""
+    rng = random.Random(seed)
+    by_task: dict[str, list[Trajectory]] = {}
+    for t in rollouts:
+        if t.steps:
+            by_task.setdefault(t.task_id, []).append(t)
+    pairs = []
+    for task_id in sorted(by_task):
+        wins = [t for t in by_task[task_id] if t.reward >= 0.5]
+        losses_ = [t for t in by_task[task_id] if t.reward < 0.5]
+        if wins and losses_:
+            pairs.append((rng.choice(wins), rng.choice(losses_)))
+    return pairs
+
+
+def _steps_batch(trajectories: Sequence[Trajectory], processor: Any, model_cfg: Any,
+                 pipeline: PipelineConfig) -> tuple[dict[str, Any], np.ndarray]:
+    """All steps of `trajectories` as one batch (rows padded to a power of two with rows of segment
+    len(trajectories), which the segment sum drops) and each row's trajectory index."""
+    refs = step_refs(list(trajectories))
+    rows = len(refs)
+    padded = 1 << max(rows - 1, 0).bit_length()
+    refs = refs + [refs[0]] * (padded - rows)
+    data = make_dataset(list(trajectories), refs, processor, model_cfg,
+                        dataclasses.replace(pipeline, batch_size=len(refs), shuffle=False, num_epochs=1))
+    batch = next(iter(data))
+    segments = np.asarray(batch.pop("meta")["trajectory"], np.int32)
+    segments[rows:] = len(trajectories)
+    return batch, segments
+
+
+def make_sequence_logp_fn(policy: Policy, temperature: float = 1.0, impl: str = "auto") -> Callable:
+    module = policy.module
+
+    def fn(params, batch, segments, n: int):
+        logp, _ = train_step.batch_logprobs(module, params, batch, temperature, impl)
+        per_row = losses.sequence_logp(logp, batch["loss_mask"])
+        return jax.ops.segment_sum(per_row, segments, n)
+
+    return jax.jit(fn, static_argnums=(3,))
+
+
+def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], config: ml_collections.ConfigDict,
+                     pipeline: PipelineConfig, steps: int, batch_trajectories: int, seed: int = 0,
+                     beta: float = 0.1, log: Callable[[dict], None] | None = None) -> tuple[Any, list[float]]:
+    """DPO (`kind="dpo"`) or KTO (`kind="kto"`) from the policy's current parameters, which are also the frozen
+    reference. Returns the trained parameters and the loss per step."""
+    if kind == "dpo":
+        pairs = dpo_pairs(rollouts, seed)
+        if not pairs:
+            raise ValueError("DPO: no task has both a success and a failure among the rollouts")
+        units: list[list[Trajectory]] = [[w, l] for w, l in pairs]
+    elif kind == "kto":
+        units = [[t] for t in rollouts if t.steps]
+        if not units:
+            raise ValueError("KTO: no rollouts with steps")
+    else:
+        raise ValueError(f"unknown preference method {kind!r}; choose dpo or kto")
+    seq_logp = make_sequence_logp_fn(policy, config.rollout.temperature, config.train.logprob_impl)
+    ref_params = policy.params
+    opt_cfg = ml_collections.ConfigDict(config.optim.to_dict())
+    opt_cfg.learning_rate = config.arpo.offline_learning_rate
+    opt_cfg.total_steps = max(steps, opt_cfg.warmup_steps + 1)
+    tx, _ = optim.make_optimizer(opt_cfg)
+    params, opt_state = policy.params, tx.init(policy.params)
+
+    def loss_of(params, batch, segments, n, ref, desirable):
+        logp = jax.ops.segment_sum(
+            losses.sequence_logp(train_step.batch_logprobs(policy.module, params, batch, config.rollout.temperature,
+                                                           config.train.logprob_impl)[0], batch["loss_mask"]),
+            segments, n)
+        if kind == "dpo":
+            return losses.dpo_loss(logp[0::2], logp[1::2], ref[0::2], ref[1::2], beta=beta)
+        return losses.kto_loss(logp, ref, desirable, beta=beta)
+
+    @jax.jit
+    def update(params, opt_state, batch, segments, ref, desirable):
+        n = ref.shape[0]
+        (loss, metrics), grads = jax.value_and_grad(lambda p: loss_of(p, batch, segments, n, ref, desirable),
+                                                    has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, metrics
+
+    rng = random.Random(seed)
+    per_batch = max(1, batch_trajectories // len(units[0]))
+    history: list[float] = []
+    while len(history) < steps:
+        order = list(range(len(units)))
+        rng.shuffle(order)
+        for start in range(0, len(order), per_batch):
+            chosen = [units[i] for i in order[start:start + per_batch]]
+            trajectories = [t for unit in chosen for t in unit]
+            batch, segments = _steps_batch(trajectories, policy.processor, policy.module.cfg, pipeline)
+            n = len(trajectories)
+            ref = seq_logp(ref_params, batch, segments, n)
+            desirable = jnp.asarray([t.reward >= 0.5 for t in trajectories])
+            params, opt_state, loss, metrics = update(params, opt_state, batch, segments, ref, desirable)
+            history.append(float(loss))
+            if log is not None:
+                log({f"{kind}_step": len(history), f"{kind}_loss": history[-1],
+                     **{k: float(v) for k, v in metrics.items()}})
+            if len(history) >= steps:
+                break
+    return params, history
