@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from tqdm import tqdm
 
 from envs.actions import ActionParseError, parse_uitars, to_pyautogui
@@ -30,6 +31,7 @@ class RolloutConfig:
     coordinate_model: str = "uitars-1.5"
     system_prompt: str | None = None  # None: the UI-TARS computer-use prompt (guijax.rollout.prompt)
     show_progress: bool = True
+    reset_retries: int = 1  # a failed reset (setup error, crashed worker: the pool restarts it) is retried
 
 
 @dataclasses.dataclass
@@ -81,6 +83,14 @@ class RolloutEngine:
     def _run_round(self, params, eps: list[_Episode], rng, timings) -> None:
         t0 = time.perf_counter()
         reset = self.pool.reset([e.task for e in eps], seeds=[e.seed for e in eps])
+        for attempt in range(self.config.reset_retries):
+            failed = [slot for slot, r in reset.items() if not r.ok]
+            if not failed:
+                break
+            logging.warning("retrying %d failed environment reset(s) (attempt %d): %s", len(failed), attempt + 1,
+                            "; ".join(f"{eps[s].task.id}: {reset[s].error}" for s in failed)[:500])
+            reset.update(self.pool.reset([eps[s].task for s in failed], slots=failed,
+                                         seeds=[eps[s].seed for s in failed]))
         timings["env_s"] += time.perf_counter() - t0
         live: dict[int, _Episode] = {}
         for slot, e in enumerate(eps):

@@ -1,0 +1,84 @@
+"""Rollout engine fault handling with stand-ins for the pool, sampler and processor (no model needed)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from envs.api import Observation, StepResult, Task
+from envs.pool import Result
+from guijax.rollout.engine import RolloutConfig, RolloutEngine
+from guijax.rollout.trajectory import Status
+
+SHOT = np.zeros((28, 28, 3), np.uint8)
+
+
+class FlakyPool:
+    """Reset of task 'flaky' fails once, of task 'broken' always; every step finishes the episode."""
+
+    num_workers = 4
+
+    def __init__(self):
+        self.resets: list[str] = []
+        self.failed_once = False
+        self.tasks: dict[int, Task] = {}
+
+    def reset(self, tasks, slots=None, seeds=None, timeout_s=None):
+        slots = list(range(len(tasks))) if slots is None else list(slots)
+        out = {}
+        for slot, task in zip(slots, tasks):
+            self.resets.append(task.id)
+            self.tasks[slot] = task
+            if task.id == "broken" or (task.id == "flaky" and not self.failed_once):
+                self.failed_once |= task.id == "flaky"
+                out[slot] = Result(False, error=f"setup of {task.id} failed")
+            else:
+                out[slot] = Result(True, Observation(SHOT, task.id))
+        return out
+
+    def step(self, actions, timeout_s=None):
+        return {s: Result(True, StepResult(Observation(SHOT, ""), True)) for s in actions}
+
+    def evaluate(self, slots, timeout_s=None):
+        return {s: Result(True, 1.0) for s in slots}
+
+
+@dataclasses.dataclass
+class Out:
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+
+
+class FakeSampler:
+    def generate(self, params, rng, **inputs):
+        b = inputs["rows"]
+        return Out(np.ones((b, 3), np.int32), np.full((b, 3), -0.1, np.float32), np.full((b,), 3))
+
+
+class FakeTokenizer:
+    def decode(self, tokens, skip_special_tokens=True):
+        return "Thought: done.\nAction: finished(content='ok')"
+
+
+class FakeProcessor:
+    tokenizer = FakeTokenizer()
+
+    def apply_chat_template(self, messages):
+        return "prompt"
+
+    def __call__(self, texts, images):
+        return {"rows": len(texts)}
+
+
+def test_failed_reset_is_retried_then_dropped_with_its_reason():
+    pool = FlakyPool()
+    engine = RolloutEngine(pool, FakeSampler(), FakeProcessor(), RolloutConfig(show_progress=False))
+    tasks = [Task(id="ok", instruction="a"), Task(id="flaky", instruction="b"), Task(id="broken", instruction="c")]
+    trajs, _ = engine.run(None, tasks, 1, jax.random.PRNGKey(0))
+    by_id = {t.task_id: t for t in trajs}
+    assert by_id["ok"].status == Status.DONE and by_id["ok"].reward == 1.0
+    assert by_id["flaky"].status == Status.DONE  # the retry succeeded
+    assert by_id["broken"].status == Status.ENV_ERROR and "setup of broken failed" in by_id["broken"].error
+    assert pool.resets.count("flaky") == 2 and pool.resets.count("broken") == 2 and pool.resets.count("ok") == 1
