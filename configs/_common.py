@@ -161,6 +161,7 @@ def uitars_on_osworld(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     c.rollout.max_new_tokens = 512
     c.pipeline.length_buckets = (4096, 8192, 12288, 16384)
     c.pipeline.patch_bucket = 4096
+    c.pipeline.worker_count = 4  # grain worker processes prepare prompts and image patches off the trainer
     c.train.eps_low, c.train.eps_high = 0.2, 0.3
     c.train.kl_coef = 0.0
     c.train.minibatch_size = 8

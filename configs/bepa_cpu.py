@@ -35,7 +35,7 @@ def get_config():
     c.train.minibatch_size = 8
     c.train.checkpoint_every = 4
     c.optim.learning_rate = 1e-4
-    c.sft.steps = 60
+    c.sft.steps = 150
     c.sft.batch_size = 8
     c.sft.learning_rate = 1e-3
     c.sft.traces_per_task = 2
@@ -43,7 +43,7 @@ def get_config():
     c.sft.plan_only_families = ("choose_option",)
     c.sft.plan_fraction = 0.25
     c.bepa.base_pass_k = 4
-    c.bepa.level1_rollouts = 2
+    c.bepa.level1_rollouts = 4
     c.algorithm.seed_cache = "level1"
     c.compare.methods = ("grpo", "bepa")
     c.eval.splits = ("expert_only", "train", "held_out")
