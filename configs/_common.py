@@ -169,3 +169,46 @@ def uitars_on_osworld(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     c.train.checkpoint_every = 5
     c.eval.episodes_per_task = 4
     return c
+
+
+def small_desk(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """What the CPU recipes share: the small preset on a static synthetic desk sized for 2 cores. Screenshots
+    are downscaled to 112x112 for the policy (16 image tokens); no pop-ups or banners; the compact prompt;
+    groups of 4 over 4 tasks per iteration; lr 1e-4 (a randomly initialised small model, not a 7B one)."""
+    c.model.preset = "small"
+    c.model.image_max_pixels = 112 * 112
+    c.env.families = ("click_button", "toggle_checkbox", "choose_option")
+    c.env.num_tasks = 12
+    c.env.num_workers = 16  # desk workers are cheap; more of them means larger sampler batches
+    c.env.step_limit = 6
+    c.env.popups = False
+    c.rollout.prompt = "compact"
+    c.rollout.max_images = 1
+    c.rollout.group_size = 4
+    c.rollout.tasks_per_iteration = 4
+    c.rollout.max_new_tokens = 64
+    c.pipeline.length_buckets = (160, 192, 256, 320, 384)
+    c.pipeline.patch_bucket = 64
+    c.train.minibatch_size = 8
+    c.optim.learning_rate = 1e-4
+    c.sft.batch_size = 8
+    c.sft.learning_rate = 1e-3
+    c.sft.traces_per_task = 2
+    return c
+
+
+def bepa_on_osworld(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """BEPA's accelerator settings: Agent-S2 traces from a directory (one folder per task with trace.json +
+    step PNGs, the layout envs.desk.expert.ExpertTrace.save writes), plans by an OpenAI-compatible model (key
+    in $OPENAI_API_KEY), base pass@5, LEVEL-1 seeds for the LEVEL-2 cache, the expert-only split reported."""
+    c.stages = ("base_model", "tasks", "expert", "level1", "eval_base", "grpo", "eval_final", "report")
+    c.algorithm.name = "bepa"
+    c.algorithm.seed_cache = "level1"
+    c.bepa.expert_dir = "/data/agent_s2_traces"
+    c.bepa.plan_extractor = "chat"
+    c.bepa.plan_url = "https://api.openai.com/v1"
+    c.bepa.plan_model = "gpt-4o"
+    c.bepa.base_pass_k = 5
+    c.bepa.level1_rollouts = 1
+    c.eval.splits = ("expert_only", "train", "held_out")
+    return c

@@ -11,34 +11,15 @@ downloads (`python -m guijax.launch` or `--config=bepa_cpu`).
 4. methods: GRPO and BEPA from the same base policy with the same budget and seeds; table: success per
    split (expert-only / train / held-out / overall) as in BEPA's Table 1.
 """
-from configs._common import base
+from configs._common import base, small_desk
 
 
 def get_config():
-    c = base("bepa_cpu")
+    c = small_desk(base("bepa_cpu"))
     c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "methods", "table", "diagnostics")
-    c.model.preset = "small"
-    c.model.image_max_pixels = 112 * 112  # 16 image tokens per screenshot
-    c.env.families = ("click_button", "toggle_checkbox", "choose_option")
-    c.env.num_tasks = 12
-    c.env.num_workers = 16
-    c.env.step_limit = 6
-    c.env.popups = False
-    c.rollout.prompt = "compact"
-    c.rollout.max_images = 1
-    c.rollout.group_size = 4
-    c.rollout.tasks_per_iteration = 4
-    c.rollout.max_new_tokens = 64
-    c.pipeline.length_buckets = (160, 192, 256, 320, 384)
-    c.pipeline.patch_bucket = 64
     c.train.iterations = 8
-    c.train.minibatch_size = 8
     c.train.checkpoint_every = 4
-    c.optim.learning_rate = 1e-4
     c.sft.steps = 150
-    c.sft.batch_size = 8
-    c.sft.learning_rate = 1e-3
-    c.sft.traces_per_task = 2
     c.sft.families = ("click_button", "toggle_checkbox")
     c.sft.plan_only_families = ("choose_option",)
     c.sft.plan_fraction = 0.25
