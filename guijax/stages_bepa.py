@@ -454,10 +454,10 @@ def _plot_method_curves(curves: dict[str, list[dict[str, Any]]], path: pathlib.P
             ("cache_update_frequency", "cache update frequency")]
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
     for ax, (key, title) in zip(axes, keys):
-        for name, records in curves.items():
+        for i, (name, records) in enumerate(curves.items()):
             pts = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
+            if pts:  # one colour per method in every panel, also where other methods have no points
+                ax.plot(*zip(*pts), marker="o", label=name, color=f"C{i}")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("iteration")
     axes[0].legend(fontsize=8)
