@@ -17,8 +17,10 @@ from configs._common import base, small_desk
 def get_config():
     c = small_desk(base("bepa_cpu"))
     c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "methods", "table", "diagnostics")
-    c.train.iterations = 8
-    c.train.checkpoint_every = 4
+    c.rollout.tasks_per_iteration = 9  # every training task in every iteration
+    c.train.iterations = 6
+    c.train.ppo_epochs = 2
+    c.train.checkpoint_every = 3
     c.sft.steps = 150
     c.sft.families = ("click_button", "toggle_checkbox")
     c.sft.plan_only_families = ("choose_option",)
