@@ -116,6 +116,8 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.bepa.expert_noise = 0.0  # scripted expert: chance of a wrong or missed action per step
     c.bepa.base_pass_k = 5  # level1: plain base-policy rollouts per task (its pass@k)
     c.bepa.level1_rollouts = 1  # level1: plan-conditioned rollouts per task
+    c.bepa.train_fraction = 0.8  # bepa_splits: share of the solvable pool that trains
+    c.bepa.extra_train_tasks = 8  # bepa_splits: unsolvable tasks added to the training split
 
     c.arpo = ml_collections.ConfigDict()
     c.arpo.buffer_size = 8
@@ -201,7 +203,8 @@ def bepa_on_osworld(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """BEPA's accelerator settings: Agent-S2 traces from a directory (one folder per task with trace.json +
     step PNGs, the layout envs.desk.expert.ExpertTrace.save writes), plans by an OpenAI-compatible model (key
     in $OPENAI_API_KEY), base pass@5, LEVEL-1 seeds for the LEVEL-2 cache, the expert-only split reported."""
-    c.stages = ("base_model", "tasks", "expert", "level1", "eval_base", "grpo", "eval_final", "report")
+    c.stages = ("base_model", "tasks", "expert", "bepa_splits", "level1", "eval_base", "grpo", "eval_final",
+                "report")
     c.algorithm.name = "bepa"
     c.algorithm.seed_cache = "level1"
     c.bepa.expert_dir = "/data/agent_s2_traces"

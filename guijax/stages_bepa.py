@@ -143,6 +143,39 @@ def _successes_by_task(rollouts) -> dict[str, int]:
     return out
 
 
+@stage("bepa_splits")
+def bepa_splits(run: Run) -> None:
+    """BEPA §5.1's splits: the pool of tasks solved by the expert or by the base policy (pass@k over
+    `bepa.base_pass_k` rollouts); train = `bepa.train_fraction` of the pool plus `bepa.extra_train_tasks`
+    others; held-out = the rest. Replaces splits.json (the first split is kept as splits_initial.json)."""
+    out = run.workdir / "bepa_splits.json"
+    if out.exists():
+        return
+    b = run.config.bepa
+    expert_ok = {k: v["success"] for k, v in json.loads((run.workdir / "expert.json").read_text())["tasks"].items()}
+    policy = run.load_policy(policy_dir(run))
+    tasks = all_tasks(run)
+    rollouts, _ = run.engine(policy, run.config.rollout.temperature).run(
+        policy.params, tasks, b.base_pass_k, jax.random.PRNGKey(run.config.seed + 99), seed=run.config.seed + 4)
+    base_ok = _successes_by_task(rollouts)
+    pool = [t.id for t in tasks if expert_ok.get(t.id) or base_ok.get(t.id, 0) > 0]
+    others = [t.id for t in tasks if t.id not in set(pool)]
+    rng = random.Random(run.config.seed)
+    rng.shuffle(pool)
+    n_train = round(b.train_fraction * len(pool))
+    train = pool[:n_train] + rng.sample(others, min(b.extra_train_tasks, len(others)))
+    held_out = [t.id for t in tasks if t.id not in set(train)]
+    initial = run.workdir / "splits_initial.json"
+    if not initial.exists():
+        initial.write_text((run.workdir / "splits.json").read_text())
+    _write_json(run.workdir / "splits.json", {"train": train, "held_out": held_out})
+    run._cache.pop("tasks", None)
+    _write_json(out, {"base_pass_k": b.base_pass_k, "base_successes": base_ok, "expert_success": expert_ok,
+                      "solvable_pool": sorted(pool), "train": train, "held_out": held_out})
+    print(f"bepa_splits: {len(pool)} of {len(tasks)} tasks solvable by the expert or base pass@{b.base_pass_k}; "
+          f"train {len(train)}, held-out {len(held_out)}")
+
+
 @stage("level1")
 def level1(run: Run) -> None:
     from guijax.data.store import TrajectoryStore

@@ -59,7 +59,7 @@ def _config(tmp_path: pathlib.Path, methods: tuple[str, ...]):
 
 
 def test_expert_guided_recipe_end_to_end(tmp_path):
-    config = _config(tmp_path, ("level2_only", "rl_sft", "luffy"))
+    config = _config(tmp_path, ("level2_only", "rl_sft", "luffy", "sft"))
     workdir = tmp_path / "run"
     stages.run_stages(config, workdir)
     expert = json.loads((workdir / "expert.json").read_text())["tasks"]
@@ -84,6 +84,8 @@ def test_expert_guided_recipe_end_to_end(tmp_path):
     assert json.loads((workdir / "valuable_tasks.json").read_text())["rollouts_per_task"] == 2
     kto = [json.loads(line) for line in (workdir / "methods/kto/offline_metrics.jsonl").read_text().splitlines()]
     assert len(kto) == 2 and "kto_z0" in kto[0] and "| kto |" in table
+    sft = (workdir / "methods/sft/sft_metrics.jsonl").read_text().splitlines()  # SFT baseline: 3 epochs, no RL
+    assert len(sft) >= 3 and not (workdir / "methods/sft/metrics.jsonl").exists() and "| sft |" in table
     diag = json.loads((workdir / "diagnostics.json").read_text())
     assert diag["D_conv"]["tokens"] > 0 and 0.0 <= diag["D_conv"]["tail_mass_p_lt_0.2"] <= 1.0
     assert diag["on_policy"]["js_to_on_policy"] == pytest.approx(0.0, abs=1e-12)
@@ -213,4 +215,24 @@ def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path):
     assert history[-1] < history[0] - 0.05
     with pytest.raises(ValueError, match="no task has both"):
         preference_train(policy, "dpo", wins, config, pipeline_config(config, run.system_prompt), 1, 4)
+    run.close()
+
+
+def test_bepa_splits_train_on_the_solvable_pool(tmp_path):
+    config = _config(tmp_path, ("grpo",))
+    config.unlock()
+    config.env.num_tasks = 6
+    config.bepa.train_fraction = 0.5
+    config.bepa.extra_train_tasks = 0
+    run = stages.Run(config, tmp_path / "run")
+    from guijax.stages_bepa import bepa_splits, expert
+
+    for step in (stages.base_model, stages.tasks, expert, bepa_splits):
+        step(run)
+    info = json.loads((tmp_path / "run" / "bepa_splits.json").read_text())
+    splits = json.loads((tmp_path / "run" / "splits.json").read_text())
+    assert len(info["solvable_pool"]) == 6  # the scripted expert solves every desk task
+    assert len(splits["train"]) == 3 and len(splits["held_out"]) == 3
+    assert set(splits["train"]) | set(splits["held_out"]) == set(info["solvable_pool"])
+    assert (tmp_path / "run" / "splits_initial.json").exists()
     run.close()
