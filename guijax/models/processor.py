@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 from typing import Any, Sequence
 
 import numpy as np
 from PIL import Image
+
+from envs.actions import resize as envs_resize
 
 IMAGE_PAD = "<|image_pad|>"
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -27,21 +28,15 @@ class ImageSizeError(ValueError):
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
                  max_pixels: int = 28 * 28 * 1280) -> tuple[int, int]:
     """Nearest size with both sides multiples of `factor` and area within [min_pixels, max_pixels],
-    keeping the aspect ratio (the rule Qwen2.5-VL was trained with)."""
+    keeping the aspect ratio (the rule Qwen2.5-VL was trained with). The rule itself is the one the action
+    grammars use for their coordinate space (envs.actions.resize); here images too small or too elongated
+    for the vision tower are refused first, as transformers does."""
     if min(height, width) < factor:
         raise ImageSizeError(f"image of {width}x{height} px is smaller than {factor} px on a side")
-    if max(height, width) / min(height, width) > 200:
+    if max(height, width) / min(height, width) > envs_resize.MAX_RATIO:
         raise ImageSizeError(f"image of {width}x{height} px has aspect ratio "
-                             f"{max(height, width) / min(height, width):.1f} > 200")
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+                             f"{max(height, width) / min(height, width):.1f} > {envs_resize.MAX_RATIO}")
+    return envs_resize.smart_resize(height, width, factor, min_pixels, max_pixels)
 
 
 def _to_rgb(image: Any) -> Image.Image:
