@@ -8,7 +8,7 @@ on-policy reference (a coarse shape comparison, as in the paper, not a test).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -18,19 +18,38 @@ from guijax.rollout.trajectory import Trajectory
 BINS = np.linspace(0.0, 1.0, 21)
 
 
+def step_logprobs(logprob_fn: Callable[[Any, dict], Any], params: Any, trajectories: Sequence[Trajectory],
+                  processor: Any, model_cfg: Any, pipeline: PipelineConfig) -> Iterator[tuple[dict, np.ndarray]]:
+    """(batch, per-token log-probs) over every step of `trajectories`, in order, under `params`; the batch's
+    `loss_mask` marks response tokens and `meta["trajectory"]` each row's trajectory."""
+    data = make_dataset(list(trajectories), step_refs(list(trajectories)), processor, model_cfg,
+                        dataclasses.replace(pipeline, shuffle=False))
+    for batch in data:
+        logp, _ = logprob_fn(params, {k: v for k, v in batch.items() if k != "meta"})
+        yield batch, np.asarray(logp, np.float64)
+
+
 def token_probabilities(logprob_fn: Callable[[Any, dict], Any], params: Any, trajectories: Sequence[Trajectory],
                         processor: Any, model_cfg: Any, pipeline: PipelineConfig) -> np.ndarray:
     """Probabilities under `params` of every response token of `trajectories` (flattened)."""
     if not trajectories:
         return np.zeros((0,), np.float32)
-    data = make_dataset(list(trajectories), step_refs(list(trajectories)), processor, model_cfg,
-                        dataclasses.replace(pipeline, shuffle=False))
-    out = []
-    for batch in data:
-        logp, _ = logprob_fn(params, {k: v for k, v in batch.items() if k != "meta"})
-        mask = np.asarray(batch["loss_mask"]) > 0
-        out.append(np.exp(np.asarray(logp, np.float64)[mask]))
+    out = [np.exp(logp[np.asarray(batch["loss_mask"]) > 0])
+           for batch, logp in step_logprobs(logprob_fn, params, trajectories, processor, model_cfg, pipeline)]
     return np.concatenate(out).astype(np.float32)
+
+
+def mean_trajectory_logps(logprob_fn: Callable[[Any, dict], Any], params: Any, trajectories: Sequence[Trajectory],
+                          processor: Any, model_cfg: Any, pipeline: PipelineConfig) -> list[float]:
+    """Mean response-token log-prob of each trajectory (BEPA's cache update rule U = logprob)."""
+    totals, counts = np.zeros(len(trajectories)), np.zeros(len(trajectories))
+    for batch, logp in step_logprobs(logprob_fn, params, trajectories, processor, model_cfg, pipeline):
+        mask = np.asarray(batch["loss_mask"])
+        per_row = (logp * mask).sum(axis=1)
+        for row, traj in enumerate(batch["meta"]["trajectory"]):
+            totals[traj] += per_row[row]
+            counts[traj] += mask[row].sum()
+    return list(totals / np.maximum(counts, 1.0))
 
 
 def histogram(probs: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ step of its trajectories in one padded batch; its rows are summed into trajector
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from typing import Any, Callable, Sequence
 
@@ -55,15 +56,11 @@ def _steps_batch(trajectories: Sequence[Trajectory], processor: Any, model_cfg: 
     return batch, segments
 
 
-def make_sequence_logp_fn(policy: Policy, temperature: float = 1.0, impl: str = "auto") -> Callable:
-    module = policy.module
-
-    def fn(params, batch, segments, n: int):
-        logp, _ = train_step.batch_logprobs(module, params, batch, temperature, impl)
-        per_row = losses.sequence_logp(logp, batch["loss_mask"])
-        return jax.ops.segment_sum(per_row, segments, n)
-
-    return jax.jit(fn, static_argnums=(3,))
+def trajectory_logps(module: Any, params: Any, batch: dict[str, Any], segments: jax.Array, n: int,
+                     temperature: float = 1.0, impl: str = "auto") -> jax.Array:
+    """log π(τ) of each of `n` trajectories: the batch rows' response log-probs summed per segment."""
+    logp, _ = train_step.batch_logprobs(module, params, batch, temperature, impl)
+    return jax.ops.segment_sum(losses.sequence_logp(logp, batch["loss_mask"]), segments, n)
 
 
 def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], config: ml_collections.ConfigDict,
@@ -82,7 +79,9 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
             raise ValueError("KTO: no rollouts with steps")
     else:
         raise ValueError(f"unknown preference method {kind!r}; choose dpo or kto")
-    seq_logp = make_sequence_logp_fn(policy, config.rollout.temperature, config.train.logprob_impl)
+    temperature, impl = config.rollout.temperature, config.train.logprob_impl
+    seq_logp = jax.jit(functools.partial(trajectory_logps, policy.module, temperature=temperature, impl=impl),
+                       static_argnums=(3,))
     ref_params = policy.params
     opt_cfg = ml_collections.ConfigDict(config.optim.to_dict())
     opt_cfg.learning_rate = config.arpo.offline_learning_rate
@@ -91,10 +90,7 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
     params, opt_state = policy.params, tx.init(policy.params)
 
     def loss_of(params, batch, segments, n, ref, desirable):
-        logp = jax.ops.segment_sum(
-            losses.sequence_logp(train_step.batch_logprobs(policy.module, params, batch, config.rollout.temperature,
-                                                           config.train.logprob_impl)[0], batch["loss_mask"]),
-            segments, n)
+        logp = trajectory_logps(policy.module, params, batch, segments, n, temperature, impl)
         if kind == "dpo":
             return losses.dpo_loss(logp[0::2], logp[1::2], ref[0::2], ref[1::2], beta=beta)
         return losses.kto_loss(logp, ref, desirable, beta=beta)

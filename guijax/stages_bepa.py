@@ -46,6 +46,16 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 
 
+def _write_shard(directory: pathlib.Path, name: str, trajectories) -> None:
+    """A stage's single named shard, replacing one a crashed earlier attempt left behind (shards are
+    immutable, and the stage's own marker file is written only after this)."""
+    from guijax.data.store import TrajectoryStore
+
+    for stale in directory.glob(f"{name}.*"):
+        stale.unlink()
+    TrajectoryStore(directory).append(trajectories, name=name)
+
+
 def _write_json(path: pathlib.Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -82,7 +92,6 @@ def plans(run: Run) -> dict[str, list[str]]:
 @stage("expert")
 def expert(run: Run) -> None:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
-    from guijax.data.store import TrajectoryStore
     from guijax.plans import make_extractor
     from guijax.rollout.conversion import convert_trace
 
@@ -108,10 +117,7 @@ def expert(run: Run) -> None:
         results[task.id] = {"success": ok, "steps": len(trace.steps), "plan": extractor(trace) if ok else []}
         if ok:
             converted.append(convert_trace(trace))
-    store_dir = run.workdir / "expert_traces"
-    for stale in store_dir.glob("expert.*"):  # from a crash between the shard and expert.json
-        stale.unlink()
-    TrajectoryStore(store_dir).append(converted, name="expert")
+    _write_shard(run.workdir / "expert_traces", "expert", converted)
     _write_json(out, {"expert_noise": b.expert_noise, "tasks": results})
     source = f"recorded traces in {b.expert_dir}" if recorded is not None else f"scripted expert, noise {b.expert_noise}"
     print(f"expert: {len(converted)}/{len(tasks)} tasks solved ({source}); plans by the {b.plan_extractor} extractor")
@@ -178,8 +184,6 @@ def bepa_splits(run: Run) -> None:
 
 @stage("level1")
 def level1(run: Run) -> None:
-    from guijax.data.store import TrajectoryStore
-
     out = run.workdir / "level1.json"
     if out.exists():
         return
@@ -189,19 +193,14 @@ def level1(run: Run) -> None:
     train = run.tasks()["train"]
     key = jax.random.PRNGKey(run.config.seed + 4242)
     plain, _ = engine.run(policy.params, train, b.base_pass_k, key, seed=run.config.seed + 1)
-    with_plan = [t for t in train if t.id in plans(run)]
+    task_plans = plans(run)
+    with_plan = [t for t in train if t.id in task_plans]
     guided, _ = engine.run(policy.params, with_plan, b.level1_rollouts, jax.random.fold_in(key, 1),
-                           plans=plans(run), seed=run.config.seed + 2)
+                           plans=task_plans, seed=run.config.seed + 2)
     base_ok, guided_ok = _successes_by_task(plain), _successes_by_task(guided)
     d_self = [t for t in guided if t.success]
-    base_dir = run.workdir / "level1_base_rollouts"  # the on-policy reference of the diagnostics stage
-    for stale in base_dir.glob("plain.*"):
-        stale.unlink()
-    TrajectoryStore(base_dir).append(plain, name="plain")
-    store_dir = run.workdir / "level1_trajectories"
-    for stale in store_dir.glob("d_self.*"):
-        stale.unlink()
-    TrajectoryStore(store_dir).append(d_self, name="d_self")
+    _write_shard(run.workdir / "level1_base_rollouts", "plain", plain)  # the diagnostics' on-policy reference
+    _write_shard(run.workdir / "level1_trajectories", "d_self", d_self)
     expert_only = sorted(k for k, n in guided_ok.items() if n > 0 and base_ok.get(k, 0) == 0)
     splits = json.loads((run.workdir / "splits.json").read_text())
     splits["expert_only"] = expert_only
@@ -228,12 +227,7 @@ def select(run: Run) -> None:
     rollouts, _ = engine.run(policy.params, train, k, jax.random.PRNGKey(run.config.seed + 77), seed=run.config.seed + 3)
     ok = _successes_by_task(rollouts)
     keep = [t.id for t in train if ok.get(t.id, 0) > 0]
-    from guijax.data.store import TrajectoryStore
-
-    store_dir = run.workdir / "selection_rollouts"  # the fixed data of the offline stage
-    for stale in store_dir.glob("rollouts.*"):
-        stale.unlink()
-    TrajectoryStore(store_dir).append(rollouts, name="rollouts")
+    _write_shard(run.workdir / "selection_rollouts", "rollouts", rollouts)  # the offline stage's fixed data
     _write_json(out, {"rollouts_per_task": k, "successes": ok, "valuable": keep})
     print(f"select: {len(keep)}/{len(train)} training tasks solved at least once in {k} rollouts")
 

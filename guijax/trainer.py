@@ -103,18 +103,10 @@ class Trainer:
 
     def score_trajectories(self, trajectories: Sequence[Trajectory]) -> list[float]:
         """Mean response-token log-prob of each trajectory under the current policy (BEPA's U = logprob)."""
-        refs = step_refs(trajectories)
-        totals, counts = np.zeros(len(trajectories)), np.zeros(len(trajectories))
-        data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
-                            dataclasses.replace(self.pipeline, shuffle=False))
-        for batch in data:
-            logp, _ = self.logprob_fn(self.state.params, device_batch(batch))
-            mask = batch["loss_mask"]
-            per_row = (np.asarray(logp) * mask).sum(axis=1)
-            for row, traj in enumerate(batch["meta"]["trajectory"]):
-                totals[traj] += per_row[row]
-                counts[traj] += mask[row].sum()
-        return list(totals / np.maximum(counts, 1.0))
+        from guijax.diagnostics import mean_trajectory_logps
+
+        return mean_trajectory_logps(self.logprob_fn, self.state.params, trajectories, self.parts.processor,
+                                     self.module.cfg, self.pipeline)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:

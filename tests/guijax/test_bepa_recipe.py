@@ -236,3 +236,24 @@ def test_bepa_splits_train_on_the_solvable_pool(tmp_path):
     assert set(splits["train"]) | set(splits["held_out"]) == set(info["solvable_pool"])
     assert (tmp_path / "run" / "splits_initial.json").exists()
     run.close()
+
+
+def test_trajectory_scores_are_mean_token_logprobs(tmp_path):
+    from guijax import diagnostics as diag
+    from guijax.train_step import make_logprob_fn
+    from guijax.trainer import pipeline_config
+
+    config = _config(tmp_path, ("grpo",))
+    run = stages.Run(config, tmp_path / "run")
+    stages.base_model(run)
+    stages.tasks(run)
+    trajs = stages.expert_trajectories(run, run.tasks()["train"][:2])
+    policy = run.load_policy(run.base_model_dir)
+    fn, pipe = make_logprob_fn(policy.module), pipeline_config(config, run.system_prompt)
+    args = (policy.processor, policy.module.cfg, pipe)
+    scores = diag.mean_trajectory_logps(fn, policy.params, trajs, *args)
+    for traj, score in zip(trajs, scores):  # each equals the log of its tokens' geometric-mean probability
+        probs = diag.token_probabilities(fn, policy.params, [traj], *args)
+        assert score == pytest.approx(float(np.mean(np.log(probs))), rel=1e-4) and score < 0
+    assert scores[0] != pytest.approx(scores[1])
+    run.close()
