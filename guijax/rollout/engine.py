@@ -23,6 +23,21 @@ from guijax.rollout.prompt import Turn, build_messages
 from guijax.rollout.trajectory import Status, Step, Trajectory
 
 
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def response_text(tokenizer: Any, tokens: np.ndarray) -> str:
+    """The response exactly as the model wrote it, minus the stop token. UI-TARS writes coordinates inside
+    <|box_start|>…<|box_end|>, which are special tokens: decoding with skip_special_tokens would drop them
+    from the history that later prompts replay, while expert and SFT traces keep them, so every step after
+    the first would be prompted off the training distribution."""
+    ids = [int(t) for t in tokens]
+    stops = {tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS}
+    while ids and ids[-1] in stops:
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=False).strip()
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     max_images: int = 5  # screenshots kept as images in the prompt (K); earlier steps stay as text
@@ -112,7 +127,7 @@ class RolloutEngine:
             for row, slot in enumerate(slots):
                 e = live[slot]
                 tokens = out.tokens[row, :out.lengths[row]].copy()
-                text = self.processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                text = response_text(self.processor.tokenizer, tokens)
                 step = Step(e.screenshot, text, tokens.astype(np.int32), out.logprobs[row, :out.lengths[row]].copy())
                 e.steps.append(step)
                 try:

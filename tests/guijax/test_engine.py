@@ -61,6 +61,9 @@ class FakeTokenizer:
     def decode(self, tokens, skip_special_tokens=True):
         return "Thought: done.\nAction: finished(content='ok')"
 
+    def convert_tokens_to_ids(self, token):
+        return 0
+
 
 class FakeProcessor:
     tokenizer = FakeTokenizer()
@@ -82,3 +85,19 @@ def test_failed_reset_is_retried_then_dropped_with_its_reason():
     assert by_id["flaky"].status == Status.DONE  # the retry succeeded
     assert by_id["broken"].status == Status.ENV_ERROR and "setup of broken failed" in by_id["broken"].error
     assert pool.resets.count("flaky") == 2 and pool.resets.count("broken") == 2 and pool.resets.count("ok") == 1
+
+
+def test_response_text_keeps_the_box_tokens_that_expert_traces_carry(tmp_path):
+    """The history of later prompts replays each response: it must be the text the model wrote, box tokens
+    included, and re-tokenise to the same ids the pipeline encodes for expert text (minus the stop)."""
+    from guijax.models.tokenizer import build_tokenizer
+    from guijax.rollout.engine import response_text
+
+    tok = build_tokenizer(tmp_path / "tok", vocab_size=1024)
+    text = "Thought: I should click the \"Light\" option.\nAction: click(start_box='<|box_start|>(172,48)<|box_end|>')"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.convert_tokens_to_ids("<|box_start|>") in ids
+    sampled = np.asarray(ids + [tok.convert_tokens_to_ids("<|im_end|>")], np.int32)
+    assert response_text(tok, sampled) == text
+    assert tok(response_text(tok, sampled), add_special_tokens=False)["input_ids"] == ids
+    assert response_text(tok, np.asarray(ids, np.int32)) == text  # cut at max_new_tokens: no stop to drop
