@@ -300,10 +300,12 @@ def report(run: Run) -> None:
 
 def run_stages(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:
     import guijax.stages_bepa  # noqa: F401  (registers the expert-guided stages)
+    from guijax import compilation_cache
 
     unknown = [s for s in config.stages if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stages {unknown} in config.stages; available: {list(STAGES)}")
+    compilation_cache.enable(config.compilation_cache_dir)
     run = Run(config, pathlib.Path(workdir))
     try:
         for name in config.stages:
