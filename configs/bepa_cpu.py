@@ -26,7 +26,7 @@ def get_config():
     c.sft.plan_only_families = ("choose_option",)
     c.sft.plan_fraction = 0.25
     c.bepa.base_pass_k = 4
-    c.bepa.level1_rollouts = 4
+    c.bepa.level1_rollouts = 8
     c.algorithm.seed_cache = "level1"
     c.compare.methods = ("grpo", "bepa")
     c.eval.splits = ("expert_only", "train", "held_out")
