@@ -89,6 +89,17 @@ def summarize(sets: dict[str, np.ndarray], reference: str) -> dict[str, dict[str
     return out
 
 
+def same_responses(trajectories: Sequence[Trajectory], references: dict[str, Trajectory]) -> dict[str, int]:
+    """How many `trajectories` repeat, response for response, the reference trace of their task.
+
+    A self-rolled success identical to the converted expert trace is not off-policy guidance that differs
+    from D_conv: BEPA, Trace Replacement and LEVEL-2 seeded with D_conv then inject the same tokens."""
+    with_reference = [t for t in trajectories if t.task_id in references]
+    same = sum([s.response for s in t.steps] == [s.response for s in references[t.task_id].steps]
+               for t in with_reference)
+    return {"trajectories": len(with_reference), "same_as_reference": int(same)}
+
+
 def plot_histograms(summary: dict[str, dict[str, Any]], path, title: str) -> None:
     import matplotlib
 

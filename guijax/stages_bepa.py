@@ -452,6 +452,7 @@ def diagnostics(run: Run) -> None:
     summary = diag.summarize(probs, "on_policy")
     summary["_reference"] = {"on_policy": "successful plain rollouts of the base policy" if successes
                              else "all plain rollouts of the base policy (it had no success)"}
+    summary["_D_self_vs_D_conv"] = diag.same_responses(sets["D_self"], {t.task_id: t for t in sets["D_conv"]})
     _write_json(out, summary)
     diag.plot_histograms({k: v for k, v in summary.items() if not k.startswith("_")},
                          run.workdir / "diagnostics.png", "token probabilities under the base policy")
@@ -467,6 +468,9 @@ def diagnostics(run: Run) -> None:
             js = s.get("js_to_on_policy")
             print(f"diagnostics: {name}: {s['tokens']} tokens, tail mass {100 * s['tail_mass_p_lt_0.2']:.1f}%, "
                   f"JS to on-policy {js if js is None else round(js, 4)}")
+    same = summary["_D_self_vs_D_conv"]
+    print(f"diagnostics: {same['same_as_reference']} of {same['trajectories']} D_self trajectories repeat the "
+          "D_conv trace of their task response for response")
 
 
 def _plot_method_curves(curves: dict[str, list[dict[str, Any]]], path: pathlib.Path) -> None:

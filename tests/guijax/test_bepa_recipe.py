@@ -89,6 +89,8 @@ def test_expert_guided_recipe_end_to_end(tmp_path):
     diag = json.loads((workdir / "diagnostics.json").read_text())
     assert diag["D_conv"]["tokens"] > 0 and 0.0 <= diag["D_conv"]["tail_mass_p_lt_0.2"] <= 1.0
     assert diag["on_policy"]["js_to_on_policy"] == pytest.approx(0.0, abs=1e-12)
+    same = diag["_D_self_vs_D_conv"]
+    assert 0 <= same["same_as_reference"] <= same["trajectories"] <= len(TrajectoryStore(workdir / "level1_trajectories"))
     assert (workdir / "diagnostics.png").exists() and (workdir / "curves_methods.png").exists()
     assert "logp_injected" in l2 and l2["logp_injected"] < 0
 
@@ -102,6 +104,21 @@ def test_divergence_and_tail_mass():
     assert diag.js_divergence(p, p) == pytest.approx(0.0)
     disjoint = diag.js_divergence(np.array([1.0, 0.0]), np.array([0.0, 1.0]))
     assert disjoint == pytest.approx(np.log(2))
+
+
+def test_same_responses_counts_traces_that_repeat_the_reference():
+    from guijax import diagnostics as diag
+    from guijax.rollout.trajectory import Step, Trajectory
+
+    def traj(task: str, *responses: str) -> Trajectory:
+        empty = np.zeros((0,), np.int32)
+        return Trajectory(task, "i", [Step(np.zeros((1, 1, 3), np.uint8), r, empty, empty.astype(np.float32))
+                                      for r in responses])
+
+    refs = {"a": traj("a", "x", "y"), "b": traj("b", "z")}
+    rolled = [traj("a", "x", "y"), traj("a", "x", "q"), traj("a", "x"), traj("b", "z"), traj("c", "z")]
+    assert diag.same_responses(rolled, refs) == {"trajectories": 4, "same_as_reference": 2}
+    assert diag.same_responses([], refs) == {"trajectories": 0, "same_as_reference": 0}
 
 
 def test_unknown_method_and_seed_cache_are_named(tmp_path):
