@@ -132,6 +132,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.compare = ml_collections.ConfigDict()
     c.compare.methods = ("grpo", "bepa")  # the methods stage trains each from the same base policy
     c.compare.sft_epochs = 3  # SFT / SFT+RL baselines: epochs over D_conv
+    c.compare.sft_learning_rate = 1e-6  # SFT / SFT+RL baselines fine-tune at the RL rate (BEPA App. E: both 1e-6)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.splits = ("train", "held_out")
@@ -195,7 +196,8 @@ def small_desk(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.train.minibatch_size = 8
     c.optim.learning_rate = 1e-4
     c.sft.batch_size = 8
-    c.sft.learning_rate = 1e-3
+    c.sft.learning_rate = 1e-3  # the warm start of a fresh model
+    c.compare.sft_learning_rate = 1e-4  # fine-tuning baselines: the RL rate, as in the paper
     c.sft.traces_per_task = 2
     return c
 

@@ -302,6 +302,7 @@ def train_method(run: Run, name: str) -> pathlib.Path:
         traces = [t for t in expert_traces(run).values() if t.task_id in {x.id for x in run.tasks()["train"]}]
         writer = MetricsWriter(workdir, "sft_metrics.jsonl", console=False)
         steps = max(1, config.compare.sft_epochs * sum(len(t.steps) for t in traces) // config.sft.batch_size)
+        config.sft.learning_rate = config.compare.sft_learning_rate  # fine-tuning, not the fresh model's warm start
         policy.params, _ = sft_steps(policy, traces, policy.processor, config, pipeline_config(config, run.system_prompt),
                                      steps, config.sft.batch_size, seed=config.seed, log=writer.write,
                                      checkpoint_dir=workdir / "sft_checkpoints")

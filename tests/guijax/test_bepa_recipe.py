@@ -46,6 +46,7 @@ RECIPE = textwrap.dedent("""
         c.arpo.offline_steps = 2
         c.arpo.offline_batch_trajectories = 4
         c.compare.methods = {methods}
+        c.compare.sft_learning_rate = 0.0  # the SFT baseline must fine-tune at this rate, not sft.learning_rate
         c.eval.splits = ("expert_only", "train", "held_out")
         c.eval.episodes_per_task = 1
         return c
@@ -86,6 +87,9 @@ def test_expert_guided_recipe_end_to_end(tmp_path):
     assert len(kto) == 2 and "kto_z0" in kto[0] and "| kto |" in table
     sft = (workdir / "methods/sft/sft_metrics.jsonl").read_text().splitlines()  # SFT baseline: 3 epochs, no RL
     assert len(sft) >= 3 and not (workdir / "methods/sft/metrics.jsonl").exists() and "| sft |" in table
+    from safetensors.numpy import load_file
+    base, tuned = load_file(workdir / "sft_model/model.safetensors"), load_file(workdir / "methods/sft/trained_model/model.safetensors")
+    assert base.keys() == tuned.keys() and all(np.array_equal(base[k], tuned[k]) for k in base)
     diag = json.loads((workdir / "diagnostics.json").read_text())
     assert diag["D_conv"]["tokens"] > 0 and 0.0 <= diag["D_conv"]["tail_mass_p_lt_0.2"] <= 1.0
     assert diag["on_policy"]["js_to_on_policy"] == pytest.approx(0.0, abs=1e-12)
