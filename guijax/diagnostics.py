@@ -8,7 +8,7 @@ on-policy reference (a coarse shape comparison, as in the paper, not a test).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -98,6 +98,14 @@ def same_responses(trajectories: Sequence[Trajectory], references: dict[str, Tra
     same = sum([s.response for s in t.steps] == [s.response for s in references[t.task_id].steps]
                for t in with_reference)
     return {"trajectories": len(with_reference), "same_as_reference": int(same)}
+
+
+def on_policy_successes(trajectories: Iterable[Trajectory], task_ids: set[str]) -> dict[str, int]:
+    """Sampled (not injected) episodes on `task_ids` and how many succeeded. On the expert-only split this is
+    BEPA's mechanism: GRPO's groups there stay all-failure, a method that assimilates the expert's tasks
+    starts solving them on-policy."""
+    episodes = [t for t in trajectories if t.task_id in task_ids and t.source.value == "on_policy"]
+    return {"episodes": len(episodes), "successes": int(sum(t.success for t in episodes))}
 
 
 def plot_histograms(summary: dict[str, dict[str, Any]], path, title: str) -> None:

@@ -454,9 +454,12 @@ def diagnostics(run: Run) -> None:
     summary["_reference"] = {"on_policy": "successful plain rollouts of the base policy" if successes
                              else "all plain rollouts of the base policy (it had no success)"}
     summary["_D_self_vs_D_conv"] = diag.same_responses(sets["D_self"], {t.task_id: t for t in sets["D_conv"]})
-    _write_json(out, summary)
     diag.plot_histograms({k: v for k, v in summary.items() if not k.startswith("_")},
                          run.workdir / "diagnostics.png", "token probabilities under the base policy")
+    expert_only = {t.id for t in run.tasks().get("expert_only", [])}
+    summary["_expert_only_on_policy_during_training"] = {
+        name: diag.on_policy_successes(TrajectoryStore(path), expert_only)
+        for name in run.config.compare.methods if (path := run.workdir / "methods" / name / "trajectories").exists()}
     curves = {}
     for name in run.config.compare.methods:
         path = run.workdir / "methods" / name / "metrics.jsonl"
@@ -464,11 +467,14 @@ def diagnostics(run: Run) -> None:
             curves[name] = [r for r in read_metrics(path) if "iteration" in r]
     if curves:
         _plot_method_curves(curves, run.workdir / "curves_methods.png")
+    _write_json(out, summary)  # last: its presence marks the stage done
     for name, s in summary.items():
         if not name.startswith("_"):
             js = s.get("js_to_on_policy")
             print(f"diagnostics: {name}: {s['tokens']} tokens, tail mass {100 * s['tail_mass_p_lt_0.2']:.1f}%, "
                   f"JS to on-policy {js if js is None else round(js, 4)}")
+    for name, n in summary["_expert_only_on_policy_during_training"].items():
+        print(f"diagnostics: {name}: {n['successes']} of {n['episodes']} sampled episodes on expert-only tasks succeeded")
     same = summary["_D_self_vs_D_conv"]
     print(f"diagnostics: {same['same_as_reference']} of {same['trajectories']} D_self trajectories repeat the "
           "D_conv trace of their task response for response")

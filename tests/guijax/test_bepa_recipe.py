@@ -93,6 +93,9 @@ def test_expert_guided_recipe_end_to_end(tmp_path):
     diag = json.loads((workdir / "diagnostics.json").read_text())
     assert diag["D_conv"]["tokens"] > 0 and 0.0 <= diag["D_conv"]["tail_mass_p_lt_0.2"] <= 1.0
     assert diag["on_policy"]["js_to_on_policy"] == pytest.approx(0.0, abs=1e-12)
+    during = diag["_expert_only_on_policy_during_training"]
+    assert set(during) == {"level2_only", "rl_sft", "luffy"}  # the RL methods; sft has no rollouts
+    assert all(0 <= n["successes"] <= n["episodes"] for n in during.values())
     same = diag["_D_self_vs_D_conv"]
     assert 0 <= same["same_as_reference"] <= same["trajectories"] <= len(TrajectoryStore(workdir / "level1_trajectories"))
     assert (workdir / "diagnostics.png").exists() and (workdir / "curves_methods.png").exists()
@@ -110,9 +113,9 @@ def test_divergence_and_tail_mass():
     assert disjoint == pytest.approx(np.log(2))
 
 
-def test_same_responses_counts_traces_that_repeat_the_reference():
+def test_same_responses_and_on_policy_successes():
     from guijax import diagnostics as diag
-    from guijax.rollout.trajectory import Step, Trajectory
+    from guijax.rollout.trajectory import Source, Step, Trajectory
 
     def traj(task: str, *responses: str) -> Trajectory:
         empty = np.zeros((0,), np.int32)
@@ -123,6 +126,13 @@ def test_same_responses_counts_traces_that_repeat_the_reference():
     rolled = [traj("a", "x", "y"), traj("a", "x", "q"), traj("a", "x"), traj("b", "z"), traj("c", "z")]
     assert diag.same_responses(rolled, refs) == {"trajectories": 4, "same_as_reference": 2}
     assert diag.same_responses([], refs) == {"trajectories": 0, "same_as_reference": 0}
+
+    won, lost, injected = traj("a", "x"), traj("a", "x"), traj("a", "x")
+    won.reward = injected.reward = 1.0
+    injected.source = Source.CACHE
+    other = traj("c", "x")
+    other.reward = 1.0
+    assert diag.on_policy_successes([won, lost, injected, other], {"a", "b"}) == {"episodes": 2, "successes": 1}
 
 
 def test_unknown_method_and_seed_cache_are_named(tmp_path):
