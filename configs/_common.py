@@ -191,7 +191,7 @@ def small_desk(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.rollout.group_size = 4
     c.rollout.tasks_per_iteration = 4
     c.rollout.max_new_tokens = 64
-    c.pipeline.length_buckets = (160, 192, 256, 320, 384)
+    c.pipeline.length_buckets = (160, 192, 256, 320, 384, 512, 768)  # the last two only for long histories
     c.pipeline.patch_bucket = 64
     c.train.minibatch_size = 8
     c.optim.learning_rate = 1e-4

@@ -104,15 +104,12 @@ class Run:
         return self._cache["pool"]
 
     def engine(self, policy, temperature: float):
-        from guijax.rollout.engine import RolloutConfig, RolloutEngine
+        from guijax.rollout.engine import RolloutEngine
         from guijax.sampling import Sampler
-        from guijax.trainer import sampling_config
+        from guijax.trainer import rollout_config, sampling_config
 
-        r = self.config.rollout
         sampler = Sampler(policy.module, sampling_config(self.config, policy.processor, temperature), mesh=self.mesh())
-        return RolloutEngine(self.pool(), sampler, policy.processor, RolloutConfig(
-            max_images=r.max_images, format_reward=r.format_reward, format_weight=r.format_weight,
-            system_prompt=self.system_prompt))
+        return RolloutEngine(self.pool(), sampler, policy.processor, rollout_config(self.config, self.system_prompt))
 
     def close(self) -> None:
         if "pool" in self._cache:

@@ -37,6 +37,18 @@ class TrainingError(RuntimeError):
     pass
 
 
+def rollout_config(config: ml_collections.ConfigDict, system_prompt: str | None) -> RolloutConfig:
+    """The engine settings of a run; a step's prompt plus its longest response must fit the largest
+    training length bucket."""
+    r = config.rollout
+    if max(config.pipeline.length_buckets) <= r.max_new_tokens:
+        raise ValueError(f"pipeline.length_buckets (largest {max(config.pipeline.length_buckets)}) leave no room for a "
+                         f"prompt beside rollout.max_new_tokens={r.max_new_tokens}")
+    return RolloutConfig(max_images=r.max_images, format_reward=r.format_reward, format_weight=r.format_weight,
+                         system_prompt=system_prompt,
+                         max_prompt_tokens=max(config.pipeline.length_buckets) - r.max_new_tokens)
+
+
 def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperature: float) -> SamplingConfig:
     tok = processor.tokenizer
     stops = tuple(i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"))
@@ -89,9 +101,8 @@ class Trainer:
         self.state = train_step.TrainState(self.policy.params, self.tx.init(self.policy.params), jnp.int32(0))
         self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature),
                                mesh=parts.mesh)
-        self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor, RolloutConfig(
-            max_images=config.rollout.max_images, format_reward=config.rollout.format_reward,
-            format_weight=config.rollout.format_weight, system_prompt=parts.system_prompt))
+        self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor,
+                                    rollout_config(config, parts.system_prompt))
         self.pipeline = pipeline_config(config, parts.system_prompt)
         self.ckpt = Checkpointer(self.workdir / "checkpoints", keep=config.train.keep_checkpoints)
         self.metrics = MetricsWriter(self.workdir)

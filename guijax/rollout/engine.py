@@ -47,6 +47,10 @@ class RolloutConfig:
     system_prompt: str | None = None  # None: the UI-TARS computer-use prompt (guijax.rollout.prompt)
     show_progress: bool = True
     reset_retries: int = 1  # a failed reset (setup error, crashed worker: the pool restarts it) is retried
+    # Longest prompt a step may have (0: no limit): prompt + response must fit the trainer's largest length
+    # bucket, so an episode whose history outgrows it ends there, as at the step limit, instead of failing
+    # the update that would batch it.
+    max_prompt_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -118,6 +122,12 @@ class RolloutEngine:
             slots = sorted(live)
             prompts = [self._prompt(live[s]) for s in slots]
             inputs = self.processor([p for p, _ in prompts], [imgs for _, imgs in prompts])
+            if self.config.max_prompt_tokens:
+                lengths = np.asarray(inputs["attention_mask"]).sum(-1)
+                over = {s: int(n) for s, n in zip(slots, lengths) if n > self.config.max_prompt_tokens}
+                if over:
+                    self._end_overlong(live, over, timings)
+                    continue  # re-encode the episodes still running
             rng, key = jax.random.split(rng)
             t0 = time.perf_counter()
             out = self.sampler.generate(params, key, **inputs)
@@ -170,6 +180,20 @@ class RolloutEngine:
                         e.reward = float(scores[slot].value)
                     else:
                         e.status, e.error = Status.ENV_ERROR, scores[slot].error
+
+    def _end_overlong(self, live: dict[int, _Episode], over: dict[int, int], timings) -> None:
+        t0 = time.perf_counter()
+        scores = self.pool.evaluate(list(over))
+        timings["env_s"] += time.perf_counter() - t0
+        for slot, n in over.items():
+            e = live.pop(slot)
+            e.status = Status.STEP_LIMIT
+            e.error = (f"step {len(e.steps) + 1}: prompt of {n} tokens exceeds max_prompt_tokens="
+                       f"{self.config.max_prompt_tokens}; episode ended as at the step limit")
+            if scores[slot].ok:
+                e.reward = float(scores[slot].value)
+            else:
+                e.status, e.error = Status.ENV_ERROR, scores[slot].error
 
     @staticmethod
     def _trajectory(e: _Episode) -> Trajectory:

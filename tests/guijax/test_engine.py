@@ -101,3 +101,53 @@ def test_response_text_keeps_the_box_tokens_that_expert_traces_carry(tmp_path):
     assert response_text(tok, sampled) == text
     assert tok(response_text(tok, sampled), add_special_tokens=False)["input_ids"] == ids
     assert response_text(tok, np.asarray(ids, np.int32)) == text  # cut at max_new_tokens: no stop to drop
+
+
+class GrowingProcessor(FakeProcessor):
+    """20 text tokens plus 10 per screenshot: the current one and one per earlier turn."""
+
+    def __call__(self, texts, images):
+        lengths = [20 + 10 * len(imgs) for imgs in images]
+        mask = np.zeros((len(texts), max(lengths)), np.int64)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        return {"rows": len(texts), "attention_mask": mask}
+
+
+class NeverDonePool(FlakyPool):
+    def step(self, actions, timeout_s=None):
+        return {s: Result(True, StepResult(Observation(SHOT, ""), False)) for s in actions}
+
+    def evaluate(self, slots, timeout_s=None):
+        self.evaluated = sorted(slots)
+        return {s: Result(True, 0.0) for s in slots}
+
+
+def test_episode_whose_prompt_outgrows_the_limit_ends_as_at_the_step_limit():
+    pool = NeverDonePool()
+
+    class ClickTokenizer(FakeTokenizer):
+        def decode(self, tokens, skip_special_tokens=True):
+            return "Thought: go.\nAction: click(start_box='(1,1)')"
+
+    processor = GrowingProcessor()
+    processor.tokenizer = ClickTokenizer()
+    engine = RolloutEngine(pool, FakeSampler(), processor, RolloutConfig(max_images=5, show_progress=False,
+                                                                          max_prompt_tokens=45))
+    (traj,), _ = engine.run(None, [Task(id="long", instruction="a")], 1, jax.random.PRNGKey(0))
+    # prompts of 30 and 40 tokens are sampled; the third (50 > 45) is not
+    assert len(traj.steps) == 2 and traj.status == Status.STEP_LIMIT and pool.evaluated == [0]
+    assert "prompt of 50 tokens exceeds max_prompt_tokens=45" in traj.error and traj.reward == 0.0
+
+
+def test_length_buckets_must_leave_room_for_a_prompt():
+    import pytest
+
+    from guijax import launch
+    from guijax.trainer import rollout_config
+
+    config = launch.resolve("grpo_cpu", [])
+    assert rollout_config(config, None).max_prompt_tokens == max(config.pipeline.length_buckets) - 64
+    config.pipeline.length_buckets = (32, 64)
+    with pytest.raises(ValueError, match="rollout.max_new_tokens=64"):
+        rollout_config(config, None)
