@@ -36,6 +36,16 @@ class MetricsWriter:
             print(" ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
                            for k in CONSOLE_KEYS if k in record), flush=True)
 
+    def drop_from(self, iteration: int) -> None:
+        """Remove iteration records at or after `iteration`: a run resumed from the checkpoint before them redoes
+        those iterations and writes them again, so the file reads as one run instead of listing them twice."""
+        self._file.close()
+        kept = [r for r in read_metrics(self.path) if int(r.get("iteration", -1)) < iteration]
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
+        self._file = open(self.path, "a", buffering=1)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

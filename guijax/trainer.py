@@ -134,6 +134,7 @@ class Trainer:
         self.nonfinite_in_row = meta.get("nonfinite_in_row", 0)
         self.parts.algorithm.load_state_dict(meta["algorithm"])
         self._drop_shards_from(self.iteration)
+        self.metrics.drop_from(self.iteration)
         logging.info("resumed from checkpoint at iteration %d", self.iteration)
         return True
 
