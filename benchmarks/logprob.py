@@ -79,9 +79,16 @@ def measure(impl, n_tokens, hidden, vocab, dtype, block_v, repeats, timed):
     }
     row["total_bytes"] = (row["temp_bytes"] + row["argument_bytes"] + row["output_bytes"]
                           - row["alias_bytes"])
+    row["out_of_memory"] = False
     if timed:
-        args = make_args(n_tokens, hidden, vocab, dtype)
-        jax.block_until_ready(compiled(*args))  # warm-up
+        try:
+            args = make_args(n_tokens, hidden, vocab, dtype)
+            jax.block_until_ready(compiled(*args))  # warm-up
+        except jax.errors.JaxRuntimeError as e:  # a row that does not fit is a result, not a crash
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            row["out_of_memory"] = True
+            return row
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -114,7 +121,8 @@ def markdown(rows, meta) -> str:
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(
-            f"| {r['impl']} | {r['tokens']} | {r['hidden']} | {f(r['time_s'], '.3f')} | "
+            f"| {r['impl']} | {r['tokens']} | {r['hidden']} | "
+            f"{'out of memory' if r.get('out_of_memory') else f(r['time_s'], '.3f')} | "
             f"{f(r['time_vs_naive'], '.2f')} | {r['temp_bytes'] / MIB:.1f} | "
             f"{f(r['temp_vs_naive'], '.4f')} | {r['total_bytes'] / MIB:.0f} | "
             f"{f(r['total_vs_naive'], '.3f')} |")
@@ -159,7 +167,8 @@ def main(argv=None) -> int:
         for n in (int(x) for x in a.tokens.split(",")):
             for impl in impls:
                 r = measure(impl, n, hidden, a.vocab, dtype, a.block_v, a.repeats, timed)
-                print(f"{impl:8s} tokens={n:5d} hidden={hidden:5d} time={r['time_s']} "
+                print(f"{impl:8s} tokens={n:5d} hidden={hidden:5d} "
+                      f"time={'OOM' if r['out_of_memory'] else r['time_s']} "
                       f"temp={r['temp_bytes'] / MIB:.1f}MiB total={r['total_bytes'] / MIB:.0f}MiB",
                       file=sys.stderr, flush=True)
                 rows.append(r)

@@ -108,7 +108,10 @@ def build(cfg: ModelConfig, dtype: str, remat: str = "none", seed: int = 0):
     """(jitted step, fresh TrainState factory, params) on the real guijax code path."""
     module = weights.build_module(cfg, dtype=optim.resolve_dtype(dtype), param_dtype=jnp.float32,
                                   remat_policy=remat)
-    params = weights.init_params(module, jax.random.PRNGKey(seed))
+    # Random init on the host: on an H100, XLA:GPU had not compiled the 0.5B model's jitted init after 2.5 min.
+    with jax.default_device(jax.devices("cpu")[0]):
+        params = weights.init_params(module, jax.random.PRNGKey(seed))
+    params = jax.device_put(params, jax.devices()[0])
     tx, _ = optim.make_optimizer(optim_config())
     step = train_step.make_train_step(module, tx, train_step.StepConfig())
     init_state = jax.jit(lambda p: train_step.TrainState(p, tx.init(p), jnp.int32(0)))

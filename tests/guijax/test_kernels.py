@@ -262,7 +262,7 @@ def test_bad_inputs_name_the_problem():
 def test_impl_resolution():
     assert api.resolve_impl("auto", "cpu") == "chunked"
     assert api.resolve_impl("auto", "tpu") == "pallas_tpu"
-    assert api.resolve_impl("auto", "gpu") == "pallas_gpu"
+    assert api.resolve_impl("auto", "gpu") == "chunked"  # measured faster than the Triton kernels on an H100
     assert api.resolve_impl("pallas", "gpu") == "pallas_gpu"
     with pytest.raises(ValueError, match="pallas_interpret"):
         api.resolve_impl("pallas", "cpu")
