@@ -115,6 +115,9 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.bepa.plan_api_key_env = "OPENAI_API_KEY"
     c.bepa.expert_dir = ""  # folders of recorded expert traces (trace.json + PNGs); empty: the scripted desk expert
     c.bepa.expert_noise = 0.0  # scripted expert: chance of a wrong or missed action per step
+    # D_conv's thoughts: terse (the SFT warm start's voice) | verbose (a framework worker's narration, which
+    # the base policy has never seen: the expert-to-policy distribution gap of BEPA §3)
+    c.bepa.conversion_thoughts = "terse"
     c.bepa.base_pass_k = 5  # level1: plain base-policy rollouts per task (its pass@k)
     c.bepa.level1_rollouts = 1  # level1: plan-conditioned rollouts per task
     c.bepa.train_fraction = 0.8  # bepa_splits: share of the solvable pool that trains

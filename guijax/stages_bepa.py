@@ -93,12 +93,14 @@ def plans(run: Run) -> dict[str, list[str]]:
 def expert(run: Run) -> None:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
     from guijax.plans import make_extractor
-    from guijax.rollout.conversion import convert_trace
+    from guijax.rollout.conversion import THOUGHT_STYLES, convert_trace
 
     out = run.workdir / "expert.json"
     if out.exists():
         return
     b, e = run.config.bepa, run.config.env
+    if b.conversion_thoughts not in THOUGHT_STYLES:
+        raise ValueError(f"bepa.conversion_thoughts={b.conversion_thoughts!r} is not one of {THOUGHT_STYLES}")
     extractor = make_extractor(b.plan_extractor, b.plan_url, b.plan_model, b.plan_api_key_env)
     results, converted = {}, []
     tasks = all_tasks(run)
@@ -116,9 +118,10 @@ def expert(run: Run) -> None:
         ok = trace.reward >= 1.0
         results[task.id] = {"success": ok, "steps": len(trace.steps), "plan": extractor(trace) if ok else []}
         if ok:
-            converted.append(convert_trace(trace))
+            converted.append(convert_trace(trace, thought_style=b.conversion_thoughts))
     _write_shard(run.workdir / "expert_traces", "expert", converted)
-    _write_json(out, {"expert_noise": b.expert_noise, "tasks": results})
+    _write_json(out, {"expert_noise": b.expert_noise, "conversion_thoughts": b.conversion_thoughts,
+                      "tasks": results})
     source = f"recorded traces in {b.expert_dir}" if recorded is not None else f"scripted expert, noise {b.expert_noise}"
     print(f"expert: {len(converted)}/{len(tasks)} tasks solved ({source}); plans by the {b.plan_extractor} extractor")
 
