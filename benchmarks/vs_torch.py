@@ -22,15 +22,23 @@ torch's OpenMP threads stall at barriers (seen on a shared 2-core box: 0.7 s to 
 the ratio means nothing; `--threads 1` under `taskset -c 0` gives a per-core comparison.
 
   python benchmarks/vs_torch.py --preset small --batch 4 --seq 256 --repeats 7
+
+On a GPU both run there (`--device cuda`), normally with `--dtype bfloat16`: guijax computes in bf16 with
+fp32 parameters and moments, torch runs its forward under `torch.autocast(bfloat16)` with fp32 parameters;
+each timed torch step ends with `torch.cuda.synchronize()`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 from typing import Any
 
+# On a GPU both frameworks share the card: without this, JAX takes 75% of its memory up front (the 0.5B torch
+# step then ran out of memory on an H100).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 import train_step as ts_bench  # noqa: E402  (benchmarks/train_step.py)
@@ -99,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--attn", default="sdpa", help="transformers attention implementation: sdpa | eager")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: os.cpu_count())")
+    p.add_argument("--device", default="cpu", help="torch device: cpu | cuda (guijax uses jax's default backend)")
+    p.add_argument("--dtype", default="float32", help="compute dtype of both sides: float32 | bfloat16")
     p.add_argument("--json", default=str(bc.RESULTS / f"vs_torch_{bc.jax.default_backend()}.json"))
     p.add_argument("--markdown", default=str(bc.RESULTS / f"vs_torch_{bc.jax.default_backend()}.md"))
     a = p.parse_args(argv)
@@ -116,13 +126,21 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- models with the same weights
     model = torch_model(cfg, a.attn)
-    module = weights.build_module(cfg, dtype=jnp.float32, param_dtype=jnp.float32)
+    if a.dtype not in ("float32", "bfloat16"):
+        raise SystemExit(f"--dtype must be float32 or bfloat16, got {a.dtype!r}")
+    if a.device == "cuda" and info["backend"] != "gpu":
+        raise SystemExit(f"--device cuda needs jax on a GPU too (jax backend: {info['backend']})")
+    model = model.to(a.device)
+    autocast = (torch.autocast(a.device, dtype=torch.bfloat16) if a.dtype == "bfloat16"
+                else contextlib.nullcontext())
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    module = weights.build_module(cfg, dtype=jnp.dtype(a.dtype), param_dtype=jnp.float32)
     params = params_from_torch(model, module)
     step_cfg = train_step.StepConfig()
     loss0_jax = float(jax.jit(lambda p, b: train_step.loss_fn(p, b, module, step_cfg)[0])(params, np_batch))
-    t_batch = {k: torch.from_numpy(v.astype(np.int64) if v.dtype == np.int32 else v)
+    t_batch = {k: torch.from_numpy(v.astype(np.int64) if v.dtype == np.int32 else v).to(a.device)
                for k, v in np_batch.items() if k != "positions"}
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         loss0_torch = float(torch_grpo_loss(model, t_batch))
 
     # ---------------------------------------------------------------- guijax step
@@ -143,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def torch_step():
         opt.zero_grad(set_to_none=True)
-        loss = torch_grpo_loss(model, t_batch)
+        with autocast:
+            loss = torch_grpo_loss(model, t_batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, optim_cfg.max_grad_norm)
         opt.step()
+        sync()
         return loss
 
     t0 = time.perf_counter()
@@ -172,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         "guijax_tokens_per_s": tokens / jt, "torch_tokens_per_s": tokens / tt, "ratio": ratio,
         "target": f">= {TARGET_RATIO}x torch on CPU, small preset",
         "target_met": (ratio >= TARGET_RATIO) if target_applies else None,
-        "preset": a.preset, "batch": a.batch, "seq": a.seq, "tokens_per_step": tokens, "dtype": "float32",
+        "preset": a.preset, "batch": a.batch, "seq": a.seq, "tokens_per_step": tokens, "dtype": a.dtype,
+        "torch_device": a.device,
         "model": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
                   "kv_heads": cfg.num_key_value_heads, "intermediate": cfg.intermediate_size,
                   "vocab": cfg.vocab_size, "tied": cfg.tie_word_embeddings,
@@ -192,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                else "MET" if result["target_met"] else "NOT met")
     table = "\n".join([
         f"Machine: {bc.machine_line(info)}; torch {torch.__version__} ({threads} threads, attn {a.attn}).",
-        f"Preset {a.preset}, batch {a.batch} x seq {a.seq}, float32, GRPO update incl. AdamW; median of {a.repeats}.",
+        f"Preset {a.preset}, batch {a.batch} x seq {a.seq}, {a.dtype} compute, torch on {a.device}, "
+        f"GRPO update incl. AdamW; median of {a.repeats}.",
         "",
         "| trainer | step (s) | tokens/s | CPU s per step |",
         "|---|---:|---:|---:|",
