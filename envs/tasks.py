@@ -9,6 +9,7 @@ import random
 from typing import Iterable, Sequence
 
 from envs.api import Task, TaskError
+from envs.atomic import write_text_atomic
 
 
 def load_tasks(path: str | pathlib.Path) -> list[Task]:
@@ -33,10 +34,7 @@ def load_tasks(path: str | pathlib.Path) -> list[Task]:
 def save_tasks(tasks: Iterable[Task], path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps([t.to_dict() for t in tasks], indent=1))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, json.dumps([t.to_dict() for t in tasks], indent=1))
 
 
 def by_id(tasks: Sequence[Task], task_id: str) -> Task:

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import jax
 
 from envs.api import Task
+from envs.atomic import write_text_atomic
 from guijax.rollout.engine import RolloutEngine
 from guijax.rollout.trajectory import Status
 
@@ -69,7 +70,4 @@ def markdown_table(reports: dict[str, dict[str, Any]]) -> str:
 
 def write_report(workdir: str | pathlib.Path, name: str, report: dict[str, Any]) -> pathlib.Path:
     path = pathlib.Path(workdir) / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, json.dumps(report, indent=2))

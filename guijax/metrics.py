@@ -7,6 +7,8 @@ import math
 import pathlib
 from typing import Any
 
+from envs.atomic import write_text_atomic
+
 CONSOLE_KEYS = ("iteration", "success_rate", "reward_mean", "format_error_rate", "zero_variance_groups", "loss",
                 "entropy", "clip_frac_high", "approx_kl", "grad_norm", "tokens_per_s", "time_iteration_s")
 
@@ -41,9 +43,7 @@ class MetricsWriter:
         those iterations and writes them again, so the file reads as one run instead of listing them twice."""
         self._file.close()
         kept = [r for r in read_metrics(self.path) if int(r.get("iteration", -1)) < iteration]
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a", buffering=1)
 
     def close(self) -> None:

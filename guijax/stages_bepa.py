@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from envs.atomic import write_text_atomic
 from guijax.stages import Run, policy_dir, stage
 
 # Each method: the algorithm hook, its options, and what it changes in the train section. `seed_cache`:
@@ -57,9 +58,7 @@ def _write_shard(directory: pathlib.Path, name: str, trajectories) -> None:
 
 
 def _write_json(path: pathlib.Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def all_tasks(run: Run) -> list:

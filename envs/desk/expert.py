@@ -20,6 +20,7 @@ from PIL import Image
 from envs.actions.model import Action
 from envs.actions.s2 import S2Action, s2_to_actions
 from envs.api import Task
+from envs.atomic import write_text_atomic
 from envs.desk.a11y import BANNER, CONFIRM, GroundingError, describe, ground, parse_tree
 from envs.desk.scene import inside
 
@@ -217,9 +218,7 @@ class ExpertTrace:
                           "boxes": s.boxes})
         data = {"task_id": self.task_id, "instruction": self.instruction, "plan": self.plan, "reward": self.reward,
                 "steps": steps}
-        tmp = directory / "trace.json.tmp"
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(directory / "trace.json")
+        write_text_atomic(directory / "trace.json", json.dumps(data, indent=1))
         return directory
 
     @classmethod
