@@ -10,6 +10,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.seed = 0
     c.stages = ()
     c.distributed = "auto"  # auto | on | off: jax.distributed.initialize() on TPU pods / SLURM
+    c.accelerator = ""  # "" (whatever jax finds) | cpu | gpu | tpu: checked before any stage runs
     c.compilation_cache_dir = "~/.cache/guijax/xla"  # XLA's persistent compilation cache; "" turns it off
 
     c.model = ml_collections.ConfigDict()

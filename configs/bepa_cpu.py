@@ -16,7 +16,8 @@ from configs._common import base, small_desk
 
 def get_config():
     c = small_desk(base("bepa_cpu"))
-    c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "methods", "table", "diagnostics")
+    c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "methods", "table", "diagnostics",
+                "report")
     c.rollout.tasks_per_iteration = 9  # every training task in every iteration
     c.train.iterations = 6
     c.train.ppo_epochs = 2

@@ -5,6 +5,7 @@ from configs._common import base, bepa_on_osworld, uitars_on_osworld
 
 def get_config():
     c = bepa_on_osworld(uitars_on_osworld(base("bepa_gpu")))
+    c.accelerator = "gpu"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.mesh.num_devices = 1
     return c

@@ -5,6 +5,7 @@ from configs._common import base, bepa_on_osworld, uitars_on_osworld
 
 def get_config():
     c = bepa_on_osworld(uitars_on_osworld(base("bepa_tpu")))
+    c.accelerator = "tpu"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, -1, 1
     c.mesh.num_devices = 64
     c.rollout.tasks_per_iteration = 32

@@ -346,12 +346,16 @@ ROUTES: dict[tuple[str, str], Callable[[Handler], tuple]] = {
 }
 
 
+def _refuse_open_bind_without_token(host: str, token: str | None) -> None:
+    if not _is_loopback(host) and not token:
+        raise SystemExit(f"refusing to bind {host}: this server runs arbitrary code; pass --token TOKEN")
+
+
 def serve(host: str = "127.0.0.1", port: int = 5000, display: str | None = None, token: str | None = None,
           timeout_s: float = 90.0, screen_size: tuple[int, int] = (1920, 1080), cache_dirs: tuple[str, ...] = (),
           allow_network: bool = False, ready: Callable[[DesktopServer], None] | None = None) -> None:
     """Run until SIGINT/SIGTERM; `ready` is called with the bound server (tests read its port)."""
-    if not _is_loopback(host) and not token:
-        raise SystemExit(f"refusing to bind {host}: this server runs arbitrary code; pass --token TOKEN")
+    _refuse_open_bind_without_token(host, token)
     disp = Display.attach(display) if display else Display(screen_size)
     controller = LocalController(disp, timeout_s, cache_dirs, allow_network)
     server = DesktopServer((host, port), controller, token, timeout_s)
@@ -389,6 +393,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allow-network", action="store_true", help="let /setup/download_file fetch http(s) URLs")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
+    from envs.desktop.checks import server_missing
+
+    _refuse_open_bind_without_token(a.host, a.token)
+    missing = server_missing(own_display=a.display is None)
+    if missing:
+        raise SystemExit(f"error: the desktop server cannot start here: {missing}")
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     w, h = (int(x) for x in a.screen.lower().split("x"))
     serve(a.host, a.port, a.display, a.token, a.timeout, (w, h), tuple(a.cache_dir), a.allow_network)

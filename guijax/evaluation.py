@@ -30,7 +30,8 @@ def evaluate(engine: RolloutEngine, params: Any, splits: dict[str, Sequence[Task
         if not tasks:
             report["splits"][name] = {"tasks": 0}
             continue
-        trajectories, _ = engine.run(params, list(tasks), episodes_per_task, jax.random.PRNGKey(seed), seed=seed)
+        trajectories, _ = engine.run(params, list(tasks), episodes_per_task, jax.random.PRNGKey(seed), seed=seed,
+                                     desc=f"eval {name}")
         per_task: dict[str, list[bool]] = defaultdict(list)
         domains: dict[str, str] = {}
         errors = 0

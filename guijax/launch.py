@@ -17,6 +17,7 @@ import ml_collections
 from absl import app, flags, logging
 
 from guijax import config as config_lib
+from guijax.progress import format_duration
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "bepa_cpu", "recipe name in configs/ (or a path to a .py file with get_config()); "
@@ -127,18 +128,23 @@ def main(argv: list[str]) -> None:
         print(f"  parameter bytes per device ({report['param_dtype']}): {format_bytes(report['param_bytes_per_device'])}")
         print(f"  AdamW state bytes per device: {format_bytes(report['adam_state_bytes_per_device'])}")
         return
-    from guijax import stages
+    from guijax import preflight, stages
 
+    unmet = preflight.problems(config)
+    if unmet:
+        for line in unmet:
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
     workdir = pathlib.Path(FLAGS.workdir or f"runs/{config.name}")
     workdir.mkdir(parents=True, exist_ok=True)
     import jax
 
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config_lib.to_json(config))
-    logging.info("running %s in %s: stages %s", config.name, workdir, list(config.stages))
+    print(f"{config.name}: {len(config.stages)} stages ({', '.join(config.stages)}) in {workdir}", flush=True)
     start = time.time()
     stages.run_stages(config, workdir)
-    print(f"{config.name}: all stages done in {time.time() - start:.0f}s; outputs in {workdir}")
+    print(f"{config.name}: all stages done in {format_duration(time.time() - start)}; outputs in {workdir}")
 
 
 _OVERRIDES: list[str] = []

@@ -35,8 +35,10 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and k not in ("iteration", "sft_step"):
                     self._tb.add_scalar(k, v, step)
         if self.console and "iteration" in record:
-            print(" ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
-                           for k in CONSOLE_KEYS if k in record), flush=True)
+            from guijax.progress import echo
+
+            echo(" ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
+                          for k in CONSOLE_KEYS if k in record))
 
     def drop_from(self, iteration: int) -> None:
         """Remove iteration records at or after `iteration`: a run resumed from the checkpoint before them redoes

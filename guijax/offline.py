@@ -21,6 +21,7 @@ import optax
 from guijax import losses, optim, train_step
 from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
 from guijax.models.policy import Policy
+from guijax.progress import Progress
 from guijax.rollout.trajectory import Trajectory
 
 
@@ -106,6 +107,7 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
     rng = random.Random(seed)
     per_batch = max(1, batch_trajectories // len(units[0]))
     history: list[float] = []
+    bar = Progress(steps, kind, "step")
     while len(history) < steps:
         order = list(range(len(units)))
         rng.shuffle(order)
@@ -118,9 +120,11 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
             desirable = jnp.asarray([t.reward >= 0.5 for t in trajectories])
             params, opt_state, loss, metrics = update(params, opt_state, batch, segments, ref, desirable)
             history.append(float(loss))
+            bar.update(1, loss=round(history[-1], 4))
             if log is not None:
                 log({f"{kind}_step": len(history), f"{kind}_loss": history[-1],
                      **{k: float(v) for k, v in metrics.items()}})
             if len(history) >= steps:
                 break
+    bar.close()
     return params, history

@@ -17,23 +17,44 @@ import dataclasses
 import json
 import pathlib
 import random
+import time
 from typing import Any, Callable
 
 import jax
 import ml_collections
-from absl import logging
 
+from envs.atomic import write_text_atomic
+from guijax import progress
 from guijax.rollout.prompt import COMPACT_PROMPT
 
-STAGES: dict[str, Callable[["Run"], None]] = {}
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A named step of a recipe. `describe` says what it will do and how much (printed when it starts),
+    `done` whether its result is already in the workdir (a resumed run skips it and says so), and the
+    function returns its headline figure (printed when it ends)."""
+
+    name: str
+    fn: Callable[["Run"], str | None]
+    describe: Callable[["Run"], str]
+    done: Callable[["Run"], bool]
 
 
-def stage(name: str):
+STAGES: dict[str, Stage] = {}
+
+
+def stage(name: str, describe: Callable[["Run"], str], done: Callable[["Run"], bool] | None = None):
+    """Register a stage; without `done` it is a summary that is rewritten on every run."""
+
     def wrap(fn):
-        STAGES[name] = fn
+        STAGES[name] = Stage(name, fn, describe, done or (lambda run: False))
         return fn
 
     return wrap
+
+
+def output_exists(relative: str) -> Callable[["Run"], bool]:
+    """A stage is done when the file it writes last exists."""
+    return lambda run: (run.workdir / relative).exists()
 
 
 @dataclasses.dataclass
@@ -116,27 +137,38 @@ class Run:
             self._cache["pool"].close()
 
 
-@stage("base_model")
-def base_model(run: Run) -> None:
+def _describe_base_model(run: Run) -> str:
+    if run.config.model.path:
+        return f"check the checkpoint at model.path {run.config.model.path}"
+    return f"a fresh {run.config.model.preset} checkpoint with a locally trained tokenizer"
+
+
+@stage("base_model", _describe_base_model,
+       done=lambda run: not run.config.model.path and (run.base_model_dir / "config.json").exists())
+def base_model(run: Run) -> str:
     from guijax.models.fresh import create_checkpoint
 
     if run.config.model.path:
         if not (run.base_model_dir / "config.json").exists():
             raise FileNotFoundError(f"model.path {run.base_model_dir} has no config.json")
-        return
-    if (run.base_model_dir / "config.json").exists():
-        return
-    logging.info("creating a fresh %s checkpoint in %s", run.config.model.preset, run.base_model_dir)
+        return f"{run.base_model_dir} has a config.json"
     create_checkpoint(run.base_model_dir, run.config.model.preset, seed=run.config.seed,
                       tokenizer_vocab=run.config.model.tokenizer_vocab, mesh=run.mesh())
+    return f"written to {run.base_model_dir}"
 
 
-@stage("tasks")
-def tasks(run: Run) -> None:
+def _describe_tasks(run: Run) -> str:
+    e = run.config.env
+    if e.kind == "osworld":
+        return f"load the OSWorld tasks of {e.osworld_split or e.osworld_dir} and split them"
+    families = ", ".join(e.families) if e.families else "every family"
+    return f"generate {e.num_tasks} synthetic-desk tasks ({families}) and split them train / held-out"
+
+
+@stage("tasks", _describe_tasks, done=output_exists("splits.json"))
+def tasks(run: Run) -> str:
     from envs.tasks import generate_desk_tasks, save_tasks, split_tasks
 
-    if (run.workdir / "splits.json").exists():
-        return
     e = run.config.env
     if e.kind == "osworld":
         from envs.osworld.loader import load_osworld, load_split
@@ -152,7 +184,7 @@ def tasks(run: Run) -> None:
                          seed=run.config.seed)
     save_tasks(generated, run.workdir / "tasks.json")
     (run.workdir / "splits.json").write_text(json.dumps({k: [t.id for t in v] for k, v in splits.items()}, indent=1))
-    print(f"tasks: {len(splits['train'])} train, {len(splits['held_out'])} held-out")
+    return f"{len(splits['train'])} train, {len(splits['held_out'])} held-out"
 
 
 def expert_trajectories(run: Run, task_list) -> list:
@@ -201,15 +233,20 @@ def sft_trajectories(run: Run) -> list:
     return plain + planned
 
 
-@stage("sft")
-def sft(run: Run) -> None:
+def _describe_sft(run: Run) -> str:
+    s = run.config.sft
+    return (f"warm start: {s.steps} steps of {s.batch_size} expert-trace steps at lr {s.learning_rate:g} "
+            f"({s.traces_per_task} scripted-expert traces per training task)")
+
+
+@stage("sft", _describe_sft,
+       done=lambda run: run.config.sft.steps == 0 or (run.workdir / "sft_model" / "config.json").exists())
+def sft(run: Run) -> str:
     from guijax.metrics import MetricsWriter
     from guijax.models.policy import save_pretrained
     from guijax.trainer import pipeline_config, sft_steps
 
     out = run.workdir / "sft_model"
-    if (out / "config.json").exists() or run.config.sft.steps == 0:
-        return
     policy = run.load_policy(run.base_model_dir)
     trajectories = sft_trajectories(run)
     writer = MetricsWriter(run.workdir, "sft_metrics.jsonl", console=False)
@@ -221,7 +258,7 @@ def sft(run: Run) -> None:
     writer.close()
     policy.params = params
     save_pretrained(policy, out)
-    print(f"sft: {len(trajectories)} expert trajectories, loss {losses_seen[0]:.3f} -> {losses_seen[-1]:.3f}")
+    return f"{len(trajectories)} expert trajectories, loss {losses_seen[0]:.3f} -> {losses_seen[-1]:.3f}"
 
 
 def policy_dir(run: Run) -> pathlib.Path:
@@ -229,32 +266,45 @@ def policy_dir(run: Run) -> pathlib.Path:
     return sft_dir if (sft_dir / "config.json").exists() else run.base_model_dir
 
 
-def _evaluate(run: Run, model_dir: pathlib.Path, name: str) -> None:
+def evaluate_into(run: Run, model_dir: pathlib.Path, report_path: pathlib.Path) -> str:
+    """Evaluate the policy in `model_dir` on the recipe's eval splits; write the report; return its headline."""
     from guijax.evaluation import evaluate, write_report
 
-    if (run.workdir / f"{name}.json").exists():
-        return
-    policy = run.load_policy(model_dir)
     ev = run.config.eval
+    policy = run.load_policy(model_dir)
     splits = {k: v for k, v in run.tasks().items() if k in ev.splits}
     report = evaluate(run.engine(policy, ev.temperature), policy.params, splits, ev.episodes_per_task,
                       seed=run.config.seed + 12345, ks=tuple(ev.pass_k))
-    write_report(run.workdir, name, report)
-    print(f"{name}: " + ", ".join(f"{s} {100 * r.get('success_rate', 0):.1f}%" for s, r in report["splits"].items()))
+    write_report(report_path.parent, report_path.stem, report)
+    return ", ".join(f"{s} {100 * r.get('success_rate', 0):.1f}%" for s, r in report["splits"].items())
 
 
-@stage("eval_base")
-def eval_base(run: Run) -> None:
-    _evaluate(run, policy_dir(run), "eval_base")
+def describe_eval(run: Run) -> str:
+    ev = run.config.eval
+    try:
+        sizes = {k: len(v) for k, v in run.tasks().items() if k in ev.splits}
+    except FileNotFoundError:
+        sizes = {k: "?" for k in ev.splits}
+    return (f"{ev.episodes_per_task} episode(s) per task at temperature {ev.temperature} on "
+            + ", ".join(f"{k} ({n} tasks)" for k, n in sizes.items()))
 
 
-@stage("grpo")
-def grpo(run: Run) -> None:
+@stage("eval_base", describe_eval, done=output_exists("eval_base.json"))
+def eval_base(run: Run) -> str:
+    return evaluate_into(run, policy_dir(run), run.workdir / "eval_base.json")
+
+
+def describe_rl(config: ml_collections.ConfigDict) -> str:
+    r = config.rollout
+    return (f"{config.train.iterations} iterations of {r.tasks_per_iteration} tasks x {r.group_size} episodes, "
+            f"{config.train.ppo_epochs} PPO epoch(s) each")
+
+
+@stage("grpo", lambda run: f"RL ({run.config.algorithm.name}): {describe_rl(run.config)}",
+       done=output_exists("trained_model/config.json"))
+def grpo(run: Run) -> str:
     from guijax.models.policy import save_pretrained
     from guijax.trainer import Components, Trainer
-
-    if (run.workdir / "trained_model" / "config.json").exists():
-        return
     from guijax.stages_bepa import make_hook, training_tasks
 
     policy = run.load_policy(policy_dir(run))
@@ -264,35 +314,54 @@ def grpo(run: Run) -> None:
                        run.system_prompt, run.mesh())
     trainer = Trainer(run.config, run.workdir, parts)
     trainer.maybe_restore()
-    trainer.fit()
+    history = trainer.fit(desc=run.config.algorithm.name)
     trainer.close()
     policy.params = trainer.state.params
     save_pretrained(policy, run.workdir / "trained_model")
+    return rl_headline(history)
 
 
-@stage("eval_final")
-def eval_final(run: Run) -> None:
-    _evaluate(run, run.workdir / "trained_model", "eval_final")
+def rl_headline(history: list[dict[str, Any]]) -> str:
+    if not history:
+        return "no iteration left to run (resumed at the last one)"
+    first, last = history[0], history[-1]
+    return (f"training success {100 * first['success_rate']:.1f}% (iteration {first['iteration']}) -> "
+            f"{100 * last['success_rate']:.1f}% (iteration {last['iteration']})")
 
 
-@stage("report")
-def report(run: Run) -> None:
+@stage("eval_final", describe_eval, done=output_exists("eval_final.json"))
+def eval_final(run: Run) -> str:
+    return evaluate_into(run, run.workdir / "trained_model", run.workdir / "eval_final.json")
+
+
+@stage("report", lambda run: "report.md with the results table and training curves")
+def report(run: Run) -> str:
     from guijax.evaluation import markdown_table
     from guijax.metrics import read_metrics
     from guijax.report import plot_curves
 
+    text = f"# {run.config.name}\n"
     reports = {}
     for label, name in (("base policy", "eval_base"), ("after RL", "eval_final")):
         path = run.workdir / f"{name}.json"
         if path.exists():
             reports[label] = json.loads(path.read_text())
-    table = markdown_table(reports) if reports else "(no evaluations)"
+    methods_table = run.workdir / "table.md"  # an expert-guided recipe's methods, base policy included
+    if methods_table.exists():
+        text += f"\nSuccess rate by split, every method from the same base policy:\n\n{methods_table.read_text()}"
+    elif reports:
+        text += f"\nSuccess rate (tasks per split in parentheses):\n\n{markdown_table(reports)}\n"
+    else:
+        text += "\n(no evaluations)\n"
     plot = plot_curves(read_metrics(run.workdir / "metrics.jsonl"), run.workdir / "curves.png")
-    text = f"# {run.config.name}\n\nSuccess rate (tasks per split in parentheses):\n\n{table}\n"
     if plot:
         text += f"\n![training curves]({plot.name})\n"
-    (run.workdir / "report.md").write_text(text)
-    print(text)
+    for name, caption in (("curves_methods.png", "the methods' training curves"),
+                          ("diagnostics.png", "token probabilities under the base policy")):
+        if (run.workdir / name).exists():
+            text += f"\n![{caption}]({name})\n"
+    write_text_atomic(run.workdir / "report.md", text)
+    return f"{run.workdir / 'report.md'}"
 
 
 def run_stages(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:
@@ -304,10 +373,22 @@ def run_stages(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None
         raise ValueError(f"unknown stages {unknown} in config.stages; available: {list(STAGES)}")
     compilation_cache.enable(config.compilation_cache_dir)
     run = Run(config, pathlib.Path(workdir))
+    names = list(config.stages)
+    found = [n for n in names if STAGES[n].done(run)]
+    if found:
+        progress.echo(f"{config.name}: resuming in {workdir}; found done: {', '.join(found)}")
     try:
-        for name in config.stages:
-            logging.info("stage %s", name)
-            STAGES[name](run)
+        for i, name in enumerate(names, 1):
+            spec = STAGES[name]
+            tag = f"[{i}/{len(names)}] {name}"
+            if name in found:
+                progress.echo(f"{tag}: already done, skipped")
+                continue
+            progress.echo(f"{tag}: {spec.describe(run)}")
+            start = time.perf_counter()
+            headline = spec.fn(run)
+            progress.echo(f"{tag}: done in {progress.format_duration(time.perf_counter() - start)}"
+                          + (f"; {headline}" if headline else ""))
     finally:
         run.close()
         jax.effects_barrier()

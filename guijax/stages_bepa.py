@@ -21,6 +21,7 @@ import dataclasses
 import json
 import pathlib
 import random
+import time
 from typing import Any
 
 import jax
@@ -28,7 +29,9 @@ import numpy as np
 from absl import logging
 
 from envs.atomic import write_text_atomic
-from guijax.stages import Run, policy_dir, stage
+from guijax import progress
+from guijax.stages import (Run, describe_eval, describe_rl, evaluate_into, output_exists, policy_dir,
+                           rl_headline, stage)
 
 # Each method: the algorithm hook, its options, and what it changes in the train section. `seed_cache`:
 # "level1" (D_self) or "conv" (converted expert traces). `pre_sft`: SFT epochs on D_conv before RL;
@@ -88,15 +91,20 @@ def plans(run: Run) -> dict[str, list[str]]:
     return {k: v["plan"] for k, v in data["tasks"].items() if v["success"]}
 
 
-@stage("expert")
-def expert(run: Run) -> None:
+def _describe_expert(run: Run) -> str:
+    b = run.config.bepa
+    source = f"recorded traces in {b.expert_dir}" if b.expert_dir else f"the scripted expert (noise {b.expert_noise})"
+    return (f"{source} on every task; plans by the {b.plan_extractor} extractor; UI-TARS conversion with "
+            f"{b.conversion_thoughts} thoughts")
+
+
+@stage("expert", _describe_expert, done=output_exists("expert.json"))
+def expert(run: Run) -> str:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
     from guijax.plans import make_extractor
     from guijax.rollout.conversion import THOUGHT_STYLES, convert_trace
 
     out = run.workdir / "expert.json"
-    if out.exists():
-        return
     b, e = run.config.bepa, run.config.env
     if b.conversion_thoughts not in THOUGHT_STYLES:
         raise ValueError(f"bepa.conversion_thoughts={b.conversion_thoughts!r} is not one of {THOUGHT_STYLES}")
@@ -106,7 +114,9 @@ def expert(run: Run) -> None:
     recorded = load_recorded_traces(b.expert_dir) if b.expert_dir else None
     env = None if recorded is not None else DeskEnv(tuple(e.screen), e.step_limit, seed=run.config.seed,
                                                      popups=e.popups)
+    bar = progress.Progress(len(tasks), "expert", "task")
     for i, task in enumerate(tasks):
+        bar.update(1)
         if recorded is not None:
             trace = recorded.get(task.id)
             if trace is None:
@@ -118,11 +128,12 @@ def expert(run: Run) -> None:
         results[task.id] = {"success": ok, "steps": len(trace.steps), "plan": extractor(trace) if ok else []}
         if ok:
             converted.append(convert_trace(trace, thought_style=b.conversion_thoughts))
+    bar.close()
     _write_shard(run.workdir / "expert_traces", "expert", converted)
     _write_json(out, {"expert_noise": b.expert_noise, "conversion_thoughts": b.conversion_thoughts,
                       "tasks": results})
     source = f"recorded traces in {b.expert_dir}" if recorded is not None else f"scripted expert, noise {b.expert_noise}"
-    print(f"expert: {len(converted)}/{len(tasks)} tasks solved ({source}); plans by the {b.plan_extractor} extractor")
+    return f"{len(converted)}/{len(tasks)} tasks solved ({source}); plans by the {b.plan_extractor} extractor"
 
 
 def load_recorded_traces(directory: str) -> dict[str, Any]:
@@ -151,20 +162,20 @@ def _successes_by_task(rollouts) -> dict[str, int]:
     return out
 
 
-@stage("bepa_splits")
-def bepa_splits(run: Run) -> None:
+@stage("bepa_splits", lambda run: f"base pass@{run.config.bepa.base_pass_k} on every task; BEPA's train / held-out "
+       "split of the solvable pool", done=output_exists("bepa_splits.json"))
+def bepa_splits(run: Run) -> str:
     """BEPA §5.1's splits: the pool of tasks solved by the expert or by the base policy (pass@k over
     `bepa.base_pass_k` rollouts); train = `bepa.train_fraction` of the pool plus `bepa.extra_train_tasks`
     others; held-out = the rest. Replaces splits.json (the first split is kept as splits_initial.json)."""
     out = run.workdir / "bepa_splits.json"
-    if out.exists():
-        return
     b = run.config.bepa
     expert_ok = {k: v["success"] for k, v in json.loads((run.workdir / "expert.json").read_text())["tasks"].items()}
     policy = run.load_policy(policy_dir(run))
     tasks = all_tasks(run)
     rollouts, _ = run.engine(policy, run.config.rollout.temperature).run(
-        policy.params, tasks, b.base_pass_k, jax.random.PRNGKey(run.config.seed + 99), seed=run.config.seed + 4)
+        policy.params, tasks, b.base_pass_k, jax.random.PRNGKey(run.config.seed + 99), seed=run.config.seed + 4,
+        desc="base pass@k")
     base_ok = _successes_by_task(rollouts)
     pool = [t.id for t in tasks if expert_ok.get(t.id) or base_ok.get(t.id, 0) > 0]
     others = [t.id for t in tasks if t.id not in set(pool)]
@@ -180,25 +191,29 @@ def bepa_splits(run: Run) -> None:
     run._cache.pop("tasks", None)
     _write_json(out, {"base_pass_k": b.base_pass_k, "base_successes": base_ok, "expert_success": expert_ok,
                       "solvable_pool": sorted(pool), "train": train, "held_out": held_out})
-    print(f"bepa_splits: {len(pool)} of {len(tasks)} tasks solvable by the expert or base pass@{b.base_pass_k}; "
-          f"train {len(train)}, held-out {len(held_out)}")
+    return (f"{len(pool)} of {len(tasks)} tasks solvable by the expert or base pass@{b.base_pass_k}; "
+            f"train {len(train)}, held-out {len(held_out)}")
 
 
-@stage("level1")
-def level1(run: Run) -> None:
+def _describe_level1(run: Run) -> str:
+    b = run.config.bepa
+    return (f"{b.base_pass_k} plain and {b.level1_rollouts} plan-conditioned base-policy rollouts per training "
+            "task: pass@k, D_self and the expert-only split")
+
+
+@stage("level1", _describe_level1, done=output_exists("level1.json"))
+def level1(run: Run) -> str:
     out = run.workdir / "level1.json"
-    if out.exists():
-        return
     b = run.config.bepa
     policy = run.load_policy(policy_dir(run))
     engine = run.engine(policy, run.config.rollout.temperature)
     train = run.tasks()["train"]
     key = jax.random.PRNGKey(run.config.seed + 4242)
-    plain, _ = engine.run(policy.params, train, b.base_pass_k, key, seed=run.config.seed + 1)
+    plain, _ = engine.run(policy.params, train, b.base_pass_k, key, seed=run.config.seed + 1, desc="plain")
     task_plans = plans(run)
     with_plan = [t for t in train if t.id in task_plans]
     guided, _ = engine.run(policy.params, with_plan, b.level1_rollouts, jax.random.fold_in(key, 1),
-                           plans=task_plans, seed=run.config.seed + 2)
+                           plans=task_plans, seed=run.config.seed + 2, desc="plan-conditioned")
     base_ok, guided_ok = _successes_by_task(plain), _successes_by_task(guided)
     d_self = [t for t in guided if t.success]
     _write_shard(run.workdir / "level1_base_rollouts", "plain", plain)  # the diagnostics' on-policy reference
@@ -211,27 +226,27 @@ def level1(run: Run) -> None:
     _write_json(out, {"base_pass_k": b.base_pass_k, "level1_rollouts": b.level1_rollouts,
                       "base_successes": base_ok, "plan_conditioned_successes": guided_ok,
                       "d_self": len(d_self), "expert_only": expert_only})
-    print(f"level1: base pass@{b.base_pass_k} solves {sum(n > 0 for n in base_ok.values())}/{len(train)} train "
-          f"tasks; plan-conditioned solves {sum(n > 0 for n in guided_ok.values())}/{len(with_plan)}; "
-          f"|D_self| = {len(d_self)}; expert-only tasks: {len(expert_only)}")
+    return (f"base pass@{b.base_pass_k} solves {sum(n > 0 for n in base_ok.values())}/{len(train)} train "
+            f"tasks; plan-conditioned solves {sum(n > 0 for n in guided_ok.values())}/{len(with_plan)}; "
+            f"|D_self| = {len(d_self)}; expert-only tasks: {len(expert_only)}")
 
 
-@stage("select")
-def select(run: Run) -> None:
+@stage("select", lambda run: f"{run.config.arpo.selection_rollouts} base-policy rollouts per training task: ARPO's "
+       "valuable tasks", done=output_exists("valuable_tasks.json"))
+def select(run: Run) -> str:
     """ARPO §3.4: keep the training tasks the base policy solves at least once in k rollouts."""
     out = run.workdir / "valuable_tasks.json"
-    if out.exists():
-        return
     policy = run.load_policy(policy_dir(run))
     engine = run.engine(policy, run.config.rollout.temperature)
     train = run.tasks()["train"]
     k = run.config.arpo.selection_rollouts
-    rollouts, _ = engine.run(policy.params, train, k, jax.random.PRNGKey(run.config.seed + 77), seed=run.config.seed + 3)
+    rollouts, _ = engine.run(policy.params, train, k, jax.random.PRNGKey(run.config.seed + 77), seed=run.config.seed + 3,
+                             desc="selection")
     ok = _successes_by_task(rollouts)
     keep = [t.id for t in train if ok.get(t.id, 0) > 0]
     _write_shard(run.workdir / "selection_rollouts", "rollouts", rollouts)  # the offline stage's fixed data
     _write_json(out, {"rollouts_per_task": k, "successes": ok, "valuable": keep})
-    print(f"select: {len(keep)}/{len(train)} training tasks solved at least once in {k} rollouts")
+    return f"{len(keep)}/{len(train)} training tasks solved at least once in {k} rollouts"
 
 
 def training_tasks(run: Run, config) -> list:
@@ -307,7 +322,7 @@ def train_method(run: Run, name: str) -> pathlib.Path:
         config.sft.learning_rate = config.compare.sft_learning_rate  # fine-tuning, not the fresh model's warm start
         policy.params, _ = sft_steps(policy, traces, policy.processor, config, pipeline_config(config, run.system_prompt),
                                      steps, config.sft.batch_size, seed=config.seed, log=writer.write,
-                                     checkpoint_dir=workdir / "sft_checkpoints")
+                                     checkpoint_dir=workdir / "sft_checkpoints", desc=f"{name} sft")
         writer.close()
     if spec.get("rl", True):
         parts = Components(policy, run.pool(), policy.processor, training_tasks(run, config),
@@ -315,21 +330,43 @@ def train_method(run: Run, name: str) -> pathlib.Path:
                            run.system_prompt, run.mesh())
         trainer = Trainer(config, workdir, parts)
         trainer.maybe_restore()
-        trainer.fit()
+        trainer.fit(desc=name)
         trainer.close()
         policy.params = trainer.state.params
     save_pretrained(policy, final)
     return final
 
 
-@stage("methods")
-def methods(run: Run) -> None:
-    for name in run.config.compare.methods:
-        report_path = run.workdir / "methods" / name / "eval.json"
-        if report_path.exists():
+def _method_done(run: Run, name: str) -> bool:
+    return (run.workdir / "methods" / name / "eval.json").exists()
+
+
+def _describe_method(run: Run, name: str) -> str:
+    config, spec = method_config(run, name)
+    parts = []
+    if spec.get("pre_sft"):
+        parts.append(f"{config.compare.sft_epochs} SFT epochs on D_conv")
+    if spec.get("rl", True):
+        parts.append(f"RL ({spec['algorithm']}): {describe_rl(config)}")
+    return "; ".join(parts) + "; then evaluation"
+
+
+@stage("methods", lambda run: f"train and evaluate {', '.join(run.config.compare.methods)} from the same base policy",
+       done=lambda run: all(_method_done(run, m) for m in run.config.compare.methods))
+def methods(run: Run) -> str:
+    names = list(run.config.compare.methods)
+    results = {}
+    for i, name in enumerate(names, 1):
+        tag = f"  method {i}/{len(names)} {name}"
+        if _method_done(run, name):
+            progress.echo(f"{tag}: already done, skipped")
             continue
-        print(f"methods: training {name}")
-        _evaluate_into(run, train_method(run, name), report_path, name)
+        progress.echo(f"{tag}: {_describe_method(run, name)}")
+        start = time.perf_counter()
+        report_path = run.workdir / "methods" / name / "eval.json"
+        results[name] = evaluate_into(run, train_method(run, name), report_path)
+        progress.echo(f"{tag}: done in {progress.format_duration(time.perf_counter() - start)}; {results[name]}")
+    return f"{len(results)} trained" + (f" ({', '.join(results)})" if results else "")
 
 
 def overall(report: dict[str, Any], splits: dict[str, list]) -> float | None:
@@ -340,20 +377,14 @@ def overall(report: dict[str, Any], splits: dict[str, list]) -> float | None:
     return sum(r * w for r, w in parts) / n if n else None
 
 
-def _evaluate_into(run: Run, model_dir: pathlib.Path, report_path: pathlib.Path, name: str) -> None:
-    from guijax.evaluation import evaluate, write_report
-
-    ev = run.config.eval
-    policy = run.load_policy(model_dir)
-    splits = {k: v for k, v in run.tasks().items() if k in ev.splits}
-    report = evaluate(run.engine(policy, ev.temperature), policy.params, splits, ev.episodes_per_task,
-                      seed=run.config.seed + 12345, ks=tuple(ev.pass_k))
-    write_report(report_path.parent, report_path.stem, report)
-    print(f"{name}: " + ", ".join(f"{s} {100 * r.get('success_rate', 0):.1f}%" for s, r in report["splits"].items()))
+def _offline_done(run: Run) -> bool:
+    return all((run.workdir / "methods" / m / "eval.json").exists() for m in run.config.arpo.offline_methods)
 
 
-@stage("offline")
-def offline(run: Run) -> None:
+@stage("offline", lambda run: f"ARPO's offline baselines {', '.join(run.config.arpo.offline_methods) or '(none)'}: "
+       f"{run.config.arpo.offline_steps} steps each on the select stage's rollouts, then evaluation",
+       done=_offline_done)
+def offline(run: Run) -> str:
     """ARPO's offline baselines on the select stage's rollouts: rft (SFT on successes), dpo, kto."""
     from guijax.data.store import TrajectoryStore
     from guijax.metrics import MetricsWriter
@@ -367,6 +398,7 @@ def offline(run: Run) -> None:
         raise FileNotFoundError(f"{source} is empty: the offline stage trains on the select stage's rollouts")
     rollouts = list(TrajectoryStore(source))
     pipeline = pipeline_config(run.config, run.system_prompt)
+    results = {}
     for name in a.offline_methods:
         workdir = run.workdir / "methods" / name
         report_path = workdir / "eval.json"
@@ -390,13 +422,15 @@ def offline(run: Run) -> None:
             else:
                 raise ValueError(f"unknown offline method {name!r}; choose rft, dpo or kto")
             writer.close()
-            print(f"offline {name}: loss {hist[0]:.4f} -> {hist[-1]:.4f} over {len(hist)} steps")
+            progress.echo(f"  offline {name}: loss {hist[0]:.4f} -> {hist[-1]:.4f} over {len(hist)} steps")
             save_pretrained(policy, model_dir)
-        _evaluate_into(run, model_dir, report_path, name)
+        results[name] = evaluate_into(run, model_dir, report_path)
+        progress.echo(f"  offline {name}: {results[name]}")
+    return f"{len(results)} evaluated"
 
 
-@stage("table")
-def table(run: Run) -> None:
+@stage("table", lambda run: "success per split of the base policy and every method (table.md, table.json)")
+def table(run: Run) -> str:
     rows: dict[str, dict[str, Any]] = {}
     base = run.workdir / "eval_base.json"
     if base.exists():
@@ -423,11 +457,13 @@ def table(run: Run) -> None:
     text = "\n".join(lines)
     (run.workdir / "table.md").write_text(text + "\n")
     _write_json(run.workdir / "table.json", data)
-    print(f"\n{run.config.name}: success rate by split (tasks in parentheses)\n\n{text}\n")
+    progress.echo(f"\n{run.config.name}: success rate by split (tasks in parentheses)\n\n{text}\n")
+    return f"{len(rows)} policies in {run.workdir / 'table.md'}"
 
 
-@stage("diagnostics")
-def diagnostics(run: Run) -> None:
+@stage("diagnostics", lambda run: "token-probability histograms, tail mass and JS divergence of D_conv, D_self and "
+       "on-policy traces; the methods' training curves", done=output_exists("diagnostics.json"))
+def diagnostics(run: Run) -> str:
     """BEPA §5.4 under the base policy: token-probability histograms, tail mass Pr(p < 0.2) and JS divergence
     to the on-policy reference for D_conv, D_self and the base policy's own rollouts (diagnostics.json/.png),
     and the methods' training curves: entropy, log-prob of on-policy successes and of injected traces,
@@ -439,8 +475,6 @@ def diagnostics(run: Run) -> None:
     from guijax.trainer import pipeline_config
 
     out = run.workdir / "diagnostics.json"
-    if out.exists():
-        return
     policy = run.load_policy(policy_dir(run))
     logprob_fn = make_logprob_fn(policy.module, run.config.rollout.temperature, run.config.train.logprob_impl)
     train_ids = {t.id for t in run.tasks()["train"]}
@@ -473,13 +507,13 @@ def diagnostics(run: Run) -> None:
     for name, s in summary.items():
         if not name.startswith("_"):
             js = s.get("js_to_on_policy")
-            print(f"diagnostics: {name}: {s['tokens']} tokens, tail mass {100 * s['tail_mass_p_lt_0.2']:.1f}%, "
-                  f"JS to on-policy {js if js is None else round(js, 4)}")
+            progress.echo(f"  {name}: {s['tokens']} tokens, tail mass {100 * s['tail_mass_p_lt_0.2']:.1f}%, "
+                          f"JS to on-policy {js if js is None else round(js, 4)}")
     for name, n in summary["_expert_only_on_policy_during_training"].items():
-        print(f"diagnostics: {name}: {n['successes']} of {n['episodes']} sampled episodes on expert-only tasks succeeded")
+        progress.echo(f"  {name}: {n['successes']} of {n['episodes']} sampled episodes on expert-only tasks succeeded")
     same = summary["_D_self_vs_D_conv"]
-    print(f"diagnostics: {same['same_as_reference']} of {same['trajectories']} D_self trajectories repeat the "
-          "D_conv trace of their task response for response")
+    return (f"{same['same_as_reference']} of {same['trajectories']} D_self trajectories repeat the D_conv trace of "
+            f"their task response for response; {run.workdir / 'diagnostics.png'}")
 
 
 def _plot_method_curves(curves: dict[str, list[dict[str, Any]]], path: pathlib.Path) -> None:

@@ -27,6 +27,7 @@ from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
 from guijax.data.store import TrajectoryStore
 from guijax.metrics import MetricsWriter
 from guijax.models.policy import Policy
+from guijax.progress import Progress
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
 from guijax.rollout.prompt import SYSTEM_PROMPT
 from guijax.rollout.trajectory import Status, Trajectory
@@ -251,15 +252,18 @@ class Trainer:
                    learning_rate=float(self.schedule(int(self.state.step))))
         return out
 
-    def fit(self) -> list[dict[str, float]]:
+    def fit(self, desc: str = "rl") -> list[dict[str, float]]:
+        """Iterate up to `train.iterations` from where the run stands (a restored checkpoint's iteration)."""
         history = []
         total = self.config.train.iterations
-        while self.iteration < total:
-            metrics = self.iterate()
-            self.metrics.write(metrics)
-            history.append(metrics)
-            if self.iteration % self.config.train.checkpoint_every == 0 or self.iteration == total:
-                self.save()
+        with Progress(total, desc, "iteration", initial=self.iteration) as bar:
+            while self.iteration < total:
+                metrics = self.iterate()
+                self.metrics.write(metrics)
+                history.append(metrics)
+                bar.update(1, success=f"{100 * metrics['success_rate']:.0f}%", reward=round(metrics["reward_mean"], 3))
+                if self.iteration % self.config.train.checkpoint_every == 0 or self.iteration == total:
+                    self.save()
         self.ckpt.wait()
         return history
 
@@ -271,7 +275,7 @@ class Trainer:
 def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processor: Any,
               config: ml_collections.ConfigDict, pipeline: PipelineConfig, steps: int, batch_size: int, seed: int,
               log: Any = None, checkpoint_dir: str | pathlib.Path | None = None,
-              checkpoint_every: int = 50) -> tuple[Any, list[float]]:
+              checkpoint_every: int = 50, desc: str = "sft") -> tuple[Any, list[float]]:
     """Supervised warm start on (converted expert) trajectories: token cross-entropy on the responses.
 
     `trajectories` may be a list or a TrajectoryStore. With `checkpoint_dir`, parameters, optimiser state,
@@ -295,15 +299,18 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
         it.set_state(meta["data"])
         losses_seen = list(meta["losses"])
         logging.info("sft: resumed at step %d", len(losses_seen))
+    bar = Progress(steps, desc, "step", initial=len(losses_seen))
     try:
         while len(losses_seen) < steps:
             state, m = step_fn(state, device_batch(next(it)))
             losses_seen.append(float(m["loss"]))
+            bar.update(1, loss=round(losses_seen[-1], 4))
             if log is not None:
                 log({"sft_step": len(losses_seen), "sft_loss": losses_seen[-1]})
             if ckpt is not None and len(losses_seen) % checkpoint_every == 0 and len(losses_seen) < steps:
                 ckpt.save(len(losses_seen), state, {"data": it.get_state(), "losses": losses_seen})
     finally:
+        bar.close()
         if ckpt is not None:
             ckpt.close()
     return state.params, losses_seen

@@ -14,7 +14,6 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from absl import logging
-from tqdm import tqdm
 
 from envs.actions import ActionParseError, parse_uitars, to_pyautogui
 from envs.api import Task
@@ -78,13 +77,17 @@ class RolloutEngine:
         return self.processor.apply_chat_template(messages), images
 
     def run(self, params: Any, tasks: Sequence[Task], group_size: int, rng: jax.Array,
-            plans: dict[str, Sequence[str]] | None = None, seed: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
-        """All G*len(tasks) episodes; returns trajectories in (task, g) order and timing metrics."""
+            plans: dict[str, Sequence[str]] | None = None, seed: int = 0,
+            desc: str = "rollouts") -> tuple[list[Trajectory], dict[str, float]]:
+        """All G*len(tasks) episodes; returns trajectories in (task, g) order and timing metrics. `desc` names
+        the episodes' progress bar."""
+        from guijax.progress import Progress
+
         plans = plans or {}
         episodes = [_Episode(t, tuple(plans.get(t.id, ())), seed * 1_000_003 + i * 7919 + g)
                     for i, t in enumerate(tasks) for g in range(group_size)]
         timings = {"env_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
-        bar = tqdm(total=len(episodes), desc="rollouts", disable=not self.config.show_progress, leave=False)
+        bar = Progress(len(episodes), desc, "episode", transient=True) if self.config.show_progress else None
         start = time.perf_counter()
         successes = 0
         for first in range(0, len(episodes), self.pool.num_workers):
@@ -92,10 +95,11 @@ class RolloutEngine:
             rng, key = jax.random.split(rng)
             self._run_round(params, round_eps, key, timings)
             successes += sum(e.reward > 0.5 for e in round_eps)
-            bar.update(len(round_eps))
-            bar.set_postfix(success=f"{successes}/{first + len(round_eps)}",
-                            steps_per_s=f"{timings['steps'] / max(time.perf_counter() - start, 1e-9):.1f}")
-        bar.close()
+            if bar is not None:
+                bar.update(len(round_eps), success=f"{successes}/{first + len(round_eps)}",
+                           env_steps_per_s=f"{timings['steps'] / max(time.perf_counter() - start, 1e-9):.1f}")
+        if bar is not None:
+            bar.close()
         timings["wall_s"] = time.perf_counter() - start
         return [self._trajectory(e) for e in episodes], timings
 

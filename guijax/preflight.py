@@ -1,0 +1,58 @@
+"""Checks a recipe's needs before any stage runs, so a missing package, accelerator, file or key fails in the
+first second with one line saying what to install or set, instead of as a traceback deep inside a stage an
+hour later."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+
+import ml_collections
+
+INSTALL = {
+    "desktop": "pip install -e '.[desktop]'",
+    "gpu": "pip install -e '.[gpu]'",
+    "tpu": "pip install -e '.[tpu]'",
+}
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _has_platform(platform: str) -> bool:
+    import jax
+
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:  # this jaxlib has no such backend
+        return False
+
+
+def problems(config: ml_collections.ConfigDict) -> list[str]:
+    """One line per unmet need of `config`; empty when the run can start."""
+    out = []
+    accelerator = config.get("accelerator", "")
+    if accelerator in ("gpu", "tpu") and not _has_platform(accelerator):
+        out.append(f"{config.name} runs on a {accelerator.upper()} and jax finds none: install jax's "
+                   f"{'CUDA' if accelerator == 'gpu' else 'TPU'} build with `{INSTALL[accelerator]}` on a machine "
+                   f"that has one (or `--config.accelerator=` to run on what jax finds)")
+    elif accelerator not in ("", "cpu", "gpu", "tpu"):
+        out.append(f"accelerator={accelerator!r} is not one of '', cpu, gpu, tpu")
+    stages = set(config.stages)
+    if config.env.kind == "osworld":
+        if not _has_module("requests"):
+            out.append(f"env.kind='osworld' talks to desktop servers with the 'requests' package, which is not "
+                       f"installed: `{INSTALL['desktop']}`")
+        if "tasks" in stages and config.env.osworld_dir and not pathlib.Path(config.env.osworld_dir).is_dir():
+            out.append(f"env.osworld_dir {config.env.osworld_dir} is not a directory (OSWorld's evaluation_examples)")
+    if config.model.path and not (pathlib.Path(config.model.path) / "config.json").exists():
+        out.append(f"model.path {config.model.path} has no config.json (a local Hugging Face Qwen2.5-VL directory)")
+    if "expert" in stages:
+        b = config.bepa
+        if b.expert_dir and not pathlib.Path(b.expert_dir).is_dir():
+            out.append(f"bepa.expert_dir {b.expert_dir} is not a directory of recorded expert traces")
+        if b.plan_extractor == "chat" and b.plan_api_key_env and not os.environ.get(b.plan_api_key_env):
+            out.append(f"bepa.plan_extractor='chat' reads its API key from ${b.plan_api_key_env}, which is not set "
+                       "(or use --config.bepa.plan_extractor=rule)")
+    return out
