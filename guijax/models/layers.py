@@ -13,8 +13,6 @@ import jax
 import jax.numpy as jnp
 
 Dtype = Any
-# A finite "minus infinity": rows whose keys are all masked (padding queries) stay finite instead of NaN.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 class RMSNorm(nn.Module):
@@ -102,19 +100,3 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     cos, sin = cos[..., None, :].astype(jnp.float32), sin[..., None, :].astype(jnp.float32)
     return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
 
-
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Plain masked attention with grouped-query heads.
-
-    q [b, sq, h, d]; k, v [b, sk, kvh, d]; mask bool broadcastable to [b, sq, sk] (True = attend).
-    Softmax in float32. This is the reference path; it materialises [b, h, sq, sk] scores.
-    """
-    b, sq, h, d = q.shape
-    kvh = k.shape[2]
-    groups = h // kvh
-    q = q.reshape(b, sq, kvh, groups, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return out.reshape(b, sq, h, d)

@@ -21,12 +21,17 @@ class VisionLayout:
     rotary_positions: [N, 2] (row, column) patch coordinates, permuted
     full_segments:    [N] id of the image frame each token belongs to (full-attention blocks)
     window_segments:  [N] id of the window each token belongs to (windowed blocks)
+    window_tokens:    [W, L] the tokens of each window (consecutive in the permuted order), -1 after its end;
+                      L is the largest window the config allows, so only W depends on the image sizes
+    window_slots:     [N] where each token sits in the flattened [W * L] window batch (the inverse gather)
     """
 
     window_index: np.ndarray
     rotary_positions: np.ndarray
     full_segments: np.ndarray
     window_segments: np.ndarray
+    window_tokens: np.ndarray
+    window_slots: np.ndarray
 
     @property
     def num_patches(self) -> int:
@@ -36,7 +41,8 @@ class VisionLayout:
         """The `vision` argument of the model forward: pixels plus this layout."""
         return {"pixel_values": pixel_values, "window_index": self.window_index,
                 "rotary_positions": self.rotary_positions, "full_segments": self.full_segments,
-                "window_segments": self.window_segments}
+                "window_segments": self.window_segments, "window_tokens": self.window_tokens,
+                "window_slots": self.window_slots}
 
 
 def _check_grid(grid_thw: np.ndarray, merge: int) -> np.ndarray:
@@ -84,7 +90,19 @@ def vision_layout(image_grid_thw: np.ndarray, vcfg: VisionConfig) -> VisionLayou
     rotary_arr = rotary_arr.reshape(n // unit, unit, 2)[window_index_arr].reshape(n, 2)
     full = np.repeat(np.arange(len(frame_lengths)), frame_lengths).astype(np.int32)
     windows_seg = np.repeat(np.arange(len(window_lengths)), window_lengths).astype(np.int32)
-    return VisionLayout(window_index_arr, rotary_arr, full, windows_seg)
+    return VisionLayout(window_index_arr, rotary_arr, full, windows_seg,
+                        *window_batch(np.asarray(window_lengths), win * win * unit))
+
+
+def window_batch(window_lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gather indices that batch consecutive windows of the given lengths into [W, max_len] rows (-1 pads
+    each row's tail), and each token's slot in the flattened batch to gather the results back."""
+    starts = np.concatenate([[0], np.cumsum(window_lengths)[:-1]])
+    offsets = np.arange(max_len)
+    valid = offsets[None, :] < window_lengths[:, None]
+    tokens = np.where(valid, starts[:, None] + offsets[None, :], -1).astype(np.int32)
+    slots = (np.arange(len(window_lengths)) * max_len)[:, None] + offsets[None, :]
+    return tokens, slots[valid].astype(np.int32)
 
 
 def mrope_positions(

@@ -3,7 +3,8 @@
 
 `Qwen2_5_VL.__call__` returns final hidden states (the log-prob kernel consumes them with the LM head
 directly, so [tokens, vocab] logits need never exist) or logits. An optional KV cache makes the same graph
-serve prefill and decode for the sampler.
+serve prefill and decode for the sampler. Attention masks are never dense: padding is a segment id per token
+and causality compares positions (see `guijax.models.attention`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from guijax.models.config import ModelConfig
-from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary, dot_product_attention
+from guijax.models.attention import attention
+from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary
 from guijax.models.vision import VisionTower, _maybe_remat
 
 Dtype = Any
@@ -25,6 +27,16 @@ class LayerCache(NamedTuple):
 
     k: jax.Array
     v: jax.Array
+
+
+class MaskSpec(NamedTuple):
+    """Causal attention over segments, the [b, s] arrays `attention` takes: segment ids are 1 for tokens and
+    0 for padding; positions are None (0..s-1) without a cache and the cache slots with one."""
+
+    q_segment_ids: jax.Array
+    kv_segment_ids: jax.Array
+    q_positions: jax.Array | None = None
+    kv_positions: jax.Array | None = None
 
 
 def mrope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -45,9 +57,10 @@ class Attention(nn.Module):
     cfg: ModelConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention_impl: str = "auto"
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, cache: LayerCache | None, cache_index):
+    def __call__(self, x, cos, sin, mask: MaskSpec, cache: LayerCache | None, cache_index):
         cfg = self.cfg
         b, s, _ = x.shape
         hd = cfg.head_dim
@@ -62,7 +75,9 @@ class Attention(nn.Module):
             k = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache_index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache_index, axis=1)
             cache = LayerCache(k, v)
-        out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        out = attention(q, k.astype(q.dtype), v.astype(q.dtype), causal=True, q_segment_ids=mask.q_segment_ids,
+                        kv_segment_ids=mask.kv_segment_ids, q_positions=mask.q_positions,
+                        kv_positions=mask.kv_positions, implementation=self.attention_impl)
         out = Linear(cfg.hidden_size, ("q_heads", "embed"), name="o_proj", **kw)(out.reshape(b, s, -1))
         return out, cache
 
@@ -71,12 +86,13 @@ class DecoderLayer(nn.Module):
     cfg: ModelConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention_impl: str = "auto"
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, cache, cache_index):
         cfg = self.cfg
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h, cache = Attention(cfg, name="self_attn", **kw)(
+        h, cache = Attention(cfg, name="self_attn", attention_impl=self.attention_impl, **kw)(
             RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, mask, cache, cache_index)
         x = x + h
         h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
@@ -87,21 +103,24 @@ class DecoderLayer(nn.Module):
 
 class Qwen2_5_VL(nn.Module):
     """The full policy network. Inputs are device arrays; image-size-dependent indices come precomputed
-    (see `guijax.models.positions`)."""
+    (see `guijax.models.positions`). `attention_impl` picks the attention backend of the decoder and the
+    vision tower ("auto", "xla", "cudnn" or the dense "reference"; see `guijax.models.attention`)."""
 
     cfg: ModelConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     remat_policy: str = "none"
+    attention_impl: str = "auto"
 
     def setup(self):
         cfg, kw = self.cfg, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.embed_tokens = self.param(
             "embed_tokens", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
             (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
-        self.visual = VisionTower(cfg.vision, remat_policy=self.remat_policy, **kw)
+        self.visual = VisionTower(cfg.vision, remat_policy=self.remat_policy, attention_impl=self.attention_impl, **kw)
         layer_cls = _maybe_remat(DecoderLayer, self.remat_policy)
-        self.layers = [layer_cls(cfg, name=f"layers_{i}", **kw) for i in range(cfg.num_hidden_layers)]
+        self.layers = [layer_cls(cfg, name=f"layers_{i}", attention_impl=self.attention_impl, **kw)
+                       for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, **kw)
         if not cfg.tie_word_embeddings:
             self.lm_head = self.param(
@@ -123,8 +142,10 @@ class Qwen2_5_VL(nn.Module):
         feats = jnp.take(image_features.astype(self.dtype), jnp.clip(order, 0, image_features.shape[0] - 1), axis=0)
         return jnp.where(is_image[..., None], feats.reshape(x.shape), x)
 
-    def encode_images(self, pixel_values, window_index, rotary_positions, full_segments, window_segments):
-        return self.visual(pixel_values, window_index, rotary_positions, full_segments, window_segments)
+    def encode_images(self, pixel_values, window_index, rotary_positions, full_segments, window_segments,
+                      window_tokens, window_slots):
+        return self.visual(pixel_values, window_index, rotary_positions, full_segments, window_segments,
+                           window_tokens, window_slots)
 
     def __call__(
         self,
@@ -140,7 +161,8 @@ class Qwen2_5_VL(nn.Module):
     ):
         """Forward pass.
 
-        input_ids [b, s]; positions [3, b, s] M-RoPE ids; attention_mask [b, s] (1 = real token);
+        input_ids [b, s]; positions [3, b, s] M-RoPE ids; attention_mask [b, s] (1 = real token; padding
+        attends nothing, so its outputs carry no information);
         vision: pixel_values + the VisionLayout arrays, or None for text-only.
         Cache mode: `cache` holds [b, L, kvh, hd] per layer, the s new tokens are written at slots
         cache_index..cache_index+s, and `kv_mask` [b, L] marks the valid slots (prompt padding excluded).
@@ -153,14 +175,14 @@ class Qwen2_5_VL(nn.Module):
         x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))
         cos, sin = mrope_cos_sin(positions, self.cfg)
         s = input_ids.shape[1]
+        segments = (attention_mask != 0).astype(jnp.int32)
         if cache is None:
-            causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-            mask = causal[None] & attention_mask.astype(bool)[:, None, :]
+            mask = MaskSpec(segments, segments)
         else:
-            total = cache[0].k.shape[1]
-            query_slots = cache_index + jnp.arange(s)
-            causal = jnp.arange(total)[None, :] <= query_slots[:, None]
-            mask = causal[None] & kv_mask.astype(bool)[:, None, :]
+            b, total = input_ids.shape[0], cache[0].k.shape[1]
+            slots = jnp.broadcast_to(cache_index + jnp.arange(s, dtype=jnp.int32), (b, s))
+            mask = MaskSpec(segments, (kv_mask != 0).astype(jnp.int32), slots,
+                            jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total)))
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.layers):
             x, layer_cache = layer(x, cos, sin, mask, None if cache is None else cache[i], cache_index)

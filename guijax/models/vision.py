@@ -1,8 +1,13 @@
 """Qwen2.5-VL vision tower: 3-D patch embedding, 2-D rotary attention in windows (full attention in the
 blocks listed by `fullatt_block_indexes`), RMSNorm + gated MLP blocks, and the 2x2 patch merger.
 
-Image-size-dependent indices (window permutation, segments) come precomputed from
+Image-size-dependent indices (window permutation, segments, window gathers) come precomputed from
 `guijax.models.positions.vision_layout`, so this module is shape-static under jit.
+
+Windowed blocks gather each window's tokens into a padded [windows, max_window, heads, head_dim] batch and
+attend within the rows, so their cost is linear in the patch count; full-attention blocks run the blockwise
+attention over all patches with one segment per image. The "reference" implementation instead masks one
+dense N x N square by segment (windows or images), as the original formulation does.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from guijax.models.config import VisionConfig
-from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary, dot_product_attention
+from guijax.models.attention import attention
+from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary
 
 Dtype = Any
 
@@ -28,21 +34,42 @@ def vision_rotary(rotary_positions: jax.Array, cfg: VisionConfig) -> tuple[jax.A
     return jnp.cos(emb), jnp.sin(emb)
 
 
+def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, window_tokens: jax.Array, window_slots: jax.Array,
+                     implementation: str) -> jax.Array:
+    """q, k, v [N, heads, hd] -> [N, heads, hd], each token attending only the tokens of its window.
+
+    window_tokens [W, L] (-1 = padding) gathers the windows into rows; window_slots [N] gathers back."""
+    n, heads, hd = q.shape
+    valid = (window_tokens >= 0).astype(jnp.int32)
+    index = jnp.maximum(window_tokens, 0)
+    qw, kw, vw = (jnp.take(x, index, axis=0) for x in (q, k, v))
+    out = attention(qw, kw, vw, q_segment_ids=valid, kv_segment_ids=valid, implementation=implementation)
+    return jnp.take(out.reshape(-1, heads, hd), window_slots, axis=0)
+
+
 class VisionAttention(nn.Module):
     cfg: VisionConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    windowed: bool = False
+    attention_impl: str = "auto"
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array, window_tokens: jax.Array,
+                 window_slots: jax.Array) -> jax.Array:
+        """segments [N]: each token's window (windowed blocks) or image (full blocks), ids from 0."""
         n, e = x.shape
         heads = self.cfg.num_heads
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         qkv = Linear(3 * e, ("vision_embed", "vision_heads"), use_bias=True, name="qkv", **kw)(x)
         q, k, v = jnp.moveaxis(qkv.reshape(n, 3, heads, e // heads), 1, 0)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        mask = segments[:, None] == segments[None, :]
-        out = dot_product_attention(q[None], k[None], v[None], mask[None])[0]
+        if self.windowed and self.attention_impl != "reference":
+            out = window_attention(q, k, v, window_tokens, window_slots, self.attention_impl)
+        else:
+            ids = segments[None].astype(jnp.int32) + 1  # 0 is the padding id
+            out = attention(q[None], k[None], v[None], q_segment_ids=ids, kv_segment_ids=ids,
+                            implementation=self.attention_impl)[0]
         return Linear(e, ("vision_heads", "vision_embed"), use_bias=True, name="proj", **kw)(out.reshape(n, e))
 
 
@@ -50,12 +77,16 @@ class VisionBlock(nn.Module):
     cfg: VisionConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    windowed: bool = False
+    attention_impl: str = "auto"
 
     @nn.compact
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array, window_tokens: jax.Array,
+                 window_slots: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = x + VisionAttention(self.cfg, name="attn", **kw)(
-            RMSNorm(1e-6, name="norm1", axis_name="vision_norm", **kw)(x), cos, sin, segments)
+        x = x + VisionAttention(self.cfg, name="attn", windowed=self.windowed, attention_impl=self.attention_impl,
+                                **kw)(RMSNorm(1e-6, name="norm1", axis_name="vision_norm", **kw)(x), cos, sin,
+                                      segments, window_tokens, window_slots)
         h = RMSNorm(1e-6, name="norm2", axis_name="vision_norm", **kw)(x)
         return x + GatedMLP(self.cfg.intermediate_size, self.cfg.hidden_act, use_bias=True, embed_axis="vision_embed",
                             mlp_axis="vision_mlp", name="mlp", **kw)(h)
@@ -88,10 +119,12 @@ class VisionTower(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     remat_policy: str = "none"
+    attention_impl: str = "auto"
 
     @nn.compact
     def __call__(self, pixel_values: jax.Array, window_index: jax.Array, rotary_positions: jax.Array,
-                 full_segments: jax.Array, window_segments: jax.Array) -> jax.Array:
+                 full_segments: jax.Array, window_segments: jax.Array, window_tokens: jax.Array,
+                 window_slots: jax.Array) -> jax.Array:
         cfg = self.cfg
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         unit = cfg.spatial_merge_size ** 2
@@ -102,8 +135,9 @@ class VisionTower(nn.Module):
         cos, sin = vision_rotary(rotary_positions, cfg)
         block_cls = _maybe_remat(VisionBlock, self.remat_policy)
         for i in range(cfg.depth):
-            segments = full_segments if i in cfg.fullatt_block_indexes else window_segments
-            x = block_cls(cfg, name=f"blocks_{i}", **kw)(x, cos, sin, segments)
+            windowed = i not in cfg.fullatt_block_indexes
+            x = block_cls(cfg, windowed=windowed, attention_impl=self.attention_impl, name=f"blocks_{i}", **kw)(
+                x, cos, sin, window_segments if windowed else full_segments, window_tokens, window_slots)
         merged = PatchMerger(cfg, name="merger", **kw)(x)
         return merged[jnp.argsort(window_index)]
 

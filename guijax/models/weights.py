@@ -29,8 +29,10 @@ NESTED = "nested"  # model.language_model.*, model.visual.*: transformers 5's in
 
 
 def build_module(cfg: ModelConfig, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 remat_policy: str = "none") -> Qwen2_5_VL:
-    return Qwen2_5_VL(cfg, dtype=dtype, param_dtype=param_dtype, remat_policy=remat_policy)
+                 remat_policy: str = "none", attention_impl: str = "auto") -> Qwen2_5_VL:
+    """The Flax module; attention_impl is the attention backend (see guijax.models.attention)."""
+    return Qwen2_5_VL(cfg, dtype=dtype, param_dtype=param_dtype, remat_policy=remat_policy,
+                      attention_impl=attention_impl)
 
 
 def _dummy_inputs(cfg: ModelConfig) -> tuple:

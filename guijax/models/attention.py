@@ -1,0 +1,294 @@
+"""Attention for the decoder and the vision tower, with memory linear in sequence length.
+
+One function, `attention`, describes every mask the model needs by two per-token integer arrays instead of
+a dense [sq, sk] mask, so no backend has to build a quadratic tensor:
+
+* segment ids [b, s] int: a query attends a key only when both carry the same id. Id 0 (`PAD_SEGMENT`) is
+  padding: a padding query attends nothing (its output is exactly 0, and so is its gradient) and a padding
+  key is attended by nobody. A decoder row is `attention_mask` itself (1 = token, 0 = pad); packed images
+  use 1, 2, ... per image.
+* positions [b, s] int, used only when `causal`: a query attends keys whose position is <= its own. They
+  default to 0..s-1 on both sides (top-left aligned, as `jax.nn.dot_product_attention`); the KV-cache
+  decode passes the query's cache slots (cache_index + i) and the key slots 0..L-1.
+
+Backends (`implementation`):
+
+* "reference": the dense path, [b, h, sq, sk] float32 scores and a mask built from the ids. Quadratic; kept
+  as the plain-JAX definition every other backend is tested against.
+* "xla": blockwise (flash-attention-2 style) in ordinary JAX ops. Queries and keys are cut into blocks
+  (lengths padded internally to a multiple of the block); a `lax.scan` over key blocks keeps a running max
+  and sum in float32 (online softmax), and tiles whose mask is empty are skipped with `lax.cond`. A
+  `custom_vjp` saves only the output and the per-row logsumexp and recomputes each tile's scores in the
+  backward pass, so neither direction holds more than one [b, h, block_q, block_k] score tile per step.
+  Runs on every platform and partitions under `jit` like any other JAX code.
+* "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (cuDNN flash attention) with the padding
+  given as `query_seq_lengths` / `key_value_seq_lengths`, never as a mask. It applies only when
+    - the default backend is a GPU and q/k/v are float16 or bfloat16 with head_dim a multiple of 8, <= 128;
+    - positions are the defaults, and causal calls are square (sq == sk), where cuDNN's causal mask is the
+      same top-left one;
+    - every row is right-padded: one non-zero segment id on a prefix of at least one token, the same id for
+      the row's queries and keys, zeros after it.
+  The first two are static and raise ValueError when unmet. The last depends on values; rows that break it
+  come back as NaN rather than silently wrong.
+* "auto": on a GPU when the static conditions hold, a `lax.cond` checks the row layout at run time and
+  takes cuDNN when it holds and "xla" otherwise; everywhere else "xla".
+
+There is no TPU-specific backend (Pallas splash attention is not implemented here); TPUs run "xla".
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+PAD_SEGMENT = 0
+IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn")
+# Finite stand-in for -inf: exp(M_INIT - m) underflows to exactly 0 and M_INIT - M_INIT stays 0, where -inf
+# would turn the running-max rescaling of an all-masked row into NaN.
+M_INIT = -1e30
+_CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    implementation: str = "auto",
+    scale: float | None = None,
+    block_q: int = 512,
+    block_k: int = 512,
+) -> jax.Array:
+    """Grouped-query attention. q [b, sq, h, d]; k, v [b, sk, kvh, d] with h a multiple of kvh.
+
+    Segment ids and positions are [b, sq] for queries and [b, sk] for keys (see the module docstring);
+    missing segment ids mean "no padding", missing positions 0..s-1. Returns [b, sq, h, d] in q's dtype.
+    block_q / block_k are the "xla" tile sizes (clipped to the sequence lengths).
+    """
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    if k.shape != (b, sk, kvh, d) or v.shape != k.shape:
+        raise ValueError(f"k and v must be [b, sk, kv_heads, {d}] matching q {q.shape}; got {k.shape}, {v.shape}")
+    if h % kvh:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({kvh})")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
+    default_positions = q_positions is None and kv_positions is None
+    q_seg = _ids(q_segment_ids, b, sq, 1)
+    kv_seg = _ids(kv_segment_ids, b, sk, 1)
+    q_pos = _ids(q_positions, b, sq, None)
+    kv_pos = _ids(kv_positions, b, sk, None)
+    scale = d ** -0.5 if scale is None else float(scale)
+    if implementation == "reference":
+        return _reference(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, scale)
+
+    def blockwise() -> jax.Array:
+        return _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, scale, block_q, block_k)
+
+    reason = _cudnn_unsupported(q, k, causal, default_positions)
+    if implementation == "cudnn":
+        if reason:
+            raise ValueError(f"cudnn attention does not apply: {reason}")
+        return jnp.where(_right_padded(q_seg, kv_seg), _cudnn(q, k, v, q_seg, kv_seg, causal, scale), jnp.nan)
+    if implementation == "auto" and not reason:
+        return lax.cond(jnp.all(_right_padded(q_seg, kv_seg)),
+                        lambda: _cudnn(q, k, v, q_seg, kv_seg, causal, scale), blockwise)
+    return blockwise()
+
+
+def _ids(x: jax.Array | None, b: int, s: int, fill: int | None) -> jax.Array:
+    """int32 [b, s]: the given ids, `fill` everywhere, or (fill None) the positions 0..s-1."""
+    if x is None:
+        row = jnp.arange(s, dtype=jnp.int32) if fill is None else jnp.full((s,), fill, jnp.int32)
+        return jnp.broadcast_to(row, (b, s))
+    x = jnp.asarray(x)
+    if x.shape != (b, s):
+        raise ValueError(f"segment ids / positions must be [{b}, {s}], got {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def _tile_mask(q_seg, kv_seg, q_pos, kv_pos, causal: bool) -> jax.Array:
+    """bool [b, sq, sk]: same non-padding segment and, if causal, key position <= query position."""
+    mask = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] != PAD_SEGMENT)
+    if causal:
+        mask &= kv_pos[:, None, :] <= q_pos[:, :, None]
+    return mask
+
+
+def _group(q: jax.Array, kvh: int) -> jax.Array:
+    """[b, s, h, d] -> [b, s, kvh, groups, d]: query heads sharing a key/value head side by side."""
+    b, s, h, d = q.shape
+    return q.reshape(b, s, kvh, h // kvh, d)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def _reference(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float) -> jax.Array:
+    """Dense masked softmax; queries with no visible key give 0."""
+    b, sq, h, d = q.shape
+    mask = _tile_mask(q_seg, kv_seg, q_pos, kv_pos, causal)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", _group(q, k.shape[2]), k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, M_INIT)
+    probs = jax.nn.softmax(scores, axis=-1) * jnp.any(mask, -1)[:, None, None, :, None]
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
+    return out.reshape(b, sq, h, d).astype(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ blockwise
+def _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float, block_q: int,
+               block_k: int) -> jax.Array:
+    """Pad both lengths to whole blocks, lay the blocks out on a leading axis, run the flash kernel."""
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    bq, bk = max(1, min(block_q, sq)), max(1, min(block_k, sk))
+    nq, nk = -(-sq // bq), -(-sk // bk)
+
+    def blocks(x: jax.Array, n: int, size: int, fill: int = 0) -> jax.Array:
+        pad = [(0, 0), (0, n * size - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+        x = jnp.pad(x, pad, constant_values=fill)
+        return jnp.moveaxis(x.reshape(x.shape[0], n, size, *x.shape[2:]), 1, 0)
+
+    qb = blocks(_group(q, kvh), nq, bq)
+    kb, vb = blocks(k, nk, bk), blocks(v, nk, bk)
+    out = _flash(causal, scale, qb, kb, vb, blocks(q_seg, nq, bq, PAD_SEGMENT), blocks(q_pos, nq, bq),
+                 blocks(kv_seg, nk, bk, PAD_SEGMENT), blocks(kv_pos, nk, bk))
+    return jnp.moveaxis(out, 0, 1).reshape(b, nq * bq, h, d)[:, :sq]
+
+
+def _scores(q_blk, k_blk, scale: float) -> jax.Array:
+    """q [b, bq, kvh, g, d], k [b, bk, kvh, d] -> float32 [b, kvh, g, bq, bk]."""
+    return jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
+
+
+def _flash_forward(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
+    """Blocked inputs ([n, b, block, ...]) -> (output like qb, logsumexp [nq, b, kvh, g, bq] float32).
+
+    A query row with no visible key has l == 0: its output is 0 and its logsumexp is stored as 0 (its
+    probabilities are masked to 0 in the backward pass anyway)."""
+    _, b, bq, kvh, g, d = qb.shape
+
+    def q_block(_, xs):
+        q_blk, qs, qp = xs
+
+        def k_block(carry, ys):
+            k_blk, v_blk, ks, kp = ys
+            mask = _tile_mask(qs, ks, qp, kp, causal)[:, None, None]
+
+            def update(carry):
+                m, l, acc = carry
+                s = jnp.where(mask, _scores(q_blk, k_blk, scale), M_INIT)
+                m_new = jnp.maximum(m, s.max(-1))
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+                alpha = jnp.exp(m - m_new)
+                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+                return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+            return lax.cond(jnp.any(mask), update, lambda c: c, carry), None
+
+        init = (jnp.full((b, kvh, g, bq), M_INIT, jnp.float32), jnp.zeros((b, kvh, g, bq), jnp.float32),
+                jnp.zeros((b, kvh, g, bq, d), jnp.float32))
+        (m, l, acc), _ = lax.scan(k_block, init, (kb, vb, kv_seg, kv_pos))
+        seen = l > 0
+        l_safe = jnp.where(seen, l, 1.0)
+        out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
+        lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)
+        return None, (jnp.moveaxis(out, 3, 1).astype(qb.dtype), lse)
+
+    _, (out, lse) = lax.scan(q_block, None, (qb, q_seg, q_pos))
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
+    return _flash_forward(causal, scale, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos)[0]
+
+
+def _flash_fwd(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
+    out, lse = _flash_forward(causal, scale, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos)
+    return out, (qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos, out, lse)
+
+
+def _flash_bwd(causal: bool, scale: float, res, d_out):
+    """FlashAttention-2 backward: an outer scan over key blocks accumulates that block's dk, dv while an
+    inner scan over query blocks recomputes p = exp(s - lse) and adds each query block's dq share."""
+    qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos, out, lse = res
+    # delta_i = sum_d dO_i * O_i = sum_j p_ij dP_ij, the softmax Jacobian's row term, as [nq, b, kvh, g, bq]
+    delta = jnp.moveaxis(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1), 2, -1)
+    d_out = d_out.astype(qb.dtype)
+
+    def k_block(dq, xs):
+        k_blk, v_blk, ks, kp = xs
+
+        def q_block(carry, ys):
+            q_blk, do_blk, lse_blk, delta_blk, qs, qp, dq_blk = ys
+            mask = _tile_mask(qs, ks, qp, kp, causal)[:, None, None]
+
+            def update(args):
+                dk, dv, dq_blk = args
+                p = jnp.where(mask, jnp.exp(_scores(q_blk, k_blk, scale) - lse_blk[..., None]), 0.0)
+                dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do_blk.dtype), do_blk,
+                                     preferred_element_type=jnp.float32)
+                dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+                ds = p * (dp - delta_blk[..., None]) * scale
+                dq_blk = dq_blk + jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k_blk.dtype), k_blk,
+                                             preferred_element_type=jnp.float32)
+                dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q_blk.dtype), q_blk,
+                                     preferred_element_type=jnp.float32)
+                return dk, dv, dq_blk
+
+            dk, dv, dq_blk = lax.cond(jnp.any(mask), update, lambda a: a, (*carry, dq_blk))
+            return (dk, dv), dq_blk
+
+        zeros = jnp.zeros(k_blk.shape, jnp.float32)
+        (dk, dv), dq = lax.scan(q_block, (zeros, zeros), (qb, d_out, lse, delta, q_seg, q_pos, dq))
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = lax.scan(k_block, jnp.zeros(qb.shape, jnp.float32), (kb, vb, kv_seg, kv_pos))
+    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ------------------------------------------------------------------------------------------------ cuDNN
+def _cudnn_unsupported(q: jax.Array, k: jax.Array, causal: bool, default_positions: bool) -> str:
+    """Why cuDNN flash attention cannot take this call ('' when it can, as far as shapes tell)."""
+    d = q.shape[-1]
+    if jax.default_backend() != "gpu":
+        return f"the default backend is {jax.default_backend()!r}, not a GPU"
+    if q.dtype not in _CUDNN_DTYPES or k.dtype != q.dtype:
+        return f"cuDNN needs float16/bfloat16 q, k, v; got {q.dtype}, {k.dtype}"
+    if d % 8 or d > 128:
+        return f"head_dim {d} is not a multiple of 8 up to 128"
+    if not default_positions:
+        return "explicit positions (e.g. a KV-cache decode) are not expressible as cuDNN sequence lengths"
+    if causal and q.shape[1] != k.shape[1]:
+        return f"causal attention with sq ({q.shape[1]}) != sk ({k.shape[1]})"
+    return ""
+
+
+def _right_padded(q_seg: jax.Array, kv_seg: jax.Array) -> jax.Array:
+    """bool [b, 1, 1, 1]: each row is one non-zero id on a non-empty prefix (the same id for queries and
+    keys) followed by padding, i.e. exactly what sequence lengths can describe."""
+
+    def prefix(seg: jax.Array) -> jax.Array:
+        real = seg != PAD_SEGMENT
+        return real[:, 0] & jnp.all(real[:, 1:] <= real[:, :-1], 1) & jnp.all(~real | (seg == seg[:, :1]), 1)
+
+    ok = prefix(q_seg) & prefix(kv_seg) & (q_seg[:, 0] == kv_seg[:, 0])
+    return ok[:, None, None, None]
+
+
+def _cudnn(q, k, v, q_seg, kv_seg, causal: bool, scale: float) -> jax.Array:
+    """cuDNN flash attention with the padding as per-row lengths; padding queries give 0 as elsewhere."""
+    q_len = jnp.sum(q_seg != PAD_SEGMENT, 1).astype(jnp.int32)
+    kv_len = jnp.sum(kv_seg != PAD_SEGMENT, 1).astype(jnp.int32)
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, query_seq_lengths=q_len,
+                                       key_value_seq_lengths=kv_len, implementation="cudnn")
+    return jnp.where((q_seg != PAD_SEGMENT)[:, :, None, None], out, 0).astype(q.dtype)

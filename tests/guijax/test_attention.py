@@ -1,0 +1,286 @@
+"""Linear-memory attention: the blockwise backend equals the dense reference (values and gradients) over
+GQA, causal, padding, packed segments, ragged block tails and the KV-cache decode; the vision tower's batched
+windows equal the dense window mask; compiled temp memory stays far below the dense score matrix."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from guijax.models.attention import attention
+from guijax.models.config import PRESETS, VisionConfig
+from guijax.models.positions import vision_layout
+from guijax.models.processor import ImageProcessor
+from guijax.models.qwen2_5_vl import Qwen2_5_VL, init_cache
+from guijax.models.vision import VisionTower
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _qkv(rs: np.random.RandomState, b: int, sq: int, sk: int, h: int, kvh: int, d: int, dtype=jnp.float32):
+    return (jnp.asarray(rs.randn(b, sq, h, d), dtype), jnp.asarray(rs.randn(b, sk, kvh, d), dtype),
+            jnp.asarray(rs.randn(b, sk, kvh, d), dtype))
+
+
+def _values_and_grads(impl: str, q, k, v, **kw):
+    """Output and d(sum(out * ct))/d(q, k, v) for a fixed random cotangent."""
+    ct = jnp.asarray(np.random.RandomState(99).randn(*q.shape), jnp.float32)
+
+    def f(q, k, v):
+        out = attention(q, k, v, implementation=impl, **kw)
+        return jnp.sum(out.astype(jnp.float32) * ct), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+def _assert_matches_reference(q, k, v, **kw):
+    out, grads = _values_and_grads("xla", q, k, v, **kw)
+    ref_out, ref_grads = _values_and_grads("reference", q, k, v, **kw)
+    chex.assert_tree_all_finite((out, grads))
+    chex.assert_trees_all_close(out, ref_out, **TOL)
+    chex.assert_trees_all_close(grads, ref_grads, **TOL)
+    return out
+
+
+def _packed_segments(rs: np.random.RandomState, b: int, s: int, n_segments: int, pad_left: bool) -> np.ndarray:
+    """[b, s] ids 1..n in runs of random length with padding (0) on one side."""
+    seg = np.zeros((b, s), np.int32)
+    for i in range(b):
+        valid = rs.randint(1, s + 1)
+        cuts = np.sort(rs.choice(np.arange(1, valid), min(n_segments - 1, valid - 1), replace=False)).astype(int)
+        row = np.repeat(np.arange(1, len(cuts) + 2), np.diff(np.concatenate([[0], cuts, [valid]])))
+        if pad_left:
+            seg[i, s - valid:] = row
+        else:
+            seg[i, :valid] = row
+    return seg
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_blockwise_equals_reference_on_random_shapes(seed):
+    rs = np.random.RandomState(seed)
+    kvh = int(rs.choice([1, 2, 3]))
+    h, d, b = kvh * int(rs.choice([1, 2, 4])), int(rs.choice([4, 8, 16])), int(rs.randint(1, 4))
+    s = int(rs.randint(1, 70))
+    causal, pad_left = bool(rs.rand() < 0.6), bool(rs.rand() < 0.5)
+    seg = jnp.asarray(_packed_segments(rs, b, s, int(rs.randint(1, 4)), pad_left))
+    q, k, v = _qkv(rs, b, s, s, h, kvh, d)
+    _assert_matches_reference(q, k, v, causal=causal, q_segment_ids=seg, kv_segment_ids=seg,
+                              block_q=int(rs.choice([4, 8, 16])), block_k=int(rs.choice([8, 16, 32])))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_lengths_not_multiples_of_the_block(causal):
+    rs = np.random.RandomState(1)
+    q, k, v = _qkv(rs, 2, 13, 29, 4, 2, 8)
+    q_seg = jnp.asarray(np.array([[1] * 7 + [2] * 6, [3] * 10 + [0] * 3]), jnp.int32)
+    kv_seg = jnp.asarray(np.array([[1] * 11 + [2] * 18, [3] * 20 + [0] * 9]), jnp.int32)
+    q_pos = jnp.asarray(np.stack([np.arange(13) * 2, np.arange(13) + 5]), jnp.int32)
+    _assert_matches_reference(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos,
+                              block_q=4, block_k=8)
+
+
+@pytest.mark.parametrize("new_tokens", [1, 3])
+def test_kv_cache_decode_equals_the_rows_of_full_attention(new_tokens):
+    """Queries at cache slots cache_index + i over a left-padded cache with unwritten slots give the same rows
+    as causal self-attention over the whole (padded) sequence."""
+    rs = np.random.RandomState(2)
+    b, total, written = 2, 21, 15
+    q, k, v = _qkv(rs, b, total, total, 4, 2, 8)
+    kv_mask = np.zeros((b, total), np.int32)
+    kv_mask[0, 3:written] = 1  # left-padded prompt
+    kv_mask[1, 0:written] = 1
+    full = attention(q, k, v, causal=True, q_segment_ids=jnp.asarray(kv_mask), kv_segment_ids=jnp.asarray(kv_mask),
+                     implementation="reference")
+    start = written - new_tokens
+    slots = jnp.broadcast_to(start + jnp.arange(new_tokens, dtype=jnp.int32), (b, new_tokens))
+    kv_positions = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total))
+    # slots past `written` hold stale keys and are marked invalid; causality alone must not be relied on
+    kv_seg = jnp.asarray(kv_mask)
+    out = _assert_matches_reference(q[:, start:written], k, v, causal=True, q_segment_ids=jnp.ones((b, new_tokens)),
+                                    kv_segment_ids=kv_seg, q_positions=slots, kv_positions=kv_positions,
+                                    block_q=2, block_k=8)
+    chex.assert_trees_all_close(out, full[:, start:written], **TOL)
+
+
+def test_padding_queries_and_empty_rows_give_zero_without_nans():
+    rs = np.random.RandomState(3)
+    q, k, v = _qkv(rs, 2, 10, 10, 2, 1, 4)
+    seg = jnp.asarray(np.array([[1] * 6 + [0] * 4, [0] * 10]), jnp.int32)
+    out = _assert_matches_reference(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, block_q=4, block_k=4)
+    assert not np.asarray(out[0, 6:]).any() and not np.asarray(out[1]).any()
+
+
+def test_defaults_mean_no_padding_and_auto_is_blockwise_off_gpu():
+    rs = np.random.RandomState(4)
+    q, k, v = _qkv(rs, 1, 40, 40, 4, 4, 8)
+    dense = attention(q, k, v, causal=True, implementation="reference")
+    chex.assert_trees_all_close(attention(q, k, v, causal=True, implementation="auto"), dense, **TOL)
+    chex.assert_trees_all_close(attention(q, k, v, causal=True, implementation="xla", block_q=16, block_k=16),
+                                attention(q, k, v, causal=True, implementation="xla", block_q=7, block_k=9), **TOL)
+    library = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # jax's own dense path agrees
+    chex.assert_trees_all_close(dense, library, **TOL)
+
+
+def test_bfloat16_blockwise_is_close_to_float32_reference():
+    rs = np.random.RandomState(5)
+    q, k, v = _qkv(rs, 2, 33, 33, 4, 2, 16)
+    seg = jnp.asarray(_packed_segments(rs, 2, 33, 2, False))
+    kw = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+    ref = attention(q, k, v, implementation="reference", **kw)
+    low = attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), implementation="xla", block_q=8, block_k=8, **kw)
+    assert low.dtype == jnp.bfloat16
+    chex.assert_trees_all_close(low.astype(jnp.float32), ref, atol=5e-2, rtol=5e-2)
+
+
+def test_errors_name_the_problem():
+    q, k, v = _qkv(np.random.RandomState(0), 1, 4, 4, 3, 2, 8)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        attention(q, k, v)
+    q, k, v = _qkv(np.random.RandomState(0), 1, 4, 4, 2, 2, 8)
+    with pytest.raises(ValueError, match="unknown attention implementation"):
+        attention(q, k, v, implementation="splash")
+    with pytest.raises(ValueError, match=r"must be \[1, 4\]"):
+        attention(q, k, v, q_segment_ids=jnp.ones((1, 5), jnp.int32))
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="cudnn attention does not apply.*not a GPU"):
+            attention(q, k, v, implementation="cudnn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_equals_reference_on_right_padded_rows(causal):
+    rs = np.random.RandomState(6)
+    q, k, v = _qkv(rs, 2, 256, 256, 8, 2, 64, jnp.bfloat16)
+    seg = jnp.asarray(np.array([[1] * 256, [1] * 200 + [0] * 56]), jnp.int32)
+    kw = dict(causal=causal, q_segment_ids=seg, kv_segment_ids=seg)
+    ref = attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation="reference", **kw)
+    for impl in ("cudnn", "auto"):
+        out = jax.jit(lambda q, k, v, impl=impl: attention(q, k, v, implementation=impl, **kw))(q, k, v)
+        chex.assert_trees_all_close(out.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
+    packed = jnp.asarray(np.array([[1] * 128 + [2] * 128, [1] * 256]), jnp.int32)  # not lengths: auto falls back
+    kw = dict(causal=causal, q_segment_ids=packed, kv_segment_ids=packed)
+    auto = jax.jit(lambda q, k, v: attention(q, k, v, implementation="auto", **kw))(q, k, v)
+    ref = attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation="reference", **kw)
+    chex.assert_trees_all_close(auto.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
+    assert np.isnan(np.asarray(attention(q, k, v, implementation="cudnn", **kw)[0])).all()
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def _tiny_vision(**kw) -> VisionConfig:
+    return VisionConfig(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
+                        window_size=56, fullatt_block_indexes=(1,), **kw)
+
+
+def test_window_batch_covers_every_token_once():
+    layout = vision_layout(np.array([[1, 4, 6], [1, 10, 6], [2, 6, 4]]), _tiny_vision())
+    tokens, slots = layout.window_tokens, layout.window_slots
+    assert tokens.shape == (layout.window_segments.max() + 1, 16)  # (56 / 14 / 2)^2 merge units of 4 patches
+    flat = tokens.reshape(-1)
+    np.testing.assert_array_equal(flat[slots], np.arange(layout.num_patches))
+    np.testing.assert_array_equal(np.sort(flat[flat >= 0]), np.arange(layout.num_patches))
+    for w, row in enumerate(tokens):  # each row is exactly one window, left-aligned
+        real = row[row >= 0]
+        assert (row[:real.size] >= 0).all() and (layout.window_segments[real] == w).all()
+        assert real.size == (layout.window_segments == w).sum()
+
+
+def test_vision_windows_batched_equal_the_dense_window_mask():
+    vcfg = _tiny_vision()
+    grids = np.array([[1, 4, 6], [1, 10, 6], [2, 6, 4]])  # partial windows at the edges, two frames
+    layout = vision_layout(grids, vcfg)
+    rs = np.random.RandomState(7)
+    inputs = layout.inputs(rs.randn(layout.num_patches, vcfg.patch_dim).astype(np.float32))
+    dense, batched = VisionTower(vcfg, attention_impl="reference"), VisionTower(vcfg, attention_impl="xla")
+    params = dense.init(jax.random.PRNGKey(0), **inputs)
+    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.PRNGKey(1), p.shape), params)
+
+    def run(module):
+        def loss(p):
+            out = module.apply(p, **inputs)
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (_, ref), ref_grads = run(dense)
+    (_, out), grads = run(batched)
+    assert np.abs(np.asarray(ref)).max() > 0.1
+    chex.assert_trees_all_close(out, ref, **TOL)
+    chex.assert_trees_all_close(grads, ref_grads, atol=1e-4, rtol=1e-4)
+
+
+def test_decoder_blockwise_equals_reference_with_and_without_cache():
+    cfg = PRESETS["tiny"]
+    rs = np.random.RandomState(8)
+    b, s, extra = 2, 11, 4
+    ids = jnp.asarray(rs.randint(0, 900, (b, s)), jnp.int32)
+    mask = np.ones((b, s), np.int32)
+    mask[1, :4] = 0  # left padding, as the sampler lays prompts out
+    positions = jnp.asarray(np.broadcast_to(np.maximum(np.cumsum(mask, 1) - 1, 0), (3, b, s)), jnp.int32)
+    ref_module = Qwen2_5_VL(cfg, attention_impl="reference")
+    params = ref_module.init(jax.random.PRNGKey(0), ids, positions, jnp.asarray(mask))
+    kv_mask = jnp.asarray(np.concatenate([mask, np.zeros((b, extra), np.int32)], 1))
+    results = {}
+    for impl in ("reference", "xla"):
+        module = Qwen2_5_VL(cfg, attention_impl=impl)
+        full, _ = module.apply(params, ids, positions, jnp.asarray(mask))
+        cached, cache = module.apply(params, ids, positions, jnp.asarray(mask), cache=init_cache(cfg, b, s + extra),
+                                     cache_index=0, kv_mask=kv_mask)
+        step, _ = module.apply(params, ids[:, :1], positions[:, :, -1:] + 1, jnp.ones((b, 1), jnp.int32),
+                               cache=cache, cache_index=s, kv_mask=kv_mask.at[:, s].set(1))
+        results[impl] = (full, cached, step)
+    valid = mask.astype(bool)
+    for a, r in zip(results["xla"], results["reference"]):
+        m = valid if a.shape[1] == s else np.ones(a.shape[:2], bool)
+        chex.assert_trees_all_close(np.asarray(a)[m], np.asarray(r)[m], **TOL)
+    np.testing.assert_allclose(np.asarray(results["xla"][0])[valid], np.asarray(results["xla"][1])[valid], atol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def _temp_bytes(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def _text_grad_temp(impl: str, s: int, h: int = 8, kvh: int = 2, d: int = 64) -> int:
+    """Compiled temp bytes of forward + backward of causal padded self-attention over s tokens."""
+    def loss(q, k, v, seg):
+        out = attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, implementation=impl)
+        return jnp.sum(jnp.square(out))
+
+    f32 = jnp.float32
+    args = (jax.ShapeDtypeStruct((1, s, h, d), f32), jax.ShapeDtypeStruct((1, s, kvh, d), f32),
+            jax.ShapeDtypeStruct((1, s, kvh, d), f32), jax.ShapeDtypeStruct((1, s), jnp.int32))
+    return _temp_bytes(jax.grad(loss, argnums=(0, 1, 2)), *args)
+
+
+def test_blockwise_forward_backward_memory_is_linear_in_sequence_length():
+    s, h = 8192, 8
+    dense_scores = h * s * s * 4  # one [h, s, s] float32 score matrix: 2 GiB
+    blockwise, blockwise_2x = _text_grad_temp("xla", s), _text_grad_temp("xla", 2 * s)
+    reference = _text_grad_temp("reference", s)
+    assert reference > dense_scores  # the threshold below is one the dense path fails
+    assert blockwise < dense_scores / 8, (blockwise, dense_scores)
+    assert blockwise_2x < 2.5 * blockwise, (blockwise, blockwise_2x)  # doubling s doubles memory, not x4
+
+
+def test_vision_forward_memory_for_one_1080p_screenshot_is_far_below_dense():
+    height, width = ImageProcessor(max_pixels=16384 * 28 * 28).resized_hw(1080, 1920)
+    vcfg = VisionConfig(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=64,
+                        fullatt_block_indexes=(1,))  # released patch 14, window 112, merge 2
+    layout = vision_layout(np.array([[1, height // vcfg.patch_size, width // vcfg.patch_size]]), vcfg)
+    n = layout.num_patches
+    assert n == 10764
+    inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+              for k, v in layout.inputs(np.zeros((n, vcfg.patch_dim), np.float32)).items()}
+    dense_scores = vcfg.num_heads * n * n * 4  # 884 MiB
+
+    def temp(impl: str) -> int:
+        tower = VisionTower(vcfg, attention_impl=impl)
+        params = jax.eval_shape(lambda x: tower.init(jax.random.PRNGKey(0), **x), inputs)
+        return _temp_bytes(lambda p, x: tower.apply(p, **x), params, inputs)
+
+    assert temp("reference") > dense_scores
+    blockwise = temp("xla")
+    assert blockwise < dense_scores / 8, (blockwise, dense_scores)
