@@ -26,6 +26,16 @@ language model (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, vocab 151
 a one-block vision tower, since the batch is text-only.
 
   python benchmarks/train_step.py --presets tiny,small,qwen2_5_0_5b --batch 2 --seq 256 --repeats 3
+
+With `--screenshots K --screenshot-hw H,W` every row is a GUI step instead: K screenshots of HxW (random
+pixels, resized as UI-TARS-1.5's processor does: a 1920x1080 screen is 10,764 patches and 2,691 image tokens),
+64 text tokens around each, and a `--response`-token response that alone carries the loss, padded to the
+smallest multiple of 1024 that holds it (or `--seq`). The vision tower runs on every screenshot, and its
+FLOPs are counted too, in the same convention: 6 x its parameters per patch (the merger per merged token),
+plus 12 x hidden x (attended patches) per patch and block, windows for windowed blocks, the whole image for
+full-attention blocks.
+
+  python benchmarks/train_step.py --presets small --batch 1 --screenshots 2 --screenshot-hw 1080,1920
 """
 from __future__ import annotations
 
@@ -97,6 +107,63 @@ def make_batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> dict[st
             "targets": targets, "loss_mask": loss_mask, "old_logp": old_logp, "advantages": advantages}
 
 
+TEXT_TOKENS_PER_SCREENSHOT = 64
+
+
+def screenshot_batch(cfg: ModelConfig, batch: int, screenshots: int, hw: tuple[int, int], response: int,
+                     seq: int | None = None, seed: int = 0) -> tuple[dict[str, Any], dict[str, int]]:
+    """A GUI-step GRPO batch: each row holds `screenshots` images of `hw` with their image-pad tokens, text,
+    and a `response`-token response (the only loss positions); vision inputs from the real layout code."""
+    from guijax.aot import UITARS_MAX_PIXELS
+    from guijax.models.positions import mrope_positions, vision_layout
+    from guijax.models.processor import smart_resize
+
+    v = cfg.vision
+    rh, rw = smart_resize(*hw, factor=v.patch_size * v.spatial_merge_size, max_pixels=UITARS_MAX_PIXELS)
+    grid = (rh // v.patch_size, rw // v.patch_size)
+    image_tokens = grid[0] * grid[1] // v.spatial_merge_size ** 2
+    used = screenshots * (image_tokens + TEXT_TOKENS_PER_SCREENSHOT) + response
+    seq = seq or -(-used // 1024) * 1024
+    if used > seq:
+        raise ValueError(f"{screenshots} screenshots of {hw[1]}x{hw[0]} and {response} response tokens need {used} "
+                         f"tokens per row; --seq {seq} is too short")
+    rs = np.random.RandomState(seed)
+    ids = rs.randint(0, cfg.vocab_size - 16, (batch, seq)).astype(np.int32)
+    mask = np.zeros((batch, seq), np.int32)
+    mask[:, :used] = 1
+    for row in range(batch):
+        for k in range(screenshots):
+            start = k * (image_tokens + TEXT_TOKENS_PER_SCREENSHOT) + TEXT_TOKENS_PER_SCREENSHOT // 2
+            ids[row, start:start + image_tokens] = cfg.image_token_id
+    ids[mask == 0] = 0
+    grids = np.tile(np.asarray([[1, *grid]], np.int64), (batch * screenshots, 1))
+    positions, _ = mrope_positions(ids, mask, grids, cfg)
+    layout = vision_layout(grids, v)
+    pixels = rs.randn(layout.num_patches, v.patch_dim).astype(np.float32)
+    targets = np.concatenate([ids[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)
+    loss_mask = np.zeros((batch, seq), np.float32)
+    loss_mask[:, used - response - 1:used - 1] = 1.0
+    old_logp = (-np.log(cfg.vocab_size) + 0.1 * rs.randn(batch, seq)).astype(np.float32) * loss_mask
+    advantages = rs.randn(batch, 1).astype(np.float32) * loss_mask
+    data = {"input_ids": ids, "positions": np.asarray(positions, np.int32), "attention_mask": mask,
+            "vision": layout.inputs(pixels), "targets": targets, "loss_mask": loss_mask, "old_logp": old_logp,
+            "advantages": advantages}
+    return data, {"seq": seq, "used_tokens": used, "image_tokens_per_screenshot": image_tokens,
+                  "patches": int(layout.num_patches), "patch_grid": list(grid)}
+
+
+def vision_flops(cfg: ModelConfig, vision_params: int, patches_per_image: int, images: int) -> float:
+    """Vision-tower model FLOPs of one step (fwd + bwd) in the convention of `flops_per_token`."""
+    v = cfg.vision
+    unit = v.spatial_merge_size ** 2
+    merger = (v.hidden_size * unit) ** 2 + v.hidden_size * unit * v.out_hidden_size
+    patches = patches_per_image * images
+    dense = 6.0 * (vision_params - merger) * patches + 6.0 * merger * patches / unit
+    window = min((v.window_size // v.patch_size) ** 2, patches_per_image)
+    attended = sum(patches_per_image if i in v.fullatt_block_indexes else window for i in range(v.depth))
+    return dense + 12.0 * v.hidden_size * attended * patches
+
+
 def optim_config(**overrides: Any):
     c = base("benchmark").optim
     for k, v in overrides.items():
@@ -118,14 +185,22 @@ def build(cfg: ModelConfig, dtype: str, remat: str = "none", seed: int = 0):
     return module, step, init_state, params
 
 
-def measure(name: str, batch: int, seq: int, dtype: str, repeats: int, peak: float, remat: str = "none"
+def measure(name: str, batch: int, seq: int, dtype: str, repeats: int, peak: float, remat: str = "none",
+            screenshots: int = 0, screenshot_hw: tuple[int, int] = (1080, 1920), response: int = 100,
             ) -> dict[str, Any]:
     cfg = model_config(name)
     _, step, init_state, params = build(cfg, dtype, remat)
     counts = param_counts(params, cfg)
     state = init_state(params)
     del params  # the step donates its state, which may share these buffers
-    data = jax.device_put(make_batch(cfg, batch, seq))
+    gui: dict[str, Any] = {}
+    if screenshots:
+        host, gui = screenshot_batch(cfg, batch, screenshots, screenshot_hw, response, seq or None)
+        seq = gui["seq"]
+    else:
+        host = make_batch(cfg, batch, seq)
+    data = jax.device_put(host)
+    del host
     holder = {"state": state, "metrics": None}
 
     def call():
@@ -142,8 +217,14 @@ def measure(name: str, batch: int, seq: int, dtype: str, repeats: int, peak: flo
     t = bc.median(times)
     tokens = batch * seq
     fpt = flops_per_token(cfg, counts["non_embedding"], seq)
-    model_flops_s = tokens * fpt["total"] / t
-    return {
+    step_flops = tokens * fpt["total"]
+    if screenshots:
+        gui["vision_flops"] = vision_flops(cfg, counts["vision"], gui["patches"] // (batch * screenshots),
+                                           batch * screenshots)
+        step_flops += gui["vision_flops"]
+    model_flops_s = step_flops / t
+    return {**({"screenshots": screenshots, "screenshot_hw": list(screenshot_hw), "response": response, **gui}
+               if screenshots else {}),
         "preset": name, "batch": batch, "seq": seq, "tokens_per_step": tokens, "dtype": dtype, "remat": remat,
         "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
         "kv_heads": cfg.num_key_value_heads, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
@@ -157,11 +238,14 @@ def measure(name: str, batch: int, seq: int, dtype: str, repeats: int, peak: flo
 def markdown(rows: list[dict], meta: dict) -> str:
     out = [f"Machine: {bc.machine_line(meta['machine'])}.",
            f"Peak for MFU: {meta['peak']['flops_per_s'] / 1e9:.1f} GFLOP/s ({meta['peak']['source']}).", "",
-           "| preset | params (non-emb) | batch x seq | dtype | step (s) | tokens/s | model TFLOP/s | MFU |",
-           "|---|---:|---:|---|---:|---:|---:|---:|"]
+           "| preset | params (non-emb) | batch x seq | screenshots per row | dtype | step (s) | tokens/s | "
+           "model TFLOP/s | MFU |",
+           "|---|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
+        shots = (f"{r['screenshots']} x {r['screenshot_hw'][1]}x{r['screenshot_hw'][0]} ({r['patches']} patches)"
+                 if r.get("screenshots") else "none")
         out.append(f"| {r['preset']} | {r['params']['total'] / 1e6:.1f}M ({r['params']['non_embedding'] / 1e6:.1f}M) | "
-                   f"{r['batch']} x {r['seq']} | {r['dtype']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
+                   f"{r['batch']} x {r['seq']} | {shots} | {r['dtype']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                    f"{r['model_flops_per_s'] / 1e12:.4f} | {100 * r['mfu']:.1f}% |")
     return "\n".join(out)
 
@@ -171,22 +255,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", default=f"tiny,small,{QWEN_0_5B}",
                    help=f"comma-separated: {', '.join(PRESETS)}, {QWEN_0_5B}")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--seq", type=int, default=None, help="tokens per row (default: 256, or with --screenshots "
+                                                       "the smallest multiple of 1024 that holds the row)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 else); "
                                                   "parameters and optimiser moments stay float32")
     p.add_argument("--remat", default="none", help="none | full | dots_saveable")
+    p.add_argument("--screenshots", type=int, default=0, help="screenshots per row (0: the text-only batch)")
+    p.add_argument("--screenshot-hw", default="1080,1920", help="height,width of each screenshot")
+    p.add_argument("--response", type=int, default=100, help="with --screenshots: response tokens per row")
     p.add_argument("--peak-repeats", type=int, default=5, help="CPU: timed calls of the peak matmul")
     p.add_argument("--peak-n", type=int, default=2048, help="CPU: size of the square peak matmul")
-    p.add_argument("--json", default=str(bc.RESULTS / f"train_step_{bc.jax.default_backend()}.json"))
-    p.add_argument("--markdown", default=str(bc.RESULTS / f"train_step_{bc.jax.default_backend()}.md"))
+    p.add_argument("--json", default=None, help="default: results/train_step_BACKEND[_screenshots].json")
+    p.add_argument("--markdown", default=None, help="default: results/train_step_BACKEND[_screenshots].md")
     a = p.parse_args(argv)
+    stem = f"train_step_{bc.jax.default_backend()}" + ("_screenshots" if a.screenshots else "")
+    a.json = a.json or str(bc.RESULTS / f"{stem}.json")
+    a.markdown = a.markdown or str(bc.RESULTS / f"{stem}.md")
     dtype = a.dtype or bc.default_dtype()
     info = bc.machine_info()
     peak = bc.peak_flops(a.peak_n, a.peak_repeats)
     rows = []
     for name in [x for x in a.presets.split(",") if x]:
-        r = measure(name, a.batch, a.seq, dtype, a.repeats, peak["flops_per_s"], a.remat)
+        hw = tuple(int(x) for x in a.screenshot_hw.split(","))
+        r = measure(name, a.batch, a.seq or (0 if a.screenshots else 256), dtype, a.repeats, peak["flops_per_s"],
+                    a.remat, a.screenshots, hw, a.response)
         print(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}% "
               f"(step {r['step_s']:.4f}s, compile+first {r['compile_and_first_step_s']}s)", file=sys.stderr, flush=True)
         rows.append(r)

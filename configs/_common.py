@@ -139,6 +139,10 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.compare.sft_epochs = 3  # SFT / SFT+RL baselines: epochs over D_conv
     c.compare.sft_learning_rate = 1e-6  # SFT / SFT+RL baselines fine-tune at the RL rate (BEPA App. E: both 1e-6)
 
+    c.dry_run = ml_collections.ConfigDict()  # --dry_run compiles the real train step at these shapes
+    c.dry_run.topology = ""  # a TPU topology such as "v5p:4x4x4"; GPU recipes are compiled for one v5p chip
+    c.dry_run.screenshot_hw = (1080, 1920)  # each row's screenshots (rollout.max_images of them)
+
     c.eval = ml_collections.ConfigDict()
     c.eval.splits = ("train", "held_out")
     c.eval.episodes_per_task = 4
@@ -186,6 +190,7 @@ def small_desk(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     groups of 4 over 4 tasks per iteration; lr 1e-4 (a randomly initialised small model, not a 7B one)."""
     c.model.preset = "small"
     c.model.image_max_pixels = 112 * 112
+    c.dry_run.screenshot_hw = (280, 280)  # the desk's screen
     c.env.families = ("click_button", "toggle_checkbox", "choose_option")
     c.env.num_tasks = 12
     c.env.num_workers = 16  # desk workers are cheap; more of them means larger sampler batches

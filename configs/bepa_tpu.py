@@ -6,6 +6,7 @@ from configs._common import base, bepa_on_osworld, uitars_on_osworld
 def get_config():
     c = bepa_on_osworld(uitars_on_osworld(base("bepa_tpu")))
     c.accelerator = "tpu"
+    c.dry_run.topology = "v5p:4x4x4"  # 64 v5p chips (v5p-128)
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, -1, 1
     c.mesh.num_devices = 64
     c.rollout.tasks_per_iteration = 32

@@ -23,7 +23,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "bepa_cpu", "recipe name in configs/ (or a path to a .py file with get_config()); "
                     "the default is the most complete CPU recipe")
 flags.DEFINE_string("workdir", None, "run directory (default: runs/<config name>); an existing run is resumed")
-flags.DEFINE_bool("dry_run", False, "build mesh and model abstractly, print sizes, allocate nothing")
+flags.DEFINE_bool("dry_run", False, "build mesh and model abstractly, print sizes, and compile the recipe's real "
+                  "train step at its real shapes for its target (see guijax/aot.py); allocate nothing")
+flags.DEFINE_bool("dry_run_compile", True, "with --dry_run: also compile the train step (--nodry_run_compile: sizes only)")
+flags.DEFINE_string("dry_run_json", None, "with --dry_run: write the report as JSON to this path")
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -104,6 +107,20 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return report
 
 
+def print_compiled(r: dict[str, Any]) -> None:
+    b = r["batch"]
+    print(f"  train step compiled for {r['compile_target']} in {r['compile_s']:.0f}s ({r['note']})")
+    print(f"  batch: {b['rows']} rows x {b['tokens_per_row']} tokens, {b['screenshots_per_row']} screenshots of "
+          f"{b['screenshot_hw'][1]}x{b['screenshot_hw'][0]} per row ({b['patches_per_screenshot']} patches each)")
+    fits = {None: "no capacity known for this target", True: "fits", False: "does NOT fit"}[r["fits"]]
+    capacity = f" of {format_bytes(r['capacity_bytes_per_device'])}" if r["capacity_bytes_per_device"] else ""
+    print(f"  peak bytes per device: {format_bytes(r['peak_bytes_per_device'])}{capacity} ({fits}); "
+          f"parameters {format_bytes(r['param_bytes_per_device'])}, optimizer {format_bytes(r['opt_bytes_per_device'])}, "
+          f"temporaries {format_bytes(r['temp_bytes_per_device'])}")
+    if r.get("flops_per_device"):
+        print(f"  compiled FLOPs per device per step: {r['flops_per_device']:.3g}")
+
+
 def format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -127,6 +144,17 @@ def main(argv: list[str]) -> None:
               f"language {report['language_params']:,})")
         print(f"  parameter bytes per device ({report['param_dtype']}): {format_bytes(report['param_bytes_per_device'])}")
         print(f"  AdamW state bytes per device: {format_bytes(report['adam_state_bytes_per_device'])}")
+        if FLAGS.dry_run_compile:
+            from guijax import aot
+
+            compiled = aot.compile_train_step(config, model_config_for(config))
+            print_compiled(compiled)
+            report = {**report, **compiled}
+        if FLAGS.dry_run_json:
+            import json
+
+            pathlib.Path(FLAGS.dry_run_json).write_text(json.dumps(report, indent=1))
+            print(f"  report written to {FLAGS.dry_run_json}")
         return
     from guijax import preflight, stages
 

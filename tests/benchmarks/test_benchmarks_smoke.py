@@ -44,6 +44,29 @@ def test_train_step_benchmark(tmp_path):
     assert fpt["total"] == pytest.approx(fpt["dense"] + fpt["lm_head"] + fpt["attention"])
 
 
+def test_train_step_benchmark_with_screenshots(tmp_path):
+    mod = _load("train_step")
+    assert mod.main(["--presets", "tiny", "--batch", "1", "--screenshots", "2", "--screenshot-hw", "56,84",
+                     "--response", "8", "--repeats", "1", "--peak-n", "256", "--peak-repeats", "1"]
+                    + _outputs(tmp_path, "shots")) == 0
+    (row,) = _read(tmp_path, "shots")["rows"]
+    # 56x84 -> a 4x6 patch grid: 24 patches, 6 image tokens per screenshot; 2 x (6 + 64) + 8 = 148 -> 1024
+    assert (row["screenshots"], row["patch_grid"], row["patches"]) == (2, [4, 6], 48)
+    assert (row["image_tokens_per_screenshot"], row["used_tokens"], row["seq"]) == (6, 148, 1024)
+    assert row["vision_flops"] > 0 and row["last_skipped"] == 0 and row["tokens_per_s"] > 0
+
+
+def test_screenshot_batch_places_one_pad_token_per_merged_patch():
+    mod = _load("train_step")
+    cfg = mod.model_config("tiny")
+    data, info = mod.screenshot_batch(cfg, 2, 3, (56, 84), response=5)
+    assert (data["input_ids"] == cfg.image_token_id).sum() == 2 * 3 * info["image_tokens_per_screenshot"]
+    assert data["vision"]["pixel_values"].shape[0] == info["patches"] == 2 * 3 * 24
+    assert data["loss_mask"].sum() == 2 * 5 and data["attention_mask"].sum() == 2 * info["used_tokens"]
+    with pytest.raises(ValueError, match="too short"):
+        mod.screenshot_batch(cfg, 1, 3, (56, 84), response=5, seq=64)
+
+
 def test_qwen_0_5b_shape():
     mod = _load("train_step")
     cfg = mod.model_config(mod.QWEN_0_5B)

@@ -64,7 +64,7 @@ def test_dry_run_7b_counts_parameters_and_bytes(recipe):
 
 def test_cli_dry_run_and_errors(recipe, tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    ok = subprocess.run([sys.executable, "-m", "guijax.launch", f"--config={recipe}", "--dry_run",
+    ok = subprocess.run([sys.executable, "-m", "guijax.launch", f"--config={recipe}", "--dry_run", "--nodry_run_compile",
                          "--config.model.preset=qwen2_5_vl_3b", "--config.mesh.tensor=2"],
                         capture_output=True, text=True, env=env, timeout=300)
     assert ok.returncode == 0, ok.stderr

@@ -1,0 +1,222 @@
+"""Ahead-of-time compilation of a recipe's real train step, for its target hardware, from any machine.
+
+A parameter count says nothing about activations, attention scores or rematerialisation; only the compiler
+knows what a step needs. This lowers and compiles the recipe's own train step, at the recipe's own shapes
+(rows of a minibatch, each with `rollout.max_images` screenshots of `dry_run.screenshot_hw` and the length
+bucket that holds them), with parameters, optimiser state and batch laid out on the recipe's mesh, and reads
+the compiled program's `memory_analysis()` and `cost_analysis()`.
+
+Targets: a TPU topology (`dry_run.topology`, e.g. "v5p:4x4x4"), compiled by the TPU compiler itself when
+`libtpu` is installed (`pip install -e '.[tpu-compile]'`), remat included. GPU recipes cannot be compiled for
+CUDA without a GPU, so they are compiled for one TPU v5p chip as a proxy, and the report says so. Without
+libtpu the fallback is this machine's CPU devices, whose figures are upper bounds: XLA:CPU's memory analysis
+does not account for rematerialisation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from guijax import sharding
+
+# UI-TARS-1.5's preprocessor keeps screenshots up to 16384 merged 28x28 patches: a 1920x1080 screen is
+# encoded at 1932x1092 (10,764 patches, 2,691 image tokens) instead of being downscaled.
+UITARS_MAX_PIXELS = 16384 * 28 * 28
+TEXT_TOKENS_PER_SCREENSHOT = 64  # the turn's thought/action history and chat markup around each image
+# Per-chip memory of the targets the recipes name (bytes): what a compiled step must fit in.
+CAPACITY = {"v5p": 95 * 1024 ** 3, "v5e": 16 * 1024 ** 3, "v4": 32 * 1024 ** 3, "v6e": 32 * 1024 ** 3,
+            "h100": 80 * 1000 ** 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    rows: int
+    tokens_per_row: int
+    screenshots_per_row: int
+    screenshot_hw: tuple[int, int]
+    patch_grid: tuple[int, int]  # patches per screenshot along height and width, after the processor's resize
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "tokens_per_row": self.tokens_per_row,
+                "screenshots_per_row": self.screenshots_per_row, "screenshot_hw": list(self.screenshot_hw),
+                "patches_per_screenshot": self.patch_grid[0] * self.patch_grid[1]}
+
+
+def batch_shape(config: ml_collections.ConfigDict, model_cfg: Any) -> BatchShape:
+    """The recipe's real step shape: `train.minibatch_size` rows, each holding `rollout.max_images`
+    screenshots, their text and a full response, padded to the smallest length bucket that holds them."""
+    from guijax.models.processor import smart_resize
+    from guijax.sampling import bucket_for
+
+    v = model_cfg.vision
+    h, w = (int(x) for x in config.dry_run.screenshot_hw)
+    rh, rw = smart_resize(h, w, factor=v.patch_size * v.spatial_merge_size,
+                          max_pixels=config.model.image_max_pixels or UITARS_MAX_PIXELS)
+    grid = (rh // v.patch_size, rw // v.patch_size)
+    k = config.rollout.max_images
+    image_tokens = grid[0] * grid[1] // v.spatial_merge_size ** 2
+    tokens = k * (image_tokens + TEXT_TOKENS_PER_SCREENSHOT) + config.rollout.max_new_tokens
+    return BatchShape(config.train.minibatch_size, bucket_for(tokens, tuple(config.pipeline.length_buckets)), k,
+                      (h, w), grid)
+
+
+def host_batch(shape: BatchShape, model_cfg: Any) -> dict[str, Any]:
+    """A batch with the pipeline's keys and shapes. The vision layout's index arrays are computed for real on
+    the host (cheap, and their shapes follow the image grids); every other input stays abstract."""
+    from guijax.models.positions import vision_layout
+
+    b, s = shape.rows, shape.tokens_per_row
+    grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (b * shape.screenshots_per_row, 1))
+    layout = vision_layout(grids, model_cfg.vision)
+    vision = layout.inputs(jax.ShapeDtypeStruct((layout.num_patches, model_cfg.vision.patch_dim), jnp.float32))
+    f32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)  # noqa: E731
+    i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
+    return {"input_ids": i32(b, s), "attention_mask": i32(b, s), "positions": i32(3, b, s), "vision": vision,
+            "targets": i32(b, s), "loss_mask": f32(b, s), "advantages": f32(b, s), "old_logp": f32(b, s),
+            "off_policy": jax.ShapeDtypeStruct((b,), jnp.bool_), "expert": f32(b),
+            "normalizer": jax.ShapeDtypeStruct((), jnp.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the step is compiled: the devices of a mesh, what they are, and whether the figures are the
+    target compiler's own (`exact`) or an upper bound."""
+
+    name: str
+    devices: list[Any]
+    capacity_bytes: int | None
+    exact: bool
+    note: str
+
+
+def has_libtpu() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Target:
+    """The recipe's compile target: its TPU topology, one v5p chip standing in for a GPU, or this CPU."""
+    accelerator = config.get("accelerator", "")
+    topology = config.dry_run.topology or ("v5p:1x1x1" if accelerator == "gpu" else "")
+    if topology and has_libtpu():
+        from jax.experimental import topologies
+
+        devices = list(topologies.get_topology_desc(topology, "tpu").devices)
+        if len(devices) != num_devices:
+            raise ValueError(f"dry_run.topology {topology} has {len(devices)} chips but the recipe's mesh needs "
+                             f"{num_devices} (mesh.num_devices)")
+        chip = topology.split(":")[0]
+        if accelerator == "gpu":
+            return Target(f"tpu {topology} (proxy for one H100)", devices, CAPACITY["h100"], True,
+                          "no CUDA compiler runs without a GPU: compiled for one TPU v5p chip as a proxy, "
+                          "checked against the H100's 80 GB")
+        return Target(f"tpu {topology}", devices, CAPACITY.get(chip), True, "the TPU compiler's own figures")
+    cpus = jax.devices("cpu")
+    if len(cpus) < num_devices:
+        raise ValueError(f"the dry run needs {num_devices} devices: install libtpu (pip install -e '.[tpu-compile]') "
+                         f"to compile for {topology or 'a TPU topology'}, or set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} for a CPU upper bound")
+    why = "libtpu is not installed" if topology else "the recipe names no TPU topology"
+    return Target("cpu", cpus[:num_devices], None, False,
+                  f"CPU fallback ({why}): an upper bound, XLA:CPU's memory analysis ignores rematerialisation")
+
+
+def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dict[str, Any]:
+    """Lower and compile the recipe's train step for its target; the report `--dry_run_json` writes."""
+    from guijax import losses, optim, train_step
+    from guijax.models import weights
+    from guijax.models.policy import resolve_dtype
+
+    mesh_cfg = sharding.MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    num_devices = config.mesh.num_devices or jax.device_count()
+    target = compile_target(config, num_devices)
+    mesh = Mesh(np.asarray(target.devices).reshape(mesh_cfg.shape(num_devices)), sharding.MESH_AXES)
+    param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
+    module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
+                                  remat_policy=config.model.remat)
+    boxed = weights.abstract_params(module)
+    import flax.linen as nn
+
+    param_sh = sharding.param_shardings(boxed, mesh)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), param_sh)
+    tx, _ = optim.make_optimizer(config.optim)
+    opt_abstract = jax.eval_shape(tx.init, params)
+    opt_sh = optimizer_shardings(opt_abstract, param_sh, mesh)
+    opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt_abstract, opt_sh)
+    state = train_step.TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh)))
+    shape = batch_shape(config, model_cfg)
+    batch = place_abstract_batch(host_batch(shape, model_cfg), mesh)
+    t = config.train
+    step_cfg = train_step.StepConfig(
+        kind=t.loss, clip=losses.ClipConfig(t.eps_low, t.eps_high, t.dual_clip, t.kl_coef, t.normalization),
+        temperature=config.rollout.temperature, luffy_gamma=t.luffy_gamma, sft_coef=t.sft_coef,
+        impl="chunked" if t.logprob_impl == "auto" else t.logprob_impl)
+    step = train_step.make_train_step(module, tx, step_cfg)
+    start = time.perf_counter()
+    with mesh:
+        compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    param_bytes = sharding.bytes_per_device(params, param_sh)
+    opt_bytes = sharding.bytes_per_device(opt, opt_sh)
+    return {
+        "compiled": True, "compile_target": target.name, "exact": target.exact, "note": target.note,
+        "devices": num_devices, "mesh": dict(zip(sharding.MESH_AXES, mesh.devices.shape)),
+        "peak_bytes_per_device": int(peak), "temp_bytes_per_device": int(mem.temp_size_in_bytes),
+        "argument_bytes_per_device": int(mem.argument_size_in_bytes),
+        "param_bytes_per_device": int(param_bytes), "opt_bytes_per_device": int(opt_bytes),
+        "activation_bytes_per_device": int(mem.temp_size_in_bytes),
+        "capacity_bytes_per_device": target.capacity_bytes,
+        "fits": None if target.capacity_bytes is None else bool(peak <= target.capacity_bytes),
+        "flops_per_device": float(cost.get("flops", math.nan)) if cost else None,
+        "compile_s": compile_s, "batch": shape.as_dict(), "remat": config.model.remat,
+    }
+
+
+def optimizer_shardings(opt_state: Any, param_shardings: Any, mesh: Mesh) -> Any:
+    """Each moment laid out like the parameter it belongs to (its tree path ends with the parameter's path);
+    counters and other leaves replicated."""
+    by_path = {tuple(path): s for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+
+    def pick(path: tuple, leaf: Any) -> NamedSharding:
+        for start in range(len(path)):
+            found = by_path.get(tuple(path[start:]))
+            if found is not None and len(found.spec) <= leaf.ndim:
+                return found
+        return sharding.replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
+
+
+def place_abstract_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """Rows over the data-parallel axes where they divide; patch-leading vision arrays and scalars replicated."""
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+
+    def place(key: str, x: Any) -> Any:
+        spec = PartitionSpec()
+        if key != "vision" and x.ndim >= 1:
+            axis = 1 if key == "positions" else 0
+            if x.shape[axis] % rows == 0:
+                dims = [None] * x.ndim
+                dims[axis] = ("data", "fsdp")
+                spec = PartitionSpec(*dims)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, dict):
+            out[key] = {k: place(key, v) for k, v in value.items()}
+        else:
+            out[key] = place(key, value)
+    return out

@@ -1,0 +1,80 @@
+"""The dry run compiles the recipe's real train step at its real shapes for its target, and reports what the
+compiler says a step needs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import pytest
+from jax.sharding import PartitionSpec
+
+from guijax import aot, launch, optim, sharding
+from guijax.models import weights
+from guijax.models.config import get_preset
+
+REQUIRED = ("compiled", "compile_target", "devices", "peak_bytes_per_device", "param_bytes_per_device",
+            "opt_bytes_per_device", "batch")
+
+
+def test_gpu_recipe_shape_is_five_full_hd_screenshots_per_row():
+    config = launch.resolve("grpo_gpu", [])
+    shape = aot.batch_shape(config, get_preset("qwen2_5_vl_7b"))
+    assert shape.patch_grid == (78, 138)  # 1920x1080 kept at 1932x1092 by UI-TARS's preprocessor
+    assert shape.as_dict() == {"rows": 8, "tokens_per_row": 16384, "screenshots_per_row": 5,
+                               "screenshot_hw": [1080, 1920], "patches_per_screenshot": 10764}
+    batch = aot.host_batch(shape, get_preset("qwen2_5_vl_7b"))
+    assert batch["vision"]["pixel_values"].shape == (8 * 5 * 10764, 1176)
+    assert batch["input_ids"].shape == (8, 16384) and batch["positions"].shape == (3, 8, 16384)
+
+
+def test_moments_are_laid_out_like_their_parameters():
+    mesh = sharding.make_mesh(sharding.MeshConfig(1, 8, 1))
+    module = weights.build_module(get_preset("tiny"))
+    boxed = weights.abstract_params(module)
+    import flax.linen as nn
+
+    param_sh = sharding.param_shardings(boxed, mesh)
+    tx, _ = optim.make_optimizer(launch.resolve("grpo_cpu", []).optim)
+    opt = jax.eval_shape(tx.init, nn.unbox(boxed))
+    opt_sh = aot.optimizer_shardings(opt, param_sh, mesh)
+    sharded = [s for s in jax.tree.leaves(opt_sh) if s.spec != PartitionSpec()]
+    assert len(sharded) == 2 * sum(s.spec != PartitionSpec() for s in jax.tree.leaves(param_sh))  # mu and nu
+    assert sharding.bytes_per_device(opt, opt_sh) < 0.3 * sum(x.size * 4 for x in jax.tree.leaves(opt))
+
+
+def test_cli_compiles_the_cpu_recipe_and_writes_the_report(tmp_path):
+    out = tmp_path / "dry.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    run = subprocess.run([sys.executable, "-m", "guijax.launch", "--config=grpo_cpu", "--dry_run",
+                          f"--dry_run_json={out}", "--config.mesh.num_devices=8"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert all(k in report for k in REQUIRED)
+    assert report["compiled"] is True and report["compile_target"] == "cpu" and report["exact"] is False
+    assert report["devices"] == 8 and report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert report["batch"] == {"rows": 8, "tokens_per_row": 160, "screenshots_per_row": 1,
+                               "screenshot_hw": [280, 280], "patches_per_screenshot": 64}
+    chex.assert_scalar_positive(report["flops_per_device"])
+    assert report["peak_bytes_per_device"] > report["param_bytes_per_device"] + report["opt_bytes_per_device"]
+    assert "train step compiled for cpu" in run.stdout and "peak bytes per device" in run.stdout
+
+
+@pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
+def test_tpu_compiler_figures_for_a_small_topology():
+    config = launch.resolve("grpo_cpu", ["dry_run.topology=v5p:2x2x1", "mesh.num_devices=4"])
+    report = aot.compile_train_step(config, get_preset("small"))
+    assert report["exact"] is True and report["compile_target"] == "tpu v5p:2x2x1"
+    assert report["fits"] is True and report["capacity_bytes_per_device"] == 95 * 1024 ** 3
+
+
+def test_too_few_devices_names_the_way_out():
+    config = launch.resolve("grpo_tpu", [])
+    if aot.has_libtpu():
+        pytest.skip("libtpu present: the TPU topology is compiled instead")
+    with pytest.raises(ValueError, match="install libtpu .*tpu-compile.*xla_force_host_platform_device_count=64"):
+        aot.compile_target(config, 64)
