@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from guijax import losses, optim, train_step
+from guijax import losses, optim, sharding, train_step
 from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
 from guijax.models.policy import Policy
 from guijax.progress import Progress
@@ -88,7 +88,7 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
     opt_cfg.learning_rate = config.arpo.offline_learning_rate
     opt_cfg.total_steps = max(steps, opt_cfg.warmup_steps + 1)
     tx, _ = optim.make_optimizer(opt_cfg)
-    params, opt_state = policy.params, tx.init(policy.params)
+    params, opt_state = policy.params, sharding.init_opt_state(tx, policy.params, policy.mesh)
 
     def loss_of(params, batch, segments, n, ref, desirable):
         logp = trajectory_logps(policy.module, params, batch, segments, n, temperature, impl)

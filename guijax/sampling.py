@@ -9,16 +9,17 @@ the trainer scores tokens at the same temperature).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from guijax.models.config import ModelConfig
 from guijax.models.positions import mrope_positions, vision_layout
 from guijax.models.qwen2_5_vl import Qwen2_5_VL, init_cache
+from guijax.sharding import DATA_AXES, data_parallel_size
 
 DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -128,6 +129,35 @@ class Sampler:
         self.cache_dtype = cache_dtype or module.dtype
         if not config.stop_token_ids and self.cfg.eos_token_id is not None:
             self.config = dataclasses.replace(config, stop_token_ids=(self.cfg.eos_token_id,))
+        self._programs = self._build_programs()
+
+    def _build_programs(self) -> dict[bool, Any]:
+        """The jitted generation program, keyed by whether the rows divide over (data, fsdp). With a mesh each
+        is jitted with explicit shardings: parameters by the logical rules, prompt rows split (or, for a batch
+        that does not divide, replicated, with the batch activations left unconstrained), vision inputs and
+        the RNG key replicated, outputs row-sharded like the prompts."""
+        if self.mesh is None:
+            program = jax.jit(self._generate)
+            return {True: program, False: program}
+        from guijax.models.weights import abstract_params
+        from guijax.sharding import LOGICAL_RULES, MeshJit, param_shardings, replicated
+
+        params = param_shardings(abstract_params(self.module), self.mesh)
+        repl = replicated(self.mesh)
+
+        def shardings_for(split: bool):
+            rows = DATA_AXES if split else None
+            put = lambda *spec: NamedSharding(self.mesh, P(*spec))  # noqa: E731
+
+            def shardings(params_, ids, mask, positions, next_position, vision, rng):
+                ins = (params, put(rows, None), put(rows, None), put(None, rows, None), put(rows),
+                       jax.tree.map(lambda _: repl, vision), repl)
+                return ins, (put(rows, None), put(rows, None), put(rows), put(rows))
+            return shardings
+
+        unsplit_rules = tuple((name, None if name == "batch" else axes) for name, axes in LOGICAL_RULES)
+        return {True: MeshJit(self._generate, self.mesh, shardings_for(True)),
+                False: MeshJit(self._generate, self.mesh, shardings_for(False), rules=unsplit_rules)}
 
     # ------------------------------------------------------------------ host-side preparation
     def _prepare(self, input_ids, attention_mask, pixel_values, image_grid_thw):
@@ -147,7 +177,6 @@ class Sampler:
         return ids, mask, positions, next_position, vision
 
     # ------------------------------------------------------------------ device program
-    @functools.partial(jax.jit, static_argnums=(0,))
     def _generate(self, params, ids, mask, positions, next_position, vision, rng):
         cfg, sc = self.cfg, self.config
         b, prompt_len = ids.shape
@@ -212,9 +241,10 @@ class Sampler:
         ids, mask, positions, next_position, vision = self._prepare(input_ids, attention_mask, pixel_values,
                                                                     image_grid_thw)
         arrays = (ids, mask, positions, next_position, vision)
+        split = self.mesh is None or ids.shape[0] % data_parallel_size(self.mesh) == 0
         if self.mesh is not None:
             arrays = self._place(arrays)
-        tokens, logps, lengths, done = jax.device_get(self._generate(params, *arrays, rng))
+        tokens, logps, lengths, done = jax.device_get(self._programs[split](params, *arrays, rng))
         out = SampleOutput(np.asarray(tokens)[:rows], np.asarray(logps)[:rows], np.asarray(lengths)[:rows],
                            np.asarray(done)[:rows])
         if self.tokenizer is not None:
@@ -223,17 +253,11 @@ class Sampler:
 
     def _place(self, arrays):
         """Batch-shard prompt arrays over (data, fsdp) when the batch divides; replicate otherwise."""
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
         ids, mask, positions, next_position, vision = arrays
-        ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        if ids.shape[0] % ways:
-            return arrays
-        row = NamedSharding(self.mesh, P(("data", "fsdp")))
-        put = lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec))  # noqa: E731
-        return (put(ids, P(("data", "fsdp"), None)), put(mask, P(("data", "fsdp"), None)),
-                put(positions, P(None, ("data", "fsdp"), None)), jax.device_put(next_position, row),
-                None if vision is None else jax.device_put(vision, NamedSharding(self.mesh, P())))
+        rows = DATA_AXES if ids.shape[0] % data_parallel_size(self.mesh) == 0 else None
+        put = lambda x, *spec: jax.device_put(x, NamedSharding(self.mesh, P(*spec)))  # noqa: E731
+        return (put(ids, rows, None), put(mask, rows, None), put(positions, None, rows, None),
+                put(next_position, rows), None if vision is None else put(vision))
 
     def _apply_stop_strings(self, out: SampleOutput) -> None:
         """Decode texts; cut each at the first stop string, shortening `lengths` to the tokens that cover it."""

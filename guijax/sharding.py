@@ -8,9 +8,10 @@ failing, so one rule table serves the tiny test model and the 72B preset alike.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
+DATA_AXES = ("data", "fsdp")  # the axes batch rows are split over
 
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", ("data", "fsdp")),
@@ -126,3 +128,282 @@ def bytes_per_device(abstract: Any, shardings: Any) -> int:
         for device in sharding.mesh.devices.flat:
             totals[device] = totals.get(device, 0) + nbytes
     return max(totals.values()) if totals else 0
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return _axis_size(mesh, DATA_AXES)
+
+
+@contextlib.contextmanager
+def rules_context(mesh: Mesh, rules=LOGICAL_RULES) -> Iterator[None]:
+    """Mesh + logical axis rules in context while tracing, so the model's `nn.with_logical_constraint`
+    calls become real sharding constraints (outside both they are no-ops)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+# ---------------------------------------------------------------------------- optimiser state
+
+def like_params(abstract_state: Any, params: Any, param_shards: Any, mesh: Mesh) -> Any:
+    """Shardings for a tree derived from the parameters (optimiser moments, accumulated gradients): a leaf
+    whose key path ends with a parameter's path and has its shape takes that parameter's sharding; anything
+    else (step counts, scalars) is replicated."""
+    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat_shards = jax.tree.leaves(param_shards)
+    by_path = {tuple(path): (leaf.shape, shard) for (path, leaf), shard in zip(flat_params, flat_shards)}
+
+    def pick(path: tuple, leaf: Any) -> NamedSharding:
+        for i in range(len(path)):
+            hit = by_path.get(tuple(path[i:]))
+            if hit is not None and tuple(hit[0]) == tuple(leaf.shape):
+                return hit[1]
+        return replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_state)
+
+
+def opt_state_shardings(tx: Any, params: Any, param_shards: Any, mesh: Mesh) -> Any:
+    """NamedShardings of `tx.init(params)` without running it: moments sharded like their parameters."""
+    abstract = jax.eval_shape(tx.init, params)
+    return like_params(abstract, params, param_shards, mesh)
+
+
+def init_opt_state(tx: Any, params: Any, mesh: Mesh | None = None, param_shards: Any = None) -> Any:
+    """`tx.init(params)` under jit. With a mesh the moments are created directly in their shards
+    (`out_shardings`), never whole on one device; `param_shards` default to the parameters' own shardings."""
+    if mesh is None:
+        return jax.jit(tx.init)(params)
+    if param_shards is None:
+        param_shards = jax.tree.map(lambda x: x.sharding, params)
+    shards = opt_state_shardings(tx, params, param_shards, mesh)
+    return jax.jit(tx.init, out_shardings=shards)(params)
+
+
+# ---------------------------------------------------------------------------- batches
+
+def row_axis(key: str) -> int:
+    """Which dimension of a batch array holds rows: `positions` is [3, rows, seq], the rest lead with rows."""
+    return 1 if key == "positions" else 0
+
+
+def array_sharding(mesh: Mesh, key: str, ndim: int) -> NamedSharding:
+    return replicated(mesh) if ndim == 0 else batch_sharding(mesh, ndim, row_axis(key))
+
+
+def batch_shardings(batch: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """The shardings a batch dict is placed with: rows over (data, fsdp), scalars and `vision` replicated
+    (see `place_vision` for why vision inputs are not split)."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key == "vision":
+            out[key] = jax.tree.map(lambda _: replicated(mesh), value)
+        else:
+            out[key] = array_sharding(mesh, key, np.ndim(value))
+    return out
+
+
+def pad_rows(batch: Mapping[str, Any], multiple: int) -> dict[str, Any]:
+    """Append all-zero rows (no tokens, zero loss mask, no images) up to a multiple of `multiple`. Every loss
+    and metric is masked, so padded rows change nothing but the shape."""
+    rows = np.shape(batch["input_ids"])[0]
+    extra = -rows % multiple
+    if not extra:
+        return dict(batch)
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in ("meta", "vision") or value is None or np.ndim(value) == 0:
+            out[key] = value
+            continue
+        value = np.asarray(value)
+        widths = [(0, 0)] * value.ndim
+        widths[row_axis(key)] = (0, extra)
+        out[key] = np.pad(value, widths)
+    return out
+
+
+def is_placed(value: Any) -> bool:
+    """Already a global array on a mesh (a batch that went through `place_batch`, or an output of a step)."""
+    return isinstance(value, jax.Array) and not isinstance(value.sharding, jax.sharding.SingleDeviceSharding)
+
+
+def place_batch(local: Mapping[str, Any], mesh: Mesh, *, pad: bool = False,
+                image_token_id: int | None = None) -> dict[str, Any]:
+    """Host-local batch -> global jax Arrays with rows split over (data, fsdp): each process contributes its
+    local rows (`jax.make_array_from_process_local_data`), so no device ever receives the whole batch.
+    Arrays already placed on the mesh are kept; `meta` stays on the host; None values are dropped.
+
+    pad: append empty rows so the rows divide over the data-parallel devices (else a ValueError).
+    image_token_id: needed only with several processes and images (see `place_vision`)."""
+    ways, procs = data_parallel_size(mesh), jax.process_count()
+    if pad and not is_placed(local["input_ids"]):
+        local = pad_rows(local, max(ways // math.gcd(ways, procs), 1))
+    rows = np.shape(local["input_ids"])[0] * (1 if is_placed(local["input_ids"]) else procs)
+    if rows % ways:
+        raise ValueError(f"global batch of {rows} rows does not divide over data x fsdp = {ways} "
+                         "devices; choose batch_size accordingly and drop_remainder=True")
+    out: dict[str, Any] = {}
+    vision = local.get("vision")
+    if not _is_placed_tree(vision) and (vision is not None or procs > 1):
+        vision = place_vision(vision, mesh, local["input_ids"], local.get("attention_mask"), image_token_id)
+    for key, value in local.items():
+        if value is None or key == "vision":
+            continue
+        if key == "meta" or is_placed(value):
+            out[key] = value
+        else:
+            value = np.asarray(value)
+            out[key] = jax.make_array_from_process_local_data(array_sharding(mesh, key, value.ndim), value)
+    if vision is not None:
+        out["vision"] = vision
+    return out
+
+
+def _is_placed_tree(tree: Any) -> bool:
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(is_placed(x) for x in leaves)
+
+
+def place_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any = None, attention_mask: Any = None,
+                 image_token_id: int | None = None) -> dict[str, jax.Array] | None:
+    """Vision inputs, replicated over the whole mesh.
+
+    Patches are one array for all images of all rows (and the window layout indexes across it), so they
+    cannot be split by row. Every device therefore runs the vision tower over every image of the global
+    batch: its FLOPs and activations do not shrink with data parallelism (cheap next to the language model
+    at a few screenshots per row, the price of not bucketing patches per row). With several processes the
+    local patch arrays are all-gathered on the host and merged (`merge_vision`) in global row order."""
+    if jax.process_count() > 1:
+        vision = _gather_vision(vision, mesh, input_ids, attention_mask, image_token_id)
+    if vision is None:
+        return None
+    sharding = replicated(mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in vision.items()}
+
+
+def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: int) -> dict[str, np.ndarray]:
+    """Concatenate the vision inputs of consecutive row blocks into those of the whole batch.
+
+    parts: (vision dict, number of image-pad tokens in the block's rows), in row order. Each block's patches
+    end with its own filler image (patch-bucket padding) that no token refers to; the language model takes
+    the k-th merged feature for the k-th image-pad token, so the fillers are renumbered after every block's
+    real images. Window-ordered arrays keep their order; segment ids are offset to stay distinct."""
+    real_total = sum(n for _, n in parts)
+    pixels_real, pixels_fill, windows, rotary, full, win = [], [], [], [], [], []
+    real_off = fill_off = full_off = win_off = 0
+    for vision, n_real in parts:
+        v = {k: np.asarray(x) for k, x in vision.items()}
+        units = v["pixel_values"].reshape(-1, unit, v["pixel_values"].shape[-1])
+        pixels_real.append(units[:n_real])
+        pixels_fill.append(units[n_real:])
+        index = v["window_index"].astype(np.int64)
+        windows.append(np.where(index < n_real, index + real_off, index - n_real + real_total + fill_off))
+        rotary.append(v["rotary_positions"])
+        full.append(v["full_segments"] + full_off)
+        win.append(v["window_segments"] + win_off)
+        real_off += n_real
+        fill_off += len(units) - n_real
+        full_off += int(v["full_segments"].max(initial=-1)) + 1
+        win_off += int(v["window_segments"].max(initial=-1)) + 1
+    pixels = np.concatenate(pixels_real + pixels_fill)
+    return {"pixel_values": pixels.reshape(-1, pixels.shape[-1]),
+            "window_index": np.concatenate(windows).astype(np.int32),
+            "rotary_positions": np.concatenate(rotary).astype(np.int32),
+            "full_segments": np.concatenate(full).astype(np.int32),
+            "window_segments": np.concatenate(win).astype(np.int32)}
+
+
+def _process_row_start(mesh: Mesh, local_rows: int) -> int:
+    """First global row of this process's rows; refuses layouts where they are not one contiguous block."""
+    global_rows = local_rows * jax.process_count()
+    indices = batch_sharding(mesh, 1).addressable_devices_indices_map((global_rows,)).values()
+    starts = sorted({(s[0].start or 0, s[0].stop or global_rows) for s in indices})
+    covered = sum(stop - start for start, stop in starts)
+    if covered != local_rows or starts[-1][1] - starts[0][0] != local_rows:
+        raise ValueError("place_vision: this process's rows are not one contiguous block of the global batch; "
+                         "order the mesh devices by process along (data, fsdp)")
+    return starts[0][0]
+
+
+def _gather_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any, attention_mask: Any,
+                   image_token_id: int | None) -> dict[str, np.ndarray] | None:
+    """All-gather every process's vision inputs on the host and merge them in global row order (None when no
+    process has images). Every process must call this for every batch, with or without images."""
+    from jax.experimental import multihost_utils
+
+    ids = np.asarray(input_ids)
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
+    n_real = int(((ids == image_token_id) & (mask > 0)).sum()) if image_token_id is not None else 0
+    keys = ("pixel_values", "window_index", "rotary_positions", "full_segments", "window_segments")
+    local = {k: np.asarray(vision[k]) for k in keys} if vision is not None else None
+    sizes = [local[k].shape[0] for k in keys] if local else [0] * len(keys)
+    dim = local["pixel_values"].shape[1] if local else -1
+    header = np.asarray([_process_row_start(mesh, ids.shape[0]), n_real, *sizes, dim], np.int64)
+    headers = np.asarray(multihost_utils.process_allgather(header))
+    if headers[:, -1].max() < 0:
+        return None
+    if image_token_id is None:
+        raise ValueError("place_batch: several processes with images need image_token_id to merge their patches")
+    dim = int(headers[:, -1].max())
+    if local is None:
+        local = {"pixel_values": np.zeros((0, dim), np.float32), "rotary_positions": np.zeros((0, 2), np.int32),
+                 **{k: np.zeros((0,), np.int32) for k in ("window_index", "full_segments", "window_segments")}}
+    gathered = {}
+    for i, k in enumerate(keys):
+        longest = int(headers[:, 2 + i].max())
+        padded = np.pad(local[k], [(0, longest - local[k].shape[0])] + [(0, 0)] * (local[k].ndim - 1))
+        gathered[k] = np.asarray(multihost_utils.process_allgather(padded))
+    with_images = headers[headers[:, 3] > 0]
+    unit = int(with_images[0, 2] // with_images[0, 3])
+    parts = [({k: gathered[k][p][:headers[p, 2 + i]] for i, k in enumerate(keys)}, int(headers[p, 1]))
+             for p in np.argsort(headers[:, 0], kind="stable")]
+    return merge_vision(parts, unit)
+
+
+# ---------------------------------------------------------------------------- jit with shardings
+
+class MeshJit:
+    """`jax.jit` with explicit in/out shardings computed from the arguments' layout (one jitted wrapper per
+    tree structure and shapes, so batch dicts with different keys each get exact shardings), traced under the
+    mesh and the logical axis rules.
+
+    shardings(*args) -> (in_shardings, out_shardings)."""
+
+    def __init__(self, fn: Callable[..., Any], mesh: Mesh, shardings: Callable[..., tuple[Any, Any]],
+                 donate_argnums: tuple[int, ...] = (), rules=LOGICAL_RULES):
+        self.fn, self.mesh, self.shardings, self.donate_argnums, self.rules = fn, mesh, shardings, donate_argnums, rules
+        self._cache: dict[Any, Any] = {}
+
+    def jitted(self, *args: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(args)
+        key = (treedef, tuple(np.shape(x) for x in leaves))
+        if key not in self._cache:
+            in_shardings, out_shardings = self.shardings(*args)
+            self._cache[key] = jax.jit(self.fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                                       donate_argnums=self.donate_argnums)
+        return self._cache[key]
+
+    def __call__(self, *args: Any) -> Any:
+        with rules_context(self.mesh, self.rules):
+            return self.jitted(*args)(*self._conform(args))
+
+    def lower(self, *args: Any) -> Any:
+        with rules_context(self.mesh, self.rules):
+            return self.jitted(*args).lower(*self._conform(args))
+
+    def _conform(self, args: tuple) -> tuple:
+        """Move arguments whose placement differs from the declared in_shardings (jit refuses committed
+        mismatches), e.g. a reference policy loaded without a mesh; matching arrays pass through untouched."""
+        in_shardings, _ = self.shardings(*args)
+        move = lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s)  # noqa: E731
+        return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: move(x, s), sub), in_shardings, args,
+                            is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+
+
+def host_rows(x: jax.Array, mesh: Mesh, rows: int) -> jax.Array:
+    """This process's first `rows` rows of a row-sharded global array (the inverse of `place_batch` for
+    outputs handed back to host code that indexes them with its local rows)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.global_array_to_host_local_array(x, mesh, PartitionSpec(DATA_AXES))
+    return x[:rows]

@@ -476,7 +476,8 @@ def diagnostics(run: Run) -> str:
 
     out = run.workdir / "diagnostics.json"
     policy = run.load_policy(policy_dir(run))
-    logprob_fn = make_logprob_fn(policy.module, run.config.rollout.temperature, run.config.train.logprob_impl)
+    logprob_fn = make_logprob_fn(policy.module, run.config.rollout.temperature, run.config.train.logprob_impl,
+                                 policy.mesh)
     train_ids = {t.id for t in run.tasks()["train"]}
     plain = list(TrajectoryStore(run.workdir / "level1_base_rollouts"))
     successes = [t for t in plain if t.success]

@@ -3,17 +3,25 @@
 
 Batch convention (what guijax.data produces): `targets[b, t]` is the token predicted at position t
 (input_ids shifted left by one) and `loss_mask[b, t]` is 1 where that target is a response token.
+
+With a mesh, the step and the log-prob function are jitted with explicit shardings: parameters and optimiser
+state as `sharding.param_shardings` lays them out, batch rows over (data, fsdp), metrics replicated, traced
+under the logical axis rules. Host batches are padded to a multiple of the data-parallel size and placed as
+global arrays (`sharding.place_batch`). Without a mesh everything runs as plain `jax.jit` on one device.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
-from guijax import kernels, losses
+from guijax import kernels, losses, sharding
+from guijax.models import weights
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
 
 Batch = dict[str, Any]
@@ -32,8 +40,16 @@ def lm_head(params: Any, module: Qwen2_5_VL) -> jax.Array:
     return head.astype(module.dtype)
 
 
+def kernel_mesh(impl: str, mesh: Mesh | None) -> dict[str, Any]:
+    """The Pallas kernels are custom calls XLA cannot partition, so with a mesh they run under shard_map
+    with rows split over (data, fsdp); the XLA paths partition under jit by themselves."""
+    if mesh is None or not kernels.resolve_impl(impl).startswith("pallas"):
+        return {}
+    return {"mesh": mesh, "batch_axes": sharding.DATA_AXES}
+
+
 def batch_logprobs(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: float = 1.0,
-                   impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+                   impl: str = "auto", mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-token log π(target) and entropy [b, s] at the sampling temperature (so ratios compare like with
     like: the sampler's behaviour log-probs are of softmax(logits / T))."""
     hidden, _ = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"],
@@ -41,7 +57,8 @@ def batch_logprobs(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: f
     head = lm_head(params, module)
     if temperature != 1.0:
         head = head / temperature
-    return kernels.token_logprobs(hidden, head, batch["targets"], batch["loss_mask"], impl=impl)
+    return kernels.token_logprobs(hidden, head, batch["targets"], batch["loss_mask"], impl=impl,
+                                  **kernel_mesh(impl, mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +71,9 @@ class StepConfig:
     impl: str = "auto"
 
 
-def loss_fn(params: Any, batch: Batch, module: Qwen2_5_VL, cfg: StepConfig) -> tuple[jax.Array, dict]:
-    logp, entropy = batch_logprobs(module, params, batch, cfg.temperature, cfg.impl)
+def loss_fn(params: Any, batch: Batch, module: Qwen2_5_VL, cfg: StepConfig,
+            mesh: Mesh | None = None) -> tuple[jax.Array, dict]:
+    logp, entropy = batch_logprobs(module, params, batch, cfg.temperature, cfg.impl, mesh)
     mask = batch["loss_mask"]
     normalizer = batch.get("normalizer")
     if cfg.kind == "sft":
@@ -79,13 +97,61 @@ def loss_fn(params: Any, batch: Batch, module: Qwen2_5_VL, cfg: StepConfig) -> t
     return loss, metrics
 
 
-def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: StepConfig
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+def state_shardings(module: Qwen2_5_VL, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+    """NamedShardings of a TrainState: parameters by the logical rules, moments like their parameters, the
+    step counter replicated."""
+    boxed = weights.abstract_params(module)
+    params = sharding.param_shardings(boxed, mesh)
+    opt = sharding.opt_state_shardings(tx, nn.unbox(boxed), params, mesh)
+    return TrainState(params, opt, sharding.replicated(mesh))
+
+
+def init_state(module: Qwen2_5_VL, params: Any, tx: optax.GradientTransformation,
+               mesh: Mesh | None = None) -> TrainState:
+    """Step-0 TrainState. With a mesh the parameters are (re)placed in their shards and the optimiser state is
+    created directly in its shards by a jitted init, never whole on one device."""
+    if mesh is None:
+        return TrainState(params, sharding.init_opt_state(tx, params), jnp.int32(0))
+    shards = state_shardings(module, tx, mesh)
+    params = jax.device_put(params, shards.params)
+    return TrainState(params, sharding.init_opt_state(tx, params, mesh, shards.params),
+                      jax.device_put(jnp.int32(0), shards.step))
+
+
+class BatchFn:
+    """f(params or state, batch) on a mesh: host batches are padded to divide over (data, fsdp) and placed as
+    global arrays before the jitted call. With `host_outputs`, results of a host batch come back as this
+    process's rows (padding dropped), so host code can index them with the batch's own rows; results of an
+    already placed batch stay global."""
+
+    def __init__(self, fn: sharding.MeshJit, image_token_id: int | None, host_outputs: bool = False):
+        self.fn, self.image_token_id, self.host_outputs = fn, image_token_id, host_outputs
+        self.mesh = fn.mesh
+
+    def place(self, batch: Batch) -> Batch:
+        batch = {k: v for k, v in batch.items() if k != "meta"}
+        return sharding.place_batch(batch, self.mesh, pad=True, image_token_id=self.image_token_id)
+
+    def __call__(self, first: Any, batch: Batch) -> Any:
+        placed = self.place(batch)
+        out = self.fn(first, placed)
+        if not self.host_outputs or sharding.is_placed(batch["input_ids"]):
+            return out
+        rows = batch["input_ids"].shape[0]
+        return jax.tree.map(lambda x: sharding.host_rows(x, self.mesh, rows), out)
+
+    def lower(self, first: Any, batch: Batch) -> Any:
+        return self.fn.lower(first, self.place(batch))
+
+
+def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: StepConfig,
+                    mesh: Mesh | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """One optimiser step. A non-finite loss or gradient leaves parameters and optimiser state untouched
-    and reports `skipped = 1`, so one bad batch cannot poison a run (the trainer stops after N in a row)."""
+    and reports `skipped = 1`, so one bad batch cannot poison a run (the trainer stops after N in a row).
+    The state is donated: its buffers become the new state's."""
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, module, cfg)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, module, cfg, mesh)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
@@ -94,10 +160,22 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
         metrics = dict(metrics, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
         return TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state), state.step + 1), metrics
 
-    return jax.jit(step, donate_argnums=(0,))
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0,))
+    state_shards = state_shardings(module, tx, mesh)
+    shardings = lambda state, batch: ((state_shards, sharding.batch_shardings(batch, mesh)),  # noqa: E731
+                                      (state_shards, sharding.replicated(mesh)))
+    return BatchFn(sharding.MeshJit(step, mesh, shardings, donate_argnums=(0,)), module.cfg.image_token_id)
 
 
-def make_logprob_fn(module: Qwen2_5_VL, temperature: float = 1.0, impl: str = "auto"):
+def make_logprob_fn(module: Qwen2_5_VL, temperature: float = 1.0, impl: str = "auto", mesh: Mesh | None = None):
     """Jitted log-probs of a batch's targets under given parameters: π_θold before the update epochs,
     a reference policy, or a cache trajectory re-scored under the current policy (BEPA LEVEL-2)."""
-    return jax.jit(lambda params, batch: batch_logprobs(module, params, batch, temperature, impl))
+    fn = lambda params, batch: batch_logprobs(module, params, batch, temperature, impl, mesh)  # noqa: E731
+    if mesh is None:
+        return jax.jit(fn)
+    params_shards = sharding.param_shardings(weights.abstract_params(module), mesh)
+    rows = sharding.batch_sharding(mesh, 2)
+    shardings = lambda params, batch: ((params_shards, sharding.batch_shardings(batch, mesh)),  # noqa: E731
+                                       (rows, rows))
+    return BatchFn(sharding.MeshJit(fn, mesh, shardings), module.cfg.image_token_id, host_outputs=True)

@@ -20,7 +20,7 @@ from absl import logging
 
 from envs.api import Task
 from guijax import advantages as adv_lib
-from guijax import losses, optim, train_step
+from guijax import losses, optim, sharding, train_step
 from guijax.algorithms import Algorithm
 from guijax.checkpoint import Checkpointer
 from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
@@ -97,9 +97,11 @@ class Trainer:
                                    config.train.kl_coef, config.train.normalization),
             temperature=config.rollout.temperature, luffy_gamma=config.train.luffy_gamma,
             sft_coef=config.train.sft_coef, impl=config.train.logprob_impl)
-        self.step_fn = train_step.make_train_step(self.module, self.tx, step_cfg)
-        self.logprob_fn = train_step.make_logprob_fn(self.module, config.rollout.temperature, config.train.logprob_impl)
-        self.state = train_step.TrainState(self.policy.params, self.tx.init(self.policy.params), jnp.int32(0))
+        self.mesh = parts.mesh
+        self.step_fn = train_step.make_train_step(self.module, self.tx, step_cfg, self.mesh)
+        self.logprob_fn = train_step.make_logprob_fn(self.module, config.rollout.temperature, config.train.logprob_impl,
+                                                     self.mesh)
+        self.state = train_step.init_state(self.module, self.policy.params, self.tx, self.mesh)
         self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature),
                                mesh=parts.mesh)
         self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor,
@@ -112,6 +114,12 @@ class Trainer:
         self.nonfinite_in_row = 0
         if getattr(parts.algorithm, "update_rule", None) == "logprob" and getattr(parts.algorithm, "scorer", 0) is None:
             parts.algorithm.scorer = self.score_trajectories
+
+    def _place(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Global arrays split over the data-parallel devices (padded to divide); as-is without a mesh."""
+        if self.mesh is None:
+            return batch
+        return sharding.place_batch(batch, self.mesh, pad=True, image_token_id=self.module.cfg.image_token_id)
 
     def score_trajectories(self, trajectories: Sequence[Trajectory]) -> list[float]:
         """Mean response-token log-prob of each trajectory under the current policy (BEPA's U = logprob)."""
@@ -219,21 +227,20 @@ class Trainer:
         t0 = time.perf_counter()
         prepared, injected_logp = [], []
         for batch in data:  # old log-probs under θ_old, fixed for every epoch
-            off = np.asarray(batch["off_policy"], bool)
-            batch = device_batch(batch)
+            batch = self._place(device_batch(batch))
             old, _ = self.logprob_fn(self.state.params, batch)
-            old = np.asarray(old)
-            if off.any():  # injected traces (replay, cache, expert) as the current θ_old sees them
-                mask = np.asarray(batch["loss_mask"])[off]
-                injected_logp.append((float((old[off] * mask).sum()), float(mask.sum())))
+            # injected traces (replay, cache, expert) as the current θ_old sees them; sums over the global batch
+            off_mask = batch["loss_mask"] * jnp.asarray(batch["off_policy"], jnp.float32)[:, None]
+            if float(jnp.sum(off_mask)) > 0:
+                injected_logp.append((float(jnp.sum(old * off_mask)), float(jnp.sum(off_mask))))
             prepared.append(dict(batch, old_logp=old))
         t_old = time.perf_counter() - t0
-        total_tokens = sum(float(b["loss_mask"].sum()) for b in prepared)
+        total_tokens = sum(float(jnp.sum(b["loss_mask"])) for b in prepared)
         collected: dict[str, list[float]] = {}
         t0 = time.perf_counter()
         for _ in range(cfg.train.ppo_epochs):
             for batch in prepared:
-                batch = dict(batch, normalizer=np.float32(max(float(batch["loss_mask"].sum()), 1.0)))
+                batch = dict(batch, normalizer=np.float32(max(float(jnp.sum(batch["loss_mask"])), 1.0)))
                 self.state, m = self.step_fn(self.state, batch)
                 for k, v in m.items():
                     collected.setdefault(k, []).append(float(v))
@@ -287,8 +294,9 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
     sft_optim.total_steps = max(steps, sft_optim.warmup_steps + 1)
     tx, _ = optim.make_optimizer(sft_optim)
     step_fn = train_step.make_train_step(policy.module, tx, train_step.StepConfig(kind="sft",
-                                                                                 impl=config.train.logprob_impl))
-    state = train_step.TrainState(policy.params, tx.init(policy.params), jnp.int32(0))
+                                                                                 impl=config.train.logprob_impl),
+                                         policy.mesh)
+    state = train_step.init_state(policy.module, policy.params, tx, policy.mesh)
     data = make_dataset(trajectories, step_refs(trajectories), processor, policy.module.cfg,
                         dataclasses.replace(pipeline, batch_size=batch_size, seed=seed, num_epochs=None))
     it = iter(data)

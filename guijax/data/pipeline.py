@@ -234,34 +234,11 @@ def _ensure_absl_flags() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
-def global_batch(local: dict[str, Any], mesh: Any) -> dict[str, Any]:
+def global_batch(local: dict[str, Any], mesh: Any, image_token_id: int | None = None) -> dict[str, Any]:
     """Host-local numpy batch -> jax Arrays: rows sharded over the mesh's (data, fsdp) axes (`positions` on its
-    batch axis 1), vision inputs replicated (patches of all rows are one concatenated array, not per-row),
-    `meta` left on the host. With several processes each contributes its local rows; vision inputs are then
-    per-process and cannot be assembled into one array, so that case is refused rather than guessed."""
-    import jax
+    batch axis 1), vision inputs replicated, `meta` left on the host. With several processes each contributes
+    its local rows and the processes' patches are merged into one array (needs `image_token_id`); see
+    guijax.sharding.place_batch / place_vision."""
+    from guijax.sharding import place_batch
 
-    from guijax.sharding import batch_sharding, replicated
-
-    rows = local["input_ids"].shape[0]
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
-    if (rows * jax.process_count()) % ways:
-        raise ValueError(f"global batch of {rows * jax.process_count()} rows does not divide over data x fsdp = {ways} "
-                         "devices; choose batch_size accordingly and drop_remainder=True")
-    if jax.process_count() > 1 and local.get("vision") is not None:
-        raise NotImplementedError("global_batch: vision inputs from several processes cannot be merged into one "
-                                  "patch array yet (window indices and segments are per-process)")
-    out: dict[str, Any] = {}
-    for key, value in local.items():
-        if key == "meta" or value is None:
-            out[key] = value
-        elif key == "vision":
-            out[key] = jax.device_put(value, replicated(mesh))
-        else:
-            value = np.asarray(value)
-            if value.ndim == 0:
-                out[key] = jax.device_put(value, replicated(mesh))
-                continue
-            axis = 1 if key == "positions" else 0
-            out[key] = jax.make_array_from_process_local_data(batch_sharding(mesh, value.ndim, axis), value)
-    return out
+    return place_batch(local, mesh, image_token_id=image_token_id)
