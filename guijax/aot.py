@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from guijax import sharding
 
@@ -129,8 +129,14 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
                   f"CPU fallback ({why}): an upper bound, XLA:CPU's memory analysis ignores rematerialisation")
 
 
+def _abstract(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
+
+
 def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dict[str, Any]:
     """Lower and compile the recipe's train step for its target; the report `--dry_run_json` writes."""
+    import flax.linen as nn
+
     from guijax import losses, optim, train_step
     from guijax.models import weights
     from guijax.models.policy import resolve_dtype
@@ -141,82 +147,40 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     mesh = Mesh(np.asarray(target.devices).reshape(mesh_cfg.shape(num_devices)), sharding.MESH_AXES)
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
     module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
-                                  remat_policy=config.model.remat)
-    boxed = weights.abstract_params(module)
-    import flax.linen as nn
-
-    param_sh = sharding.param_shardings(boxed, mesh)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), param_sh)
+                                  remat_policy=config.model.remat, attention_impl=config.model.attention)
     tx, _ = optim.make_optimizer(config.optim)
-    opt_abstract = jax.eval_shape(tx.init, params)
-    opt_sh = optimizer_shardings(opt_abstract, param_sh, mesh)
-    opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt_abstract, opt_sh)
-    state = train_step.TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh)))
+    shards = train_step.state_shardings(module, tx, mesh)
+    params = nn.unbox(weights.abstract_params(module))
+    state = train_step.TrainState(_abstract(params, shards.params),
+                                  _abstract(jax.eval_shape(tx.init, params), shards.opt_state),
+                                  jax.ShapeDtypeStruct((), jnp.int32, sharding=shards.step))
     shape = batch_shape(config, model_cfg)
-    batch = place_abstract_batch(host_batch(shape, model_cfg), mesh)
+    batch = host_batch(shape, model_cfg)
+    batch = _abstract(batch, sharding.batch_shardings(batch, mesh))
     t = config.train
     step_cfg = train_step.StepConfig(
         kind=t.loss, clip=losses.ClipConfig(t.eps_low, t.eps_high, t.dual_clip, t.kl_coef, t.normalization),
         temperature=config.rollout.temperature, luffy_gamma=t.luffy_gamma, sft_coef=t.sft_coef,
         impl="chunked" if t.logprob_impl == "auto" else t.logprob_impl)
-    step = train_step.make_train_step(module, tx, step_cfg)
+    step = train_step.make_train_step(module, tx, step_cfg, mesh)
     start = time.perf_counter()
-    with mesh:
-        compiled = step.lower(state, batch).compile()
+    compiled = step.fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    param_bytes = sharding.bytes_per_device(params, param_sh)
-    opt_bytes = sharding.bytes_per_device(opt, opt_sh)
     return {
         "compiled": True, "compile_target": target.name, "exact": target.exact, "note": target.note,
         "devices": num_devices, "mesh": dict(zip(sharding.MESH_AXES, mesh.devices.shape)),
         "peak_bytes_per_device": int(peak), "temp_bytes_per_device": int(mem.temp_size_in_bytes),
         "argument_bytes_per_device": int(mem.argument_size_in_bytes),
-        "param_bytes_per_device": int(param_bytes), "opt_bytes_per_device": int(opt_bytes),
+        "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
+        "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
         "activation_bytes_per_device": int(mem.temp_size_in_bytes),
         "capacity_bytes_per_device": target.capacity_bytes,
         "fits": None if target.capacity_bytes is None else bool(peak <= target.capacity_bytes),
         "flops_per_device": float(cost.get("flops", math.nan)) if cost else None,
         "compile_s": compile_s, "batch": shape.as_dict(), "remat": config.model.remat,
+        "attention": config.model.attention, "logprob_impl": step_cfg.impl,
     }
-
-
-def optimizer_shardings(opt_state: Any, param_shardings: Any, mesh: Mesh) -> Any:
-    """Each moment laid out like the parameter it belongs to (its tree path ends with the parameter's path);
-    counters and other leaves replicated."""
-    by_path = {tuple(path): s for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
-
-    def pick(path: tuple, leaf: Any) -> NamedSharding:
-        for start in range(len(path)):
-            found = by_path.get(tuple(path[start:]))
-            if found is not None and len(found.spec) <= leaf.ndim:
-                return found
-        return sharding.replicated(mesh)
-
-    return jax.tree_util.tree_map_with_path(pick, opt_state)
-
-
-def place_abstract_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
-    """Rows over the data-parallel axes where they divide; patch-leading vision arrays and scalars replicated."""
-    rows = mesh.shape["data"] * mesh.shape["fsdp"]
-
-    def place(key: str, x: Any) -> Any:
-        spec = PartitionSpec()
-        if key != "vision" and x.ndim >= 1:
-            axis = 1 if key == "positions" else 0
-            if x.shape[axis] % rows == 0:
-                dims = [None] * x.ndim
-                dims[axis] = ("data", "fsdp")
-                spec = PartitionSpec(*dims)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, dict):
-            out[key] = {k: place(key, v) for k, v in value.items()}
-        else:
-            out[key] = place(key, value)
-    return out
