@@ -37,6 +37,10 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("vision_mlp", "tensor"),
     ("vision_merge", "fsdp"),
     ("vision_norm", None),
+    # vision activations: patches, and the rows of batched attention windows / image frames, split over the
+    # data-parallel devices like batch rows, so the tower's work shrinks with data parallelism
+    ("vision_tokens", ("data", "fsdp")),
+    ("vision_windows", ("data", "fsdp")),
 )
 
 
@@ -196,9 +200,21 @@ def batch_shardings(batch: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if key == "vision":
-            out[key] = jax.tree.map(lambda _: replicated(mesh), value)
+            out[key] = vision_shardings(value, mesh)
         else:
             out[key] = array_sharding(mesh, key, np.ndim(value))
+    return out
+
+
+def vision_shardings(vision: Mapping[str, Any] | None, mesh: Mesh) -> dict[str, Any] | None:
+    """Pixels split over the data-parallel devices along patches (where the patch count divides), so no device
+    holds every screenshot of the global batch; the layout's index arrays (a few bytes per patch) replicated."""
+    if vision is None:
+        return None
+    out = {k: replicated(mesh) for k in vision}
+    pixels = vision.get("pixel_values")
+    if pixels is not None and np.shape(pixels)[0] % data_parallel_size(mesh) == 0:
+        out["pixel_values"] = batch_sharding(mesh, len(np.shape(pixels)))
     return out
 
 
@@ -265,19 +281,24 @@ def _is_placed_tree(tree: Any) -> bool:
 
 def place_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any = None, attention_mask: Any = None,
                  image_token_id: int | None = None) -> dict[str, jax.Array] | None:
-    """Vision inputs, replicated over the whole mesh.
+    """Vision inputs on the mesh: pixels split along patches over the data-parallel devices, the layout's
+    index arrays replicated (`vision_shardings`).
 
-    Patches are one array for all images of all rows (and the window layout indexes across it), so they
-    cannot be split by row. Every device therefore runs the vision tower over every image of the global
-    batch: its FLOPs and activations do not shrink with data parallelism (cheap next to the language model
-    at a few screenshots per row, the price of not bucketing patches per row). With several processes the
-    local patch arrays are all-gathered on the host and merged (`merge_vision`) in global row order."""
+    Patches are one array for all images of all rows (the window layout indexes across it), so they are not
+    split by row; inside the tower the patches and the batched windows and image frames are split over the
+    same devices by logical constraints, so its FLOPs and activations shrink with data parallelism. With
+    several processes the local patch arrays are all-gathered on the host and merged (`merge_vision`) in
+    global row order, and each process places its own shards of the merged arrays."""
     if jax.process_count() > 1:
         vision = _gather_vision(vision, mesh, input_ids, attention_mask, image_token_id)
     if vision is None:
         return None
-    sharding = replicated(mesh)
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in vision.items()}
+    shardings = vision_shardings(vision, mesh)
+    placed = {}
+    for key, value in vision.items():
+        value = np.asarray(value)  # the whole batch's on every process: each places only its own shards
+        placed[key] = jax.make_array_from_callback(value.shape, shardings[key], lambda index, v=value: v[index])
+    return placed
 
 
 def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: int) -> dict[str, np.ndarray]:
@@ -305,11 +326,15 @@ def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: in
         full_off += int(v["full_segments"].max(initial=-1)) + 1
         win_off += int(v["window_segments"].max(initial=-1)) + 1
     pixels = np.concatenate(pixels_real + pixels_fill)
+    from guijax.models.positions import attention_batches  # models import this module
+
+    full_segments, window_segments = np.concatenate(full).astype(np.int32), np.concatenate(win).astype(np.int32)
+    window_len = int(np.shape(parts[0][0]["window_tokens"])[1])
     return {"pixel_values": pixels.reshape(-1, pixels.shape[-1]),
             "window_index": np.concatenate(windows).astype(np.int32),
             "rotary_positions": np.concatenate(rotary).astype(np.int32),
-            "full_segments": np.concatenate(full).astype(np.int32),
-            "window_segments": np.concatenate(win).astype(np.int32)}
+            "full_segments": full_segments, "window_segments": window_segments,
+            **attention_batches(full_segments, window_segments, window_len)}
 
 
 def _process_row_start(mesh: Mesh, local_rows: int) -> int:

@@ -24,6 +24,9 @@ class VisionLayout:
     window_tokens:    [W, L] the tokens of each window (consecutive in the permuted order), -1 after its end;
                       L is the largest window the config allows, so only W depends on the image sizes
     window_slots:     [N] where each token sits in the flattened [W * L] window batch (the inverse gather)
+    image_tokens:     [I, P] the tokens of each image frame (consecutive in the permuted order), -1 after its
+                      end, P the largest frame: full-attention blocks attend within these rows
+    image_slots:      [N] each token's slot in the flattened [I * P] frame batch
     """
 
     window_index: np.ndarray
@@ -32,6 +35,8 @@ class VisionLayout:
     window_segments: np.ndarray
     window_tokens: np.ndarray
     window_slots: np.ndarray
+    image_tokens: np.ndarray
+    image_slots: np.ndarray
 
     @property
     def num_patches(self) -> int:
@@ -42,7 +47,7 @@ class VisionLayout:
         return {"pixel_values": pixel_values, "window_index": self.window_index,
                 "rotary_positions": self.rotary_positions, "full_segments": self.full_segments,
                 "window_segments": self.window_segments, "window_tokens": self.window_tokens,
-                "window_slots": self.window_slots}
+                "window_slots": self.window_slots, "image_tokens": self.image_tokens, "image_slots": self.image_slots}
 
 
 def _check_grid(grid_thw: np.ndarray, merge: int) -> np.ndarray:
@@ -90,8 +95,19 @@ def vision_layout(image_grid_thw: np.ndarray, vcfg: VisionConfig) -> VisionLayou
     rotary_arr = rotary_arr.reshape(n // unit, unit, 2)[window_index_arr].reshape(n, 2)
     full = np.repeat(np.arange(len(frame_lengths)), frame_lengths).astype(np.int32)
     windows_seg = np.repeat(np.arange(len(window_lengths)), window_lengths).astype(np.int32)
-    return VisionLayout(window_index_arr, rotary_arr, full, windows_seg,
-                        *window_batch(np.asarray(window_lengths), win * win * unit))
+    batches = attention_batches(full, windows_seg, win * win * unit)
+    return VisionLayout(window_index_arr, rotary_arr, full, windows_seg, **batches)
+
+
+def attention_batches(full_segments: np.ndarray, window_segments: np.ndarray,
+                      window_len: int) -> dict[str, np.ndarray]:
+    """The gathers that batch windows (windowed blocks) and image frames (full-attention blocks) into rows,
+    from the segment ids alone (each segment a consecutive run, ids from 0), so merged layouts rebuild them."""
+    window_tokens, window_slots = window_batch(np.bincount(window_segments), window_len)
+    frames = np.bincount(full_segments)
+    image_tokens, image_slots = window_batch(frames, int(frames.max(initial=1)))
+    return {"window_tokens": window_tokens, "window_slots": window_slots, "image_tokens": image_tokens,
+            "image_slots": image_slots}
 
 
 def window_batch(window_lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -142,10 +142,9 @@ class Qwen2_5_VL(nn.Module):
         feats = jnp.take(image_features.astype(self.dtype), jnp.clip(order, 0, image_features.shape[0] - 1), axis=0)
         return jnp.where(is_image[..., None], feats.reshape(x.shape), x)
 
-    def encode_images(self, pixel_values, window_index, rotary_positions, full_segments, window_segments,
-                      window_tokens, window_slots):
-        return self.visual(pixel_values, window_index, rotary_positions, full_segments, window_segments,
-                           window_tokens, window_slots)
+    def encode_images(self, **vision: jax.Array) -> jax.Array:
+        """Merged features of every image in the batch: the `vision` inputs of `VisionLayout.inputs`."""
+        return self.visual(**vision)
 
     def __call__(
         self,

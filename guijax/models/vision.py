@@ -36,15 +36,18 @@ def vision_rotary(rotary_positions: jax.Array, cfg: VisionConfig) -> tuple[jax.A
 
 def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, window_tokens: jax.Array, window_slots: jax.Array,
                      implementation: str) -> jax.Array:
-    """q, k, v [N, heads, hd] -> [N, heads, hd], each token attending only the tokens of its window.
+    """q, k, v [N, heads, hd] -> [N, heads, hd], each token attending only the tokens of its group: an
+    attention window (windowed blocks) or an image frame (full-attention blocks).
 
-    window_tokens [W, L] (-1 = padding) gathers the windows into rows; window_slots [N] gathers back."""
+    window_tokens [W, L] (-1 = padding) gathers the groups into rows; window_slots [N] gathers back. The rows
+    are split over the data-parallel devices, so each device attends its share of windows or images."""
     n, heads, hd = q.shape
     valid = (window_tokens >= 0).astype(jnp.int32)
     index = jnp.maximum(window_tokens, 0)
-    qw, kw, vw = (jnp.take(x, index, axis=0) for x in (q, k, v))
+    rows = lambda x: nn.with_logical_constraint(x, ("vision_windows", None, None, None))  # noqa: E731
+    qw, kw, vw = (rows(jnp.take(x, index, axis=0)) for x in (q, k, v))
     out = attention(qw, kw, vw, q_segment_ids=valid, kv_segment_ids=valid, implementation=implementation)
-    return jnp.take(out.reshape(-1, heads, hd), window_slots, axis=0)
+    return jnp.take(rows(out).reshape(-1, heads, hd), window_slots, axis=0)
 
 
 class VisionAttention(nn.Module):
@@ -57,14 +60,15 @@ class VisionAttention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array, window_tokens: jax.Array,
                  window_slots: jax.Array) -> jax.Array:
-        """segments [N]: each token's window (windowed blocks) or image (full blocks), ids from 0."""
+        """segments [N]: each token's window (windowed blocks) or image (full blocks), ids from 0;
+        window_tokens / window_slots: the matching gathers (of windows, or of image frames)."""
         n, e = x.shape
         heads = self.cfg.num_heads
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         qkv = Linear(3 * e, ("vision_embed", "vision_heads"), use_bias=True, name="qkv", **kw)(x)
         q, k, v = jnp.moveaxis(qkv.reshape(n, 3, heads, e // heads), 1, 0)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.windowed and self.attention_impl != "reference":
+        if self.attention_impl != "reference":
             out = window_attention(q, k, v, window_tokens, window_slots, self.attention_impl)
         else:
             ids = segments[None].astype(jnp.int32) + 1  # 0 is the padding id
@@ -84,6 +88,7 @@ class VisionBlock(nn.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array, window_tokens: jax.Array,
                  window_slots: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = nn.with_logical_constraint(x, ("vision_tokens", None))  # patches split over the data-parallel devices
         x = x + VisionAttention(self.cfg, name="attn", windowed=self.windowed, attention_impl=self.attention_impl,
                                 **kw)(RMSNorm(1e-6, name="norm1", axis_name="vision_norm", **kw)(x), cos, sin,
                                       segments, window_tokens, window_slots)
@@ -124,7 +129,7 @@ class VisionTower(nn.Module):
     @nn.compact
     def __call__(self, pixel_values: jax.Array, window_index: jax.Array, rotary_positions: jax.Array,
                  full_segments: jax.Array, window_segments: jax.Array, window_tokens: jax.Array,
-                 window_slots: jax.Array) -> jax.Array:
+                 window_slots: jax.Array, image_tokens: jax.Array, image_slots: jax.Array) -> jax.Array:
         cfg = self.cfg
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         unit = cfg.spatial_merge_size ** 2
@@ -136,8 +141,10 @@ class VisionTower(nn.Module):
         block_cls = _maybe_remat(VisionBlock, self.remat_policy)
         for i in range(cfg.depth):
             windowed = i not in cfg.fullatt_block_indexes
+            groups = (window_segments, window_tokens, window_slots) if windowed else (
+                full_segments, image_tokens, image_slots)
             x = block_cls(cfg, windowed=windowed, attention_impl=self.attention_impl, name=f"blocks_{i}", **kw)(
-                x, cos, sin, window_segments if windowed else full_segments, window_tokens, window_slots)
+                x, cos, sin, *groups)
         merged = PatchMerger(cfg, name="merger", **kw)(x)
         return merged[jnp.argsort(window_index)]
 

@@ -6,6 +6,7 @@ import collections
 
 import chex
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -148,7 +149,9 @@ def test_compiled_step_splits_batch_rows_over_data_and_fsdp(tiny):
         assert batch_in[key].spec == jax.sharding.PartitionSpec(("data", "fsdp"), None), key
         assert batch_in[key].shard_shape((8, 40)) == (1, 40)
     assert batch_in["positions"].spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None)
-    assert all(s.is_fully_replicated for s in jax.tree.leaves(batch_in["vision"]))
+    vision_in = dict(batch_in["vision"])
+    assert vision_in.pop("pixel_values").spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+    assert all(s.is_fully_replicated for s in jax.tree.leaves(vision_in))
     want = train_step.state_shardings(module, tx, mesh)
     out_state, metrics = compiled.output_shardings
     for got, expect in zip(jax.tree.leaves(out_state), jax.tree.leaves(want)):
@@ -175,6 +178,26 @@ def test_per_device_flops_fall_with_the_data_parallel_size(single_device_flops, 
     module, one = single_device_flops
     ratio = one / _step_flops(module, _mesh(data, fsdp))
     assert 7.5 < ratio <= 8.05, ratio
+
+
+def _vision_flops(mesh) -> float:
+    """Compiled per-device FLOPs of the vision tower alone (forward + backward) on a batch of 16 images."""
+    module = weights.build_module(SMALL)
+    params = weights.init_params(module, jax.random.PRNGKey(0), mesh)
+    vision = _vision(SMALL, *_rows_with_images(SMALL, 16)[1:], bucket=64)
+
+    def loss(p, v):
+        return jnp.sum(module.apply({"params": p}, **v, method=module.encode_images) ** 2)
+
+    placed = {k: jax.device_put(v, s) for (k, v), s in zip(vision.items(),
+                                                          sharding.vision_shardings(vision, mesh).values())}
+    with sharding.rules_context(mesh):
+        return jax.jit(jax.grad(loss)).lower(params, placed).compile().cost_analysis()["flops"]
+
+
+def test_vision_tower_work_falls_with_the_data_parallel_size():
+    one, eight = _vision_flops(_mesh(1, 1)), _vision_flops(_mesh(1, 8))
+    assert one / eight > 5.0, one / eight  # patches, windows and image frames split over the 8 devices
 
 
 def test_logical_constraints_reach_the_program(tiny):
@@ -269,7 +292,7 @@ def test_merged_vision_of_row_blocks_equals_the_whole_batch(tiny):
     assert not np.allclose(forward(shuffled), forward(whole), atol=1e-3)  # order matters: the test can fail
 
 
-def test_place_batch_splits_rows_and_replicates_vision():
+def test_place_batch_splits_rows_and_pixels_and_replicates_the_vision_layout():
     mesh = _mesh(2, 4)
     batch = dict(_vision_batch(TINY), normalizer=np.float32(3.0), meta={"x": 1})
     placed = sharding.place_batch(batch, mesh)
@@ -278,7 +301,10 @@ def test_place_batch_splits_rows_and_replicates_vision():
     for key in ("input_ids", "targets", "loss_mask"):
         assert {s.data.shape for s in placed[key].addressable_shards} == {(1, 40)}
     assert {s.data.shape for s in placed["positions"].addressable_shards} == {(3, 1, 40)}
-    assert all(len(v.sharding.device_set) == 8 and v.sharding.is_fully_replicated
-               for v in placed["vision"].values())
+    vision = dict(placed["vision"])
+    pixels = vision.pop("pixel_values")  # 4 images of 16 patches and 4 of 32, bucketed to 200: 25 per device
+    assert {sh.data.shape for sh in pixels.addressable_shards} == {(25, TINY.vision.patch_dim)}
+    np.testing.assert_array_equal(np.asarray(pixels), batch["vision"]["pixel_values"])
+    assert all(len(v.sharding.device_set) == 8 and v.sharding.is_fully_replicated for v in vision.values())
     again = sharding.place_batch(placed, mesh)
     assert again["input_ids"] is placed["input_ids"]
