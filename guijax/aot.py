@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import time
 from typing import Any
 
@@ -164,23 +165,41 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
         impl="chunked" if t.logprob_impl == "auto" else t.logprob_impl)
     step = train_step.make_train_step(module, tx, step_cfg, mesh)
     start = time.perf_counter()
-    compiled = step.fn.lower(state, batch).compile()
+    report = {"compile_target": target.name, "exact": target.exact, "note": target.note, "devices": num_devices,
+              "mesh": dict(zip(sharding.MESH_AXES, mesh.devices.shape)), "batch": shape.as_dict(),
+              "remat": config.model.remat, "attention": config.model.attention, "logprob_impl": step_cfg.impl,
+              "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
+              "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
+              "capacity_bytes_per_device": target.capacity_bytes}
+    try:
+        compiled = step.fn.lower(state, batch).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        # The TPU compiler refuses a program whose buffers exceed the chip's memory: that is the answer.
+        return {**report, "compiled": False, "fits": False, "compile_s": time.perf_counter() - start,
+                "error": str(err).splitlines()[0], **_compiler_oom_figures(str(err))}
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     return {
-        "compiled": True, "compile_target": target.name, "exact": target.exact, "note": target.note,
-        "devices": num_devices, "mesh": dict(zip(sharding.MESH_AXES, mesh.devices.shape)),
+        **report, "compiled": True, "compile_s": compile_s,
         "peak_bytes_per_device": int(peak), "temp_bytes_per_device": int(mem.temp_size_in_bytes),
         "argument_bytes_per_device": int(mem.argument_size_in_bytes),
-        "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
-        "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
         "activation_bytes_per_device": int(mem.temp_size_in_bytes),
-        "capacity_bytes_per_device": target.capacity_bytes,
         "fits": None if target.capacity_bytes is None else bool(peak <= target.capacity_bytes),
         "flops_per_device": float(cost.get("flops", math.nan)) if cost else None,
-        "compile_s": compile_s, "batch": shape.as_dict(), "remat": config.model.remat,
-        "attention": config.model.attention, "logprob_impl": step_cfg.impl,
     }
+
+
+def _compiler_oom_figures(message: str) -> dict[str, int]:
+    """The byte counts in XLA:TPU's out-of-memory refusal ('... temporaries (142.96G) exceeds available HBM
+    (95.73G)'), as numbers for the report."""
+    found = re.search(r"temporaries \(([\d.]+)([KMGT])\).*available HBM \(([\d.]+)([KMGT])\)", message)
+    if not found:
+        return {}
+    scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+    return {"temp_bytes_per_device": int(float(found.group(1)) * scale[found.group(2)]),
+            "compiler_available_bytes": int(float(found.group(3)) * scale[found.group(4)])}

@@ -109,6 +109,9 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def print_compiled(r: dict[str, Any]) -> None:
     b = r["batch"]
+    if not r["compiled"]:
+        print(f"  train step for {r['compile_target']}: does NOT fit; the compiler refused it: {r['error']}")
+        return
     print(f"  train step compiled for {r['compile_target']} in {r['compile_s']:.0f}s ({r['note']})")
     print(f"  batch: {b['rows']} rows x {b['tokens_per_row']} tokens, {b['screenshots_per_row']} screenshots of "
           f"{b['screenshot_hw'][1]}x{b['screenshot_hw'][0]} per row ({b['patches_per_screenshot']} patches each)")
@@ -155,6 +158,8 @@ def main(argv: list[str]) -> None:
 
             pathlib.Path(FLAGS.dry_run_json).write_text(json.dumps(report, indent=1))
             print(f"  report written to {FLAGS.dry_run_json}")
+        if report.get("fits") is False:
+            sys.exit(1)  # the recipe's step does not fit its target: scripts and CI must see it
         return
     from guijax import preflight, stages
 

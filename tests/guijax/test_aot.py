@@ -60,3 +60,11 @@ def test_too_few_devices_names_the_way_out():
         pytest.skip("libtpu present: the TPU topology is compiled instead")
     with pytest.raises(ValueError, match="install libtpu .*tpu-compile.*xla_force_host_platform_device_count=64"):
         aot.compile_target(config, 64)
+
+
+def test_the_tpu_compilers_refusal_is_read_as_figures():
+    message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required "
+               "for HLO temporaries (142.96G) exceeds available HBM (95.73G). HLO module: jit_step.")
+    assert aot._compiler_oom_figures(message) == {"temp_bytes_per_device": int(142.96 * 2 ** 30),
+                                                  "compiler_available_bytes": int(95.73 * 2 ** 30)}
+    assert aot._compiler_oom_figures("RESOURCE_EXHAUSTED: something else") == {}
