@@ -62,6 +62,9 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.pipeline.length_buckets = (256, 512, 1024, 2048, 4096, 8192, 16384)
     c.pipeline.patch_bucket = 1024
     c.pipeline.worker_count = 0  # grain worker processes for prompt encoding + image patches (0: in-process threads)
+    c.pipeline.response_bucket = 64  # log-probs on response positions only, their count padded to this multiple
+    c.pipeline.dedupe_images = True  # each distinct screenshot of a batch through the vision tower once
+    c.pipeline.shuffle_block = 1  # >1: batches of runs of consecutive steps, which share screenshots (fewer patches)
 
     c.train = ml_collections.ConfigDict()
     c.train.iterations = 100

@@ -45,6 +45,7 @@ class BatchShape:
     screenshots_per_row: int
     screenshot_hw: tuple[int, int]
     patch_grid: tuple[int, int]  # patches per screenshot along height and width, after the processor's resize
+    response_width: int = 0  # `response_positions` columns (the pipeline's bucketed response budget); 0: none
 
     def as_dict(self) -> dict[str, Any]:
         return {"rows": self.rows, "tokens_per_row": self.tokens_per_row,
@@ -66,13 +67,16 @@ def batch_shape(config: ml_collections.ConfigDict, model_cfg: Any) -> BatchShape
     k = config.rollout.max_images
     image_tokens = grid[0] * grid[1] // v.spatial_merge_size ** 2
     tokens = k * (image_tokens + TEXT_TOKENS_PER_SCREENSHOT) + config.rollout.max_new_tokens
-    return BatchShape(config.train.minibatch_size, bucket_for(tokens, tuple(config.pipeline.length_buckets)), k,
-                      (h, w), grid)
+    length = bucket_for(tokens, tuple(config.pipeline.length_buckets))
+    bucket = config.pipeline.get("response_bucket", 64)
+    width = min(-(-config.rollout.max_new_tokens // bucket) * bucket, length) if bucket else 0
+    return BatchShape(config.train.minibatch_size, length, k, (h, w), grid, width)
 
 
 def host_batch(shape: BatchShape, model_cfg: Any) -> dict[str, Any]:
     """A batch with the pipeline's keys and shapes. The vision layout's index arrays are computed for real on
-    the host (cheap, and their shapes follow the image grids); every other input stays abstract."""
+    the host (cheap, and their shapes follow the image grids); every other input stays abstract. Every
+    screenshot is distinct (no deduplication: the largest vision batch a step can meet)."""
     from guijax.models.positions import vision_layout
 
     b, s = shape.rows, shape.tokens_per_row
@@ -84,7 +88,8 @@ def host_batch(shape: BatchShape, model_cfg: Any) -> dict[str, Any]:
     return {"input_ids": i32(b, s), "attention_mask": i32(b, s), "positions": i32(3, b, s), "vision": vision,
             "targets": i32(b, s), "loss_mask": f32(b, s), "advantages": f32(b, s), "old_logp": f32(b, s),
             "off_policy": jax.ShapeDtypeStruct((b,), jnp.bool_), "expert": f32(b),
-            "normalizer": jax.ShapeDtypeStruct((), jnp.float32)}
+            "normalizer": jax.ShapeDtypeStruct((), jnp.float32),
+            **({"response_positions": i32(b, shape.response_width)} if shape.response_width else {})}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -219,8 +219,8 @@ def vision_shardings(vision: Mapping[str, Any] | None, mesh: Mesh) -> dict[str, 
 
 
 def pad_rows(batch: Mapping[str, Any], multiple: int) -> dict[str, Any]:
-    """Append all-zero rows (no tokens, zero loss mask, no images) up to a multiple of `multiple`. Every loss
-    and metric is masked, so padded rows change nothing but the shape."""
+    """Append all-zero rows (no tokens, zero loss mask, no images; no `response_positions`, -1) up to a
+    multiple of `multiple`. Every loss and metric is masked, so padded rows change nothing but the shape."""
     rows = np.shape(batch["input_ids"])[0]
     extra = -rows % multiple
     if not extra:
@@ -233,7 +233,7 @@ def pad_rows(batch: Mapping[str, Any], multiple: int) -> dict[str, Any]:
         value = np.asarray(value)
         widths = [(0, 0)] * value.ndim
         widths[row_axis(key)] = (0, extra)
-        out[key] = np.pad(value, widths)
+        out[key] = np.pad(value, widths, constant_values=-1 if key == "response_positions" else 0)
     return out
 
 
@@ -301,17 +301,23 @@ def place_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any = 
     return placed
 
 
-def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: int) -> dict[str, np.ndarray]:
+def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: int,
+                 window_len: int | None = None) -> dict[str, np.ndarray]:
     """Concatenate the vision inputs of consecutive row blocks into those of the whole batch.
 
     parts: (vision dict, number of image-pad tokens in the block's rows), in row order. Each block's patches
     end with its own filler image (patch-bucket padding) that no token refers to; the language model takes
     the k-th merged feature for the k-th image-pad token, so the fillers are renumbered after every block's
-    real images. Window-ordered arrays keep their order; segment ids are offset to stay distinct."""
-    real_total = sum(n for _, n in parts)
-    pixels_real, pixels_fill, windows, rotary, full, win = [], [], [], [], [], []
+    real images. A block with `token_features` (each distinct image once, see guijax.data.pipeline) has as
+    many real features as its mapping names, and its mapping is shifted to where they land; blocks without
+    one map their tokens in order. Window-ordered arrays keep their order; segment ids are offset to stay
+    distinct, and the window batch (`window_tokens`, `window_slots`, rows of `window_len`, by default the
+    blocks' own width) and the image-frame batch are rebuilt over the merged windows and frames."""
+    counts = [_real_features(vision, n) for vision, n in parts]
+    real_total = sum(counts)
+    pixels_real, pixels_fill, windows, rotary, full, win, tokens = [], [], [], [], [], [], []
     real_off = fill_off = full_off = win_off = 0
-    for vision, n_real in parts:
+    for (vision, n_tokens), n_real in zip(parts, counts):
         v = {k: np.asarray(x) for k, x in vision.items()}
         units = v["pixel_values"].reshape(-1, unit, v["pixel_values"].shape[-1])
         pixels_real.append(units[:n_real])
@@ -321,6 +327,7 @@ def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: in
         rotary.append(v["rotary_positions"])
         full.append(v["full_segments"] + full_off)
         win.append(v["window_segments"] + win_off)
+        tokens.append(_block_token_features(v, n_tokens) + real_off)
         real_off += n_real
         fill_off += len(units) - n_real
         full_off += int(v["full_segments"].max(initial=-1)) + 1
@@ -329,12 +336,33 @@ def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: in
     from guijax.models.positions import attention_batches  # models import this module
 
     full_segments, window_segments = np.concatenate(full).astype(np.int32), np.concatenate(win).astype(np.int32)
-    window_len = int(np.shape(parts[0][0]["window_tokens"])[1])
-    return {"pixel_values": pixels.reshape(-1, pixels.shape[-1]),
-            "window_index": np.concatenate(windows).astype(np.int32),
-            "rotary_positions": np.concatenate(rotary).astype(np.int32),
-            "full_segments": full_segments, "window_segments": window_segments,
-            **attention_batches(full_segments, window_segments, window_len)}
+    width = window_len or next((np.shape(v["window_tokens"])[1] for v, _ in parts if "window_tokens" in v), None)
+    if width is None:
+        raise ValueError("merge_vision: no block has window_tokens to take the window width from; pass window_len")
+    out = {"pixel_values": pixels.reshape(-1, pixels.shape[-1]),
+           "window_index": np.concatenate(windows).astype(np.int32),
+           "rotary_positions": np.concatenate(rotary).astype(np.int32),
+           "full_segments": full_segments, "window_segments": window_segments,
+           **attention_batches(full_segments, window_segments, int(width))}
+    if any("token_features" in v for v, _ in parts):
+        length = sum(len(v["token_features"]) if "token_features" in v else n for v, n in parts)
+        mapped = np.concatenate(tokens)
+        out["token_features"] = np.pad(mapped, (0, length - len(mapped)), constant_values=-1).astype(np.int32)
+    return out
+
+
+def _real_features(vision: Mapping[str, Any], n_tokens: int) -> int:
+    """Merged features of a block's real images: one per image-pad token, or as many as its mapping names."""
+    if "token_features" in vision:
+        return int(np.asarray(vision["token_features"]).max(initial=-1)) + 1
+    return n_tokens
+
+
+def _block_token_features(vision: Mapping[str, np.ndarray], n_tokens: int) -> np.ndarray:
+    """The feature (within the block) of each of the block's image-pad tokens."""
+    if "token_features" in vision:
+        return vision["token_features"][:n_tokens].astype(np.int64)
+    return np.arange(n_tokens, dtype=np.int64)
 
 
 def _process_row_start(mesh: Mesh, local_rows: int) -> int:
@@ -358,11 +386,15 @@ def _gather_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any,
     ids = np.asarray(input_ids)
     mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
     n_real = int(((ids == image_token_id) & (mask > 0)).sum()) if image_token_id is not None else 0
-    keys = ("pixel_values", "window_index", "rotary_positions", "full_segments", "window_segments")
-    local = {k: np.asarray(vision[k]) for k in keys} if vision is not None else None
+    keys = ("pixel_values", "window_index", "rotary_positions", "full_segments", "window_segments", "token_features")
+    local = None
+    if vision is not None:
+        local = {k: np.asarray(vision[k]) for k in keys if k in vision}
+        local.setdefault("token_features", np.zeros((0,), np.int32))  # 0 long: this block maps tokens in order
     sizes = [local[k].shape[0] for k in keys] if local else [0] * len(keys)
     dim = local["pixel_values"].shape[1] if local else -1
-    header = np.asarray([_process_row_start(mesh, ids.shape[0]), n_real, *sizes, dim], np.int64)
+    width = np.shape(vision["window_tokens"])[1] if vision is not None else 0
+    header = np.asarray([_process_row_start(mesh, ids.shape[0]), n_real, *sizes, width, dim], np.int64)
     headers = np.asarray(multihost_utils.process_allgather(header))
     if headers[:, -1].max() < 0:
         return None
@@ -371,7 +403,7 @@ def _gather_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any,
     dim = int(headers[:, -1].max())
     if local is None:
         local = {"pixel_values": np.zeros((0, dim), np.float32), "rotary_positions": np.zeros((0, 2), np.int32),
-                 **{k: np.zeros((0,), np.int32) for k in ("window_index", "full_segments", "window_segments")}}
+                 **{k: np.zeros((0,), np.int32) for k in keys[1:] if k != "rotary_positions"}}
     gathered = {}
     for i, k in enumerate(keys):
         longest = int(headers[:, 2 + i].max())
@@ -379,9 +411,10 @@ def _gather_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any,
         gathered[k] = np.asarray(multihost_utils.process_allgather(padded))
     with_images = headers[headers[:, 3] > 0]
     unit = int(with_images[0, 2] // with_images[0, 3])
-    parts = [({k: gathered[k][p][:headers[p, 2 + i]] for i, k in enumerate(keys)}, int(headers[p, 1]))
+    parts = [({k: gathered[k][p][:headers[p, 2 + i]] for i, k in enumerate(keys)
+               if k != "token_features" or headers[p, 2 + i] > 0}, int(headers[p, 1]))
              for p in np.argsort(headers[:, 0], kind="stable")]
-    return merge_vision(parts, unit)
+    return merge_vision(parts, unit, int(headers[:, -2].max()))
 
 
 # ---------------------------------------------------------------------------- jit with shardings

@@ -51,14 +51,52 @@ def kernel_mesh(impl: str, mesh: Mesh | None) -> dict[str, Any]:
 def batch_logprobs(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: float = 1.0,
                    impl: str = "auto", mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-token log π(target) and entropy [b, s] at the sampling temperature (so ratios compare like with
-    like: the sampler's behaviour log-probs are of softmax(logits / T))."""
+    like: the sampler's behaviour log-probs are of softmax(logits / T)).
+
+    With `response_positions` in the batch the LM head runs on those positions only (`response_logprobs`);
+    without it, on every position (`all_positions_logprobs`, the reference)."""
     hidden, _ = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"],
                              batch.get("vision"), return_logits=False)
     head = lm_head(params, module)
     if temperature != 1.0:
         head = head / temperature
-    return kernels.token_logprobs(hidden, head, batch["targets"], batch["loss_mask"], impl=impl,
-                                  **kernel_mesh(impl, mesh))
+    positions = batch.get("response_positions")
+    if positions is None:
+        return all_positions_logprobs(hidden, head, batch["targets"], batch["loss_mask"], impl, mesh)
+    return response_logprobs(hidden, head, batch["targets"], batch["loss_mask"], positions, impl, mesh)
+
+
+def all_positions_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
+                           impl: str = "auto", mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """The head and the log-prob kernel over all b·s positions, masked afterwards."""
+    return kernels.token_logprobs(hidden, head, targets, mask, impl=impl, **kernel_mesh(impl, mesh))
+
+
+def response_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
+                      positions: jax.Array, impl: str = "auto",
+                      mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropy [b, s] computed at `positions` [b, R] only (-1 pads a row's unused slots).
+
+    Responses are a few percent of a GUI batch's tokens, so gathering their hidden states before the head
+    saves that fraction of the head's and the kernel's FLOPs and memory (forward and backward). Results are
+    scattered back to zeros [b, s], so the losses see the same arrays as on the all-positions path. A
+    masked position the indices miss cannot vanish quietly: its log-prob and entropy become NaN, so the loss
+    is non-finite and the step is skipped and reported (the pipeline raises before that can happen)."""
+    b, s = targets.shape
+    positions = positions.astype(jnp.int32)
+    valid = positions >= 0
+    index = jnp.where(valid, positions, 0)
+    picked_mask = jnp.take_along_axis(mask, index, axis=1) * valid.astype(mask.dtype)
+    logp, entropy = kernels.token_logprobs(jnp.take_along_axis(hidden, index[..., None], axis=1), head,
+                                           jnp.take_along_axis(targets, index, axis=1), picked_mask, impl=impl,
+                                           **kernel_mesh(impl, mesh))
+    rows = jnp.arange(b)[:, None]
+    slots = jnp.where(valid, positions, s)  # out of range: dropped by the scatter
+    scatter = lambda v: jnp.zeros((b, s), v.dtype).at[rows, slots].set(v, mode="drop")  # noqa: E731
+    covered = scatter(picked_mask.astype(jnp.float32)) > 0
+    missed = (mask > 0) & ~covered
+    nan = jnp.float32(jnp.nan)
+    return jnp.where(missed, nan, scatter(logp)), jnp.where(missed, nan, scatter(entropy))
 
 
 @dataclasses.dataclass(frozen=True)

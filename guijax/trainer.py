@@ -64,7 +64,10 @@ def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str | None
     return PipelineConfig(batch_size=config.train.minibatch_size, max_images=config.rollout.max_images,
                           length_buckets=tuple(config.pipeline.length_buckets),
                           patch_bucket=config.pipeline.patch_bucket, system_prompt=system_prompt or SYSTEM_PROMPT,
-                          seed=config.seed, worker_count=config.pipeline.worker_count)
+                          seed=config.seed, worker_count=config.pipeline.worker_count,
+                          response_bucket=config.pipeline.get("response_bucket", 64),
+                          dedupe_images=config.pipeline.get("dedupe_images", True),
+                          shuffle_block=config.pipeline.get("shuffle_block", 1))
 
 
 def device_batch(batch: dict[str, Any]) -> dict[str, Any]:
@@ -225,8 +228,9 @@ class Trainer:
         data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
                             dataclasses.replace(self.pipeline, seed=cfg.seed * 31 + self.iteration))
         t0 = time.perf_counter()
-        prepared, injected_logp = [], []
+        prepared, injected_logp, screenshots = [], [], np.zeros(2)
         for batch in data:  # old log-probs under θ_old, fixed for every epoch
+            screenshots += [batch["meta"].get("unique_screenshots", 0), batch["meta"].get("screenshots", 0)]
             batch = self._place(device_batch(batch))
             old, _ = self.logprob_fn(self.state.params, batch)
             # injected traces (replay, cache, expert) as the current θ_old sees them; sums over the global batch
@@ -253,6 +257,8 @@ class Trainer:
                 else:
                     self.nonfinite_in_row = 0
         out = {k: float(np.mean(v)) for k, v in collected.items()}
+        if screenshots[1]:  # distinct / all screenshots of the batches: what the vision tower was spared
+            out["screenshot_dedupe_ratio"] = float(screenshots[0] / screenshots[1])
         if injected_logp:
             out["logp_injected"] = sum(a for a, _ in injected_logp) / max(sum(n for _, n in injected_logp), 1.0)
         out.update(time_old_logprobs_s=t_old, time_update_s=time.perf_counter() - t0, trained_tokens=total_tokens,

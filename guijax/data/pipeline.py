@@ -17,6 +17,12 @@ arrays are indexed by prediction position, because the model at position t predi
 the same way, so `loss_mask[:, t] = 1` exactly when `targets[:, t]` is a response token. The last column never
 has a target (mask 0).
 
+Doing work only where it counts. `response_positions` [b, R] lists each row's loss positions (-1 pads), so
+the LM head and the log-prob kernel run on R bucketed columns instead of the whole sequence (a few percent of
+a GUI batch's tokens are response). With `dedupe_images` each distinct screenshot of a batch is patchified
+into the vision inputs once and `vision["token_features"]` tells the model which merged feature each
+image-pad token takes; `meta` reports `screenshots`, `unique_screenshots` and their ratio.
+
 Encoding (chat template, tokenizer, image resize + patchify) and collation (M-RoPE positions, vision window
 layout) run inside grain transforms, so with `worker_count > 0` they run in grain worker processes, off the
 trainer's thread. Batches are padded to a few length buckets and patch-count multiples (static shapes: a
@@ -25,7 +31,9 @@ handful of compiled programs).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import pathlib
+import sys
 from typing import Any, Mapping, Sequence
 
 import grain
@@ -55,6 +63,10 @@ class PipelineConfig:
     worker_buffer_size: int = 2  # batches each worker prepares ahead
     read_threads: int = 1  # in-process prefetch threads when worker_count == 0 (0: fully synchronous)
     prefetch: int = 2  # in-process prefetch buffer (batches)
+    response_bucket: int = 64  # `response_positions` width: the longest row's loss tokens rounded up (0: omit)
+    max_response_tokens: int | None = None  # a fixed width instead (one shape); a row with more loss tokens raises
+    dedupe_images: bool = True  # encode each distinct screenshot of a batch once (see `unique_images`)
+    shuffle_block: int = 1  # shuffle runs of up to this many consecutive steps of a trajectory (see BlockShuffle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +159,119 @@ class EncodeStep(grain.transforms.Map):
                 "advantages": loss_mask * np.float32(ref.advantage), "behaviour_logprobs": behaviour_lp,
                 "pixel_values": np.asarray(prompt["pixel_values"], np.float32),
                 "image_grid_thw": np.asarray(prompt["image_grid_thw"], np.int64).reshape(-1, 3),
+                "image_keys": self.image_keys(ref, len(images)),
                 "trajectory": ref.trajectory, "step": ref.step, "task_id": traj.task_id,
                 "source": Source(traj.source).value, "sampled": sampled}
+
+    def image_keys(self, ref: StepRef, count: int) -> np.ndarray:
+        """(trajectory, step) of each screenshot in the prompt: the last `max_images` steps up to this one, as
+        `build_messages` picks them. Equal keys are the same screenshot, processed the same way."""
+        first = max(0, ref.step - (self.config.max_images - 1))
+        keys = np.asarray([(ref.trajectory, j) for j in range(first, ref.step + 1)], np.int64).reshape(-1, 2)
+        if len(keys) != count:
+            raise AssertionError(f"trajectory {ref.trajectory} step {ref.step}: {count} images, {len(keys)} keys")
+        return keys
+
+
+class ResponseBudgetError(ValueError):
+    """A row has more loss tokens than the response budget; `row` says which."""
+
+    def __init__(self, message: str, row: int):
+        super().__init__(message)
+        self.row = row
+
+
+def response_positions(loss_mask: np.ndarray, bucket: int = 64, budget: int | None = None) -> np.ndarray:
+    """[b, R] int32 indices of each row's loss positions (ascending), -1 in the unused slots.
+
+    R is the longest row's count rounded up to `bucket` (few distinct shapes to compile; at most the sequence
+    length), or the fixed `budget`. The response-only log-prob path computes nothing anywhere else, so a row
+    that does not fit raises rather than losing tokens."""
+    hit = np.asarray(loss_mask) > 0
+    b, s = hit.shape
+    counts = hit.sum(1)
+    width = budget if budget is not None else min(-(-max(int(counts.max(initial=0)), 1) // bucket) * bucket, s)
+    over = np.flatnonzero(counts > width)
+    if over.size:
+        row = int(over[0])
+        raise ResponseBudgetError(f"row {row} has {int(counts[row])} loss tokens, more than the response budget "
+                                  f"of {width} positions", row)
+    order = np.argsort(~hit, axis=1, kind="stable")[:, :width]  # loss positions first, in order
+    filled = np.arange(width)[None, :] < counts[:, None]
+    return np.where(filled, order, -1).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class UniqueImages:
+    """The distinct images of a batch, in first-appearance order, and which of them each row shows."""
+
+    pixel_values: np.ndarray  # patches of the distinct images, concatenated
+    grids: np.ndarray  # [unique, 3]
+    rows: list[list[int]]  # per row, the distinct image index of each of its images, in prompt order
+    total: int  # images over all rows, repeats included
+
+
+def _split_images(pixel_values: np.ndarray, grids: np.ndarray) -> list[np.ndarray]:
+    ends = np.cumsum(np.prod(grids, axis=1))
+    return np.split(pixel_values, ends[:-1]) if len(grids) else []
+
+
+def _keys(example: Mapping[str, Any], images: list[np.ndarray]) -> list[Any]:
+    """Image identities: EncodeStep's (trajectory, step) keys, else a digest of the patches (examples built
+    elsewhere)."""
+    if "image_keys" in example:
+        return [tuple(int(v) for v in k) for k in example["image_keys"]]
+    return [hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).digest() for x in images]
+
+
+def unique_images(examples: Sequence[Mapping[str, Any]]) -> UniqueImages:
+    """Deduplicate the batch's images. Consecutive steps of a trajectory share all but one screenshot of their
+    history, so rows of one trajectory in a batch (many with `shuffle_block`) repeat most of their screenshots.
+    A repeated key must carry the same grid and patches (spot-checked on a strided sample): a wrong identity
+    would give rows another screenshot's features."""
+    index: dict[Any, int] = {}
+    pixels: list[np.ndarray] = []
+    grids: list[np.ndarray] = []
+    rows: list[list[int]] = []
+    total = 0
+    for e in examples:
+        grid = np.asarray(e["image_grid_thw"], np.int64).reshape(-1, 3)
+        images = _split_images(np.asarray(e["pixel_values"]), grid)
+        row = []
+        for key, image, g in zip(_keys(e, images), images, grid):
+            if key not in index:
+                index[key] = len(pixels)
+                pixels.append(image)
+                grids.append(g)
+            k = index[key]
+            sample = lambda x: x.reshape(-1)[::997]  # noqa: E731
+            if not (np.array_equal(grids[k], g) and np.array_equal(sample(pixels[k]), sample(image))):
+                raise ValueError(f"image {key} appears with different pixels in one batch; its identity is not unique")
+            row.append(k)
+        rows.append(row)
+        total += len(images)
+    dim = pixels[0].shape[1] if pixels else 0
+    return UniqueImages(np.concatenate(pixels) if pixels else np.zeros((0, dim), np.float32),
+                        np.asarray(grids, np.int64).reshape(-1, 3), rows, total)
+
+
+def token_features(input_ids: np.ndarray, image_token_id: int, images: UniqueImages, merge: int) -> np.ndarray:
+    """[b * s] int32: the merged vision feature (row of the vision tower's output over `images`) the k-th
+    image-pad token of the batch (row-major) takes; -1 past the last. A row's image-pad tokens run through its
+    images in prompt order, each image contributing t·h·w / merge² of them. The length depends only on the
+    batch shape, so it adds no compiled shapes."""
+    units = np.prod(images.grids, axis=1) // (merge * merge)
+    starts = np.cumsum(units) - units
+    out = np.full(input_ids.size, -1, np.int32)
+    filled = 0
+    for row, shown in enumerate(images.rows):
+        slots = int((input_ids[row] == image_token_id).sum())
+        feats = np.concatenate([starts[k] + np.arange(units[k]) for k in shown]) if shown else np.zeros(0, np.int64)
+        if slots != len(feats):
+            raise ValueError(f"row {row}: {slots} image-pad tokens for images with {len(feats)} features")
+        out[filled:filled + slots] = feats
+        filled += slots
+    return out
 
 
 class Collate:
@@ -185,19 +308,84 @@ class Collate:
         targets = np.concatenate([ids[:, 1:], np.zeros((b, 1), np.int32)], axis=1)
         grids = np.concatenate([e["image_grid_thw"] for e in examples]).reshape(-1, 3)
         positions, _ = mrope_positions(ids, mask, grids if len(grids) else None, cfg)
-        vision = None
-        if len(grids):
-            pixels = np.concatenate([e["pixel_values"] for e in examples])
-            pixels, padded_grids = pad_images(pixels, grids, self.config.patch_bucket, cfg.vision.spatial_merge_size)
-            vision = vision_layout(padded_grids, cfg.vision).inputs(pixels)
+        vision, images = self.vision(examples, ids, grids)
         sources = [e["source"] for e in examples]
-        return {"input_ids": ids, "attention_mask": mask, "positions": positions, "vision": vision,
-                "targets": targets, **shifted,
-                "off_policy": np.asarray([s != Source.ON_POLICY.value for s in sources]),
-                "expert": np.asarray([not e["sampled"] for e in examples], np.float32),
-                "meta": {"trajectory": np.asarray([e["trajectory"] for e in examples], np.int32),
-                         "step": np.asarray([e["step"] for e in examples], np.int32),
-                         "task_id": np.asarray([e["task_id"] for e in examples]), "source": np.asarray(sources)}}
+        out = {"input_ids": ids, "attention_mask": mask, "positions": positions, "vision": vision,
+               "targets": targets, **shifted,
+               "off_policy": np.asarray([s != Source.ON_POLICY.value for s in sources]),
+               "expert": np.asarray([not e["sampled"] for e in examples], np.float32),
+               "meta": {"trajectory": np.asarray([e["trajectory"] for e in examples], np.int32),
+                        "step": np.asarray([e["step"] for e in examples], np.int32),
+                        "task_id": np.asarray([e["task_id"] for e in examples]), "source": np.asarray(sources),
+                        "screenshots": np.int32(len(grids)), "unique_screenshots": np.int32(images),
+                        "screenshot_dedupe_ratio": np.float32(images / max(len(grids), 1))}}
+        if self.config.response_bucket or self.config.max_response_tokens is not None:
+            out["response_positions"] = self.response_positions(shifted["loss_mask"], examples)
+        return out
+
+    def vision(self, examples: Sequence[dict[str, Any]], ids: np.ndarray,
+               grids: np.ndarray) -> tuple[dict[str, np.ndarray] | None, int]:
+        """Vision inputs over the batch's images, padded to the patch bucket, and how many images the tower
+        encodes. With `dedupe_images` each distinct image is there once and `token_features` maps the
+        image-pad tokens to its features."""
+        if not len(grids):
+            return None, 0
+        merge = self.model_cfg.vision.spatial_merge_size
+        index = None
+        if self.config.dedupe_images:
+            images = unique_images(examples)
+            pixels, grids = images.pixel_values, images.grids
+            index = token_features(ids, self.model_cfg.image_token_id, images, merge)
+        else:
+            pixels = np.concatenate([e["pixel_values"] for e in examples])
+        pixels, padded_grids = pad_images(pixels, grids, self.config.patch_bucket, merge)
+        vision = vision_layout(padded_grids, self.model_cfg.vision).inputs(pixels)
+        if index is not None:
+            vision["token_features"] = index
+        return vision, len(grids)
+
+    def response_positions(self, loss_mask: np.ndarray, examples: Sequence[dict[str, Any]]) -> np.ndarray:
+        try:
+            return response_positions(loss_mask, self.config.response_bucket or 64, self.config.max_response_tokens)
+        except ResponseBudgetError as err:
+            e = examples[err.row]
+            raise ValueError(f"task {e['task_id']} (trajectory {e['trajectory']}) step {e['step']}: {err}; raise "
+                             f"PipelineConfig.max_response_tokens or leave it None") from None
+
+
+class BlockShuffle(grain.MapDataset):
+    """Step refs in a seeded random order of blocks: runs of up to `block` consecutive steps of one trajectory,
+    reshuffled every epoch (`epochs` None: endless). Consecutive steps share all but one of their `max_images`
+    screenshots, so a batch made of such runs encodes far fewer distinct screenshots (`dedupe_images`); the
+    price is minibatches drawn from fewer trajectories. Indexable, so grain's iterator state resumes it."""
+
+    def __init__(self, refs: Sequence[StepRef], block: int, seed: int, epochs: int | None):
+        super().__init__()
+        self.refs, self.seed, self.epochs = list(refs), seed, epochs
+        self.blocks: list[list[int]] = []
+        for i, ref in enumerate(self.refs):
+            last = self.refs[self.blocks[-1][-1]] if self.blocks else None
+            if last is None or len(self.blocks[-1]) >= block or (last.trajectory, last.step + 1) != (
+                    ref.trajectory, ref.step):
+                self.blocks.append([])
+            self.blocks[-1].append(i)
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.refs) * self.epochs if self.epochs is not None else sys.maxsize
+
+    def order(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            rng = np.random.default_rng((self.seed, epoch))
+            self._order = (epoch, np.concatenate([self.blocks[k] for k in rng.permutation(len(self.blocks))]))
+        return self._order[1]
+
+    def __getitem__(self, index: int) -> StepRef:
+        epoch, i = divmod(int(index), len(self.refs))
+        return self.refs[self.order(epoch)[i]]
+
+    def __str__(self) -> str:
+        return f"BlockShuffle(block={len(max(self.blocks, key=len))}, seed={self.seed})"
 
 
 def make_dataset(trajectories: Sequence[Trajectory] | Any, refs: Sequence[StepRef], processor: Any,
@@ -211,11 +399,14 @@ def make_dataset(trajectories: Sequence[Trajectory] | Any, refs: Sequence[StepRe
         raise ValueError("no steps to train on: every trajectory was empty or filtered out")
     encode = EncodeStep(trajectories, processor, config)
     pad_id = encode.processor.tokenizer.pad_token_id  # same padding whichever form the processor came in
-    ds = grain.MapDataset.source(list(refs))
-    if config.shuffle:
-        ds = ds.shuffle(seed=config.seed)
-    if config.num_epochs != 1:
-        ds = ds.repeat(config.num_epochs)
+    if config.shuffle and config.shuffle_block > 1:
+        ds = BlockShuffle(refs, config.shuffle_block, config.seed, config.num_epochs)
+    else:
+        ds = grain.MapDataset.source(list(refs))
+        if config.shuffle:
+            ds = ds.shuffle(seed=config.seed)
+        if config.num_epochs != 1:
+            ds = ds.repeat(config.num_epochs)
     ds = ds.map(encode).batch(config.batch_size, drop_remainder=config.drop_remainder,
                               batch_fn=Collate(model_cfg, config, int(pad_id or 0)))
     if config.worker_count > 0:

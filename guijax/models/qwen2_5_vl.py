@@ -131,14 +131,20 @@ class Qwen2_5_VL(nn.Module):
         """[hidden, vocab]: the untied head, or the transposed embedding when tied."""
         return self.embed_tokens.T if self.cfg.tie_word_embeddings else self.lm_head
 
-    def embed(self, input_ids: jax.Array, image_features: jax.Array | None) -> jax.Array:
-        """Token embeddings with the k-th image-pad token (row-major over the batch) replaced by the k-th
-        merged vision feature; the caller guarantees the counts agree."""
+    def embed(self, input_ids: jax.Array, image_features: jax.Array | None,
+              token_features: jax.Array | None = None) -> jax.Array:
+        """Token embeddings with image-pad tokens replaced by merged vision features.
+
+        The k-th image-pad token (row-major over the batch) takes feature k, or with `token_features` (int
+        [>= number of image-pad tokens]) feature token_features[k]: rows that share a screenshot then read
+        one encoding of it. The caller guarantees the counts agree."""
         x = jnp.take(self.embed_tokens, input_ids, axis=0).astype(self.dtype)
         if image_features is None:
             return x
         is_image = input_ids == self.cfg.image_token_id
         order = jnp.cumsum(is_image.reshape(-1)) - 1
+        if token_features is not None:
+            order = jnp.take(token_features, jnp.clip(order, 0, token_features.shape[0] - 1), axis=0)
         feats = jnp.take(image_features.astype(self.dtype), jnp.clip(order, 0, image_features.shape[0] - 1), axis=0)
         return jnp.where(is_image[..., None], feats.reshape(x.shape), x)
 
@@ -162,15 +168,18 @@ class Qwen2_5_VL(nn.Module):
 
         input_ids [b, s]; positions [3, b, s] M-RoPE ids; attention_mask [b, s] (1 = real token; padding
         attends nothing, so its outputs carry no information);
-        vision: pixel_values + the VisionLayout arrays, or None for text-only.
+        vision: pixel_values + the VisionLayout arrays, or None for text-only; optionally `token_features`,
+        the feature each image-pad token takes when the pixels hold each distinct image once (see `embed`).
         Cache mode: `cache` holds [b, L, kvh, hd] per layer, the s new tokens are written at slots
         cache_index..cache_index+s, and `kv_mask` [b, L] marks the valid slots (prompt padding excluded).
         Returns (logits or hidden [b, s, ...], new cache or None).
         """
-        image_features = None
+        image_features = token_features = None
         if vision is not None:
+            vision = dict(vision)
+            token_features = vision.pop("token_features", None)
             image_features = self.encode_images(**vision)
-        x = self.embed(input_ids, image_features)
+        x = self.embed(input_ids, image_features, token_features)
         x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))
         cos, sin = mrope_cos_sin(positions, self.cfg)
         s = input_ids.shape[1]

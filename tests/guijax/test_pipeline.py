@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from guijax import sharding
-from guijax.data.pipeline import Collate, EncodeStep, PipelineConfig, StepRef, global_batch, make_dataset, step_refs
+from guijax.data.pipeline import (Collate, EncodeStep, PipelineConfig, ResponseBudgetError, StepRef, global_batch,
+                                  make_dataset, response_positions, step_refs)
 from guijax.data.store import TrajectoryStore
 from guijax.models import policy as policy_lib
 from guijax.models.config import PRESETS
@@ -152,9 +153,10 @@ def test_batches_shift_targets_and_masks(proc, cfg):
 
 
 def _first_batch_and_examples(proc, cfg, batch_size=3):
+    """Every row's screenshots encoded (no deduplication), as prepare_inputs would."""
     trajs = make_trajectories(proc)
     refs = step_refs(trajs)
-    config = dataclasses.replace(CONFIG, shuffle=False, batch_size=batch_size)
+    config = dataclasses.replace(CONFIG, shuffle=False, batch_size=batch_size, dedupe_images=False)
     batch = collect(make_dataset(trajs, refs, proc, cfg, config), 1)[0]
     encode = EncodeStep(trajs, proc, config)
     return batch, [encode.map(r) for r in refs[:batch_size]]
@@ -285,11 +287,101 @@ def test_global_batch_shards_rows(proc, cfg):
     assert out["advantages"].sharding.spec[0] == ("data", "fsdp") and out["off_policy"].shape == (8,)
     assert len(out["input_ids"].addressable_shards) == 8
     assert out["input_ids"].addressable_shards[0].data.shape == (1, local["input_ids"].shape[1])
-    assert out["vision"]["pixel_values"].sharding.is_fully_replicated
+    pixels = out["vision"]["pixel_values"]  # split along patches when their count divides over the 8 devices
+    assert pixels.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None) or pixels.shape[0] % 8
     assert out["meta"] is local["meta"]
-    for key in ("input_ids", "positions", "targets", "loss_mask", "behaviour_logprobs", "advantages", "expert"):
+    assert out["response_positions"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+    assert out["vision"]["token_features"].sharding.is_fully_replicated
+    for key in ("input_ids", "positions", "targets", "loss_mask", "behaviour_logprobs", "advantages", "expert",
+                "response_positions"):
         np.testing.assert_array_equal(np.asarray(out[key]), local[key], err_msg=key)
     np.testing.assert_array_equal(np.asarray(out["vision"]["window_index"]), local["vision"]["window_index"])
     six = dict(local, input_ids=local["input_ids"][:6])
     with pytest.raises(ValueError, match="6 rows does not divide over data x fsdp = 8"):
         global_batch(six, mesh)
+
+
+def test_response_positions_index_every_loss_target(proc, cfg):
+    trajs = make_trajectories(proc)
+    for config in (dataclasses.replace(CONFIG, response_bucket=16), dataclasses.replace(CONFIG, max_response_tokens=40)):
+        for batch in collect(make_dataset(trajs, step_refs(trajs), proc, cfg, config)):
+            positions, lm = batch["response_positions"], batch["loss_mask"]
+            assert positions.dtype == np.int32 and positions.shape[0] == lm.shape[0]
+            assert positions.shape[1] == (40 if config.max_response_tokens else
+                                          -(-int(lm.sum(1).max()) // 16) * 16)
+            for row in range(len(lm)):
+                n = int(lm[row].sum())
+                np.testing.assert_array_equal(positions[row, :n], np.flatnonzero(lm[row]))
+                assert (positions[row, n:] == -1).all()
+    wide = np.ones((2, 40), np.float32)
+    assert response_positions(wide, bucket=64).shape == (2, 40)  # never wider than the sequence
+    assert response_positions(np.zeros((2, 40)), bucket=16).shape == (2, 16)
+
+
+def test_rows_over_the_response_budget_raise(proc, cfg):
+    mask = np.zeros((3, 50), np.float32)
+    mask[0, 10:15] = mask[2, 20:29] = 1
+    with pytest.raises(ResponseBudgetError, match="row 2 has 9 loss tokens, more than the response budget of 8") as err:
+        response_positions(mask, budget=8)
+    assert err.value.row == 2
+    trajs = make_trajectories(proc)
+    tight = dataclasses.replace(CONFIG, shuffle=False, max_response_tokens=4)
+    with pytest.raises(ValueError, match=r"task task-0 \(trajectory 0\) step 0: row 0 has \d+ loss tokens, more than "
+                                         r"the response budget of 4 positions"):
+        collect(make_dataset(trajs, step_refs(trajs), proc, cfg, tight), 1)
+
+
+def test_dedupe_encodes_each_screenshot_once(proc, cfg):
+    """Steps of one trajectory share history screenshots: the batch carries each once, and the token ->
+    feature map gives every image-pad token the same patches as the batch that carries them all."""
+    trajs = make_trajectories(proc)
+    config = dataclasses.replace(CONFIG, shuffle=False, batch_size=7, patch_bucket=16)
+    deduped = collect(make_dataset(trajs, step_refs(trajs), proc, cfg, config), 1)[0]
+    full = collect(make_dataset(trajs, step_refs(trajs), proc, cfg,
+                                dataclasses.replace(config, dedupe_images=False)), 1)[0]
+    meta = deduped["meta"]
+    assert (int(meta["screenshots"]), int(meta["unique_screenshots"])) == (10, 7)  # images: 1 + 1,2 + 1,2,2 + 1
+    assert float(meta["screenshot_dedupe_ratio"]) == pytest.approx(0.7)
+    for key in ("input_ids", "positions", "targets", "loss_mask"):
+        np.testing.assert_array_equal(deduped[key], full[key], err_msg=key)
+    unique = sum(s.screenshot.shape[0] * s.screenshot.shape[1] // 14 ** 2 for t in trajs for s in t.steps)
+    assert len(deduped["vision"]["pixel_values"]) == -(-unique // 16) * 16 < len(full["vision"]["pixel_values"])
+    unit, dim = cfg.vision.spatial_merge_size ** 2, full["vision"]["pixel_values"].shape[1]
+    tokens = int((full["input_ids"] == cfg.image_token_id).sum())
+    index = deduped["vision"]["token_features"]
+    assert index.shape == (full["input_ids"].size,) and (index[tokens:] == -1).all()
+    np.testing.assert_array_equal(deduped["vision"]["pixel_values"].reshape(-1, unit * dim)[index[:tokens]],
+                                  full["vision"]["pixel_values"].reshape(-1, unit * dim)[:tokens])
+    assert "token_features" not in full["vision"] and full["meta"]["unique_screenshots"] == 10
+
+
+def test_dedupe_refuses_one_key_for_two_images(proc, cfg):
+    trajs = make_trajectories(proc)
+    encode = EncodeStep(trajs, proc, CONFIG)
+    a, b = encode.map(StepRef(0, 0, 1.0)), encode.map(StepRef(3, 0, 1.0))
+    b["image_keys"] = a["image_keys"]  # a wrong identity must not hand row 1 row 0's screenshot
+    with pytest.raises(ValueError, match="appears with different pixels"):
+        Collate(cfg, CONFIG)([a, b])
+
+
+def test_block_shuffle_keeps_runs_of_steps_and_resumes(proc, cfg):
+    """shuffle_block=2: each epoch covers every step once in runs of consecutive steps of one trajectory
+    (so batches share screenshots), differently per epoch, deterministically, and resumes from its state."""
+    trajs = make_trajectories(proc, 6)
+    refs = step_refs(trajs)
+    config = dataclasses.replace(CONFIG, batch_size=1, num_epochs=2, shuffle_block=2)
+    order = [(int(b["meta"]["trajectory"][0]), int(b["meta"]["step"][0]))
+             for b in collect(make_dataset(trajs, refs, proc, cfg, config))]
+    everything = sorted((r.trajectory, r.step) for r in refs)
+    n = len(refs)
+    assert sorted(order[:n]) == everything == sorted(order[n:]) and order[:n] != order[n:]
+    for epoch in (order[:n], order[n:]):
+        starts = [i for i, (t, s) in enumerate(epoch) if s % 2 == 0]  # blocks are steps (0, 1), (2,)
+        assert all(epoch[i + 1] == (epoch[i][0], epoch[i][1] + 1) for i in starts
+                   if epoch[i][1] + 1 < len(trajs[epoch[i][0]].steps))
+    it = iter(make_dataset(trajs, refs, proc, cfg, config))
+    for _ in range(5):
+        next(it)
+    fresh = iter(make_dataset(trajs, refs, proc, cfg, config))
+    fresh.set_state(it.get_state())
+    assert [(int(b["meta"]["trajectory"][0]), int(b["meta"]["step"][0])) for b in (next(fresh), next(fresh))] == order[5:7]
