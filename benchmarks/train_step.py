@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 else); "
                                                   "parameters and optimiser moments stay float32")
-    p.add_argument("--remat", default="none", help="none | full | dots_saveable")
+    p.add_argument("--remat", default="none", help="none | full | dots_saveable | attention_saveable")
     p.add_argument("--screenshots", type=int, default=0, help="screenshots per row (0: the text-only batch)")
     p.add_argument("--screenshot-hw", default="1080,1920", help="height,width of each screenshot")
     p.add_argument("--response", type=int, default=100, help="with --screenshots: response tokens per row")

@@ -46,7 +46,6 @@ import train_step as ts_bench  # noqa: E402  (benchmarks/train_step.py)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import traverse_util  # noqa: E402
 
 from guijax import optim, train_step  # noqa: E402
 from guijax.models import weights  # noqa: E402
@@ -68,24 +67,10 @@ def torch_model(cfg: ModelConfig, attn: str, seed: int = 0):
 
 
 def params_from_torch(model, module) -> Any:
-    """guijax parameters holding the torch model's weights (transformers 5 in-memory names)."""
+    """guijax parameters holding the torch model's weights (transformers 5 in-memory names; per-layer
+    tensors stacked into the scanned layers by the checkpoint loader)."""
     sd = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    cfg = module.cfg
-    import flax.linen as nn
-
-    flat = traverse_util.flatten_dict(nn.unbox(weights.abstract_params(module)))
-    out = {}
-    for path, leaf in flat.items():
-        rule = weights.flax_to_hf(path, cfg, weights.NESTED)
-        src = sd[rule.hf_name]
-        if rule.layout == "transpose":
-            src = src.T
-        elif rule.layout == "patch":
-            src = src.reshape(src.shape[0], -1).T
-        if tuple(src.shape) != tuple(leaf.shape):
-            raise ValueError(f"{path}: torch {src.shape} vs guijax {leaf.shape}")
-        out[path] = jnp.asarray(np.ascontiguousarray(src), leaf.dtype)
-    return traverse_util.unflatten_dict(out)
+    return weights.load_tensors(weights.ArrayReader(sd), module, origin="torch model")
 
 
 def torch_grpo_loss(model, batch: dict):

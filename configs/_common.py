@@ -18,7 +18,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.model.path = ""  # a Hugging Face Qwen2.5-VL directory (e.g. a local UI-TARS-1.5-7B copy)
     c.model.dtype = "float32"  # compute dtype
     c.model.param_dtype = ""  # empty: same as dtype
-    c.model.remat = "none"  # none | full | dots_saveable
+    c.model.remat = "none"  # none | full | dots_saveable | attention_saveable (guijax.models.scan)
     c.model.attention = "auto"  # auto | xla | cudnn | reference: attention backend (guijax/models/attention.py)
     c.model.tokenizer_vocab = 0  # fresh checkpoints: BPE vocab size (0: the preset's vocab size)
     c.model.image_max_pixels = 0  # 0: the checkpoint's preprocessor_config; else downscale screenshots for the policy

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from guijax.models.config import ModelConfig
 from guijax.models.positions import mrope_positions, vision_layout
-from guijax.models.qwen2_5_vl import Qwen2_5_VL, init_cache
+from guijax.models.qwen2_5_vl import Qwen2_5_VL, default_cache_dtype, init_cache
 from guijax.sharding import DATA_AXES, data_parallel_size
 
 DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -126,7 +126,7 @@ class Sampler:
         self.config = config
         self.mesh = mesh
         self.tokenizer = tokenizer
-        self.cache_dtype = cache_dtype or module.dtype
+        self.cache_dtype = cache_dtype or default_cache_dtype(module.dtype)
         if not config.stop_token_ids and self.cfg.eos_token_id is not None:
             self.config = dataclasses.replace(config, stop_token_ids=(self.cfg.eos_token_id,))
         self._programs = self._build_programs()

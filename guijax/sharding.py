@@ -22,6 +22,8 @@ MESH_AXES = ("data", "fsdp", "tensor")
 DATA_AXES = ("data", "fsdp")  # the axes batch rows are split over
 
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+    ("layers", None),  # the stacked layer axis of scanned layers: each device holds its share of every layer
+    ("layer_groups", None),  # the outer stacked axis of the vision blocks (periods of a BlockPlan)
     ("batch", ("data", "fsdp")),
     ("seq", None),
     ("activation_embed", None),
@@ -98,6 +100,16 @@ def fit_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> Partition
 
 def logical_spec(names: Sequence[str | None], rules=LOGICAL_RULES) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(names), rules)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """A sharding constraint from logical names under the mesh and rules in context (a no-op outside
+    `rules_context`), dropping mesh axes a dimension does not divide, e.g. 2 KV heads on tensor=4."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return x
+    return jax.lax.with_sharding_constraint(x, fit_spec(x.shape, logical_spec(names, rules), mesh))
 
 
 def param_shardings(abstract_boxed: Any, mesh: Mesh, rules=LOGICAL_RULES) -> Any:

@@ -13,20 +13,29 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from guijax.models.config import ModelConfig
 from guijax.models.attention import attention
 from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary
-from guijax.models.vision import VisionTower, _maybe_remat
+from guijax.models.scan import ATTENTION_OUT, MLP_IN, maybe_remat, scanned_layers
+from guijax.models.vision import VisionTower
+from guijax.sharding import constrain
 
 Dtype = Any
 
 
-class LayerCache(NamedTuple):
-    """Per-layer key/value cache [batch, max_len, kv_heads, head_dim]."""
+class KVCache(NamedTuple):
+    """Keys and values of every decoder layer, stacked: [layers, batch, max_len, kv_heads, head_dim] each.
+
+    One array per side (not one per layer) so a scan over the layers carries it and each layer writes only
+    its new tokens in place."""
 
     k: jax.Array
     v: jax.Array
+
+
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", None)
 
 
 class MaskSpec(NamedTuple):
@@ -60,7 +69,9 @@ class Attention(nn.Module):
     attention_impl: str = "auto"
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask: MaskSpec, cache: LayerCache | None, cache_index):
+    def __call__(self, x, cos, sin, mask: MaskSpec, cache: KVCache | None, cache_index, layer):
+        """With a cache, the new keys/values go to slots cache_index.. of layer `layer` and the attention
+        reads that layer's whole (updated) cache."""
         cfg = self.cfg
         b, s, _ = x.shape
         hd = cfg.head_dim
@@ -72,55 +83,77 @@ class Attention(nn.Module):
         k = apply_rotary(k.reshape(b, s, -1, hd), cos, sin)
         v = v.reshape(b, s, -1, hd)
         if cache is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), cache_index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), cache_index, axis=1)
-            cache = LayerCache(k, v)
+            cache = KVCache(_write_layer(cache.k, k, layer, cache_index), _write_layer(cache.v, v, layer, cache_index))
+            k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)
+            v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
         out = attention(q, k.astype(q.dtype), v.astype(q.dtype), causal=True, q_segment_ids=mask.q_segment_ids,
                         kv_segment_ids=mask.kv_segment_ids, q_positions=mask.q_positions,
                         kv_positions=mask.kv_positions, implementation=self.attention_impl)
-        out = Linear(cfg.hidden_size, ("q_heads", "embed"), name="o_proj", **kw)(out.reshape(b, s, -1))
-        return out, cache
+        out = checkpoint_name(out.reshape(b, s, -1), ATTENTION_OUT)
+        return Linear(cfg.hidden_size, ("q_heads", "embed"), name="o_proj", **kw)(out), cache
+
+
+def _write_layer(stacked: jax.Array, new: jax.Array, layer, index) -> jax.Array:
+    """stacked [layers, b, L, kvh, hd] with new [b, s, kvh, hd] written at (layer, :, index..index+s)."""
+    zero = jnp.zeros((), jnp.int32)
+    start = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(index, jnp.int32), zero, zero)
+    return jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype), start)
 
 
 class DecoderLayer(nn.Module):
+    """One decoder layer, shaped as a scan body: carry (hidden, cache) -> (carry, None). `layer` is this
+    layer's index into the stacked cache (a traced scan counter, or a Python int when unrolled)."""
+
     cfg: ModelConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention_impl: str = "auto"
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, cache, cache_index):
+    def __call__(self, carry, cos, sin, mask, cache_index, layer):
+        x, cache = carry
         cfg = self.cfg
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h, cache = Attention(cfg, name="self_attn", attention_impl=self.attention_impl, **kw)(
-            RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, mask, cache, cache_index)
+            RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, mask, cache, cache_index, layer)
         x = x + h
-        h = RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
+        h = checkpoint_name(RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x), MLP_IN)
         x = x + GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
         x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))
-        return x, cache
+        return (x, cache), None
 
 
 class Qwen2_5_VL(nn.Module):
     """The full policy network. Inputs are device arrays; image-size-dependent indices come precomputed
     (see `guijax.models.positions`). `attention_impl` picks the attention backend of the decoder and the
-    vision tower ("auto", "xla", "cudnn" or the dense "reference"; see `guijax.models.attention`)."""
+    vision tower ("auto", "xla", "cudnn" or the dense "reference"; see `guijax.models.attention`).
+
+    scan_layers: run the decoder layers (and vision blocks) under `nn.scan`, parameters stacked on a leading
+    layer axis (params["layers"][...] is [num_hidden_layers, ...]), so compile time does not grow with depth.
+    False keeps one module per layer ("layers_0", ...), the plain reference the scan is tested against."""
 
     cfg: ModelConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     remat_policy: str = "none"
     attention_impl: str = "auto"
+    scan_layers: bool = True
 
     def setup(self):
         cfg, kw = self.cfg, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.embed_tokens = self.param(
             "embed_tokens", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
             (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
-        self.visual = VisionTower(cfg.vision, remat_policy=self.remat_policy, attention_impl=self.attention_impl, **kw)
-        layer_cls = _maybe_remat(DecoderLayer, self.remat_policy)
-        self.layers = [layer_cls(cfg, name=f"layers_{i}", attention_impl=self.attention_impl, **kw)
-                       for i in range(cfg.num_hidden_layers)]
+        self.visual = VisionTower(cfg.vision, remat_policy=self.remat_policy, attention_impl=self.attention_impl,
+                                  scan_layers=self.scan_layers, **kw)
+        layer_cls = maybe_remat(DecoderLayer, self.remat_policy, scanned=self.scan_layers)
+        if self.scan_layers:
+            broadcast = (nn.broadcast,) * 4 + (0,)  # cos, sin, mask, cache_index; the layer index is scanned
+            self.layers = scanned_layers(layer_cls, cfg.num_hidden_layers, broadcast)(
+                cfg, name="layers", attention_impl=self.attention_impl, **kw)
+        else:
+            self.layers = [layer_cls(cfg, name=f"layers_{i}", attention_impl=self.attention_impl, **kw)
+                           for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, **kw)
         if not cfg.tie_word_embeddings:
             self.lm_head = self.param(
@@ -159,7 +192,7 @@ class Qwen2_5_VL(nn.Module):
         attention_mask: jax.Array,
         vision: dict[str, jax.Array] | None = None,
         *,
-        cache: list[LayerCache] | None = None,
+        cache: KVCache | None = None,
         cache_index: jax.Array | int = 0,
         kv_mask: jax.Array | None = None,
         return_logits: bool = True,
@@ -170,7 +203,7 @@ class Qwen2_5_VL(nn.Module):
         attends nothing, so its outputs carry no information);
         vision: pixel_values + the VisionLayout arrays, or None for text-only; optionally `token_features`,
         the feature each image-pad token takes when the pixels hold each distinct image once (see `embed`).
-        Cache mode: `cache` holds [b, L, kvh, hd] per layer, the s new tokens are written at slots
+        Cache mode: `cache` holds [layers, b, L, kvh, hd] keys and values, the s new tokens are written at slots
         cache_index..cache_index+s, and `kv_mask` [b, L] marks the valid slots (prompt padding excluded).
         Returns (logits or hidden [b, s, ...], new cache or None).
         """
@@ -187,15 +220,11 @@ class Qwen2_5_VL(nn.Module):
         if cache is None:
             mask = MaskSpec(segments, segments)
         else:
-            b, total = input_ids.shape[0], cache[0].k.shape[1]
+            b, total = input_ids.shape[0], cache.k.shape[2]
             slots = jnp.broadcast_to(cache_index + jnp.arange(s, dtype=jnp.int32), (b, s))
             mask = MaskSpec(segments, (kv_mask != 0).astype(jnp.int32), slots,
                             jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total)))
-        new_cache = [] if cache is not None else None
-        for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, cos, sin, mask, None if cache is None else cache[i], cache_index)
-            if cache is not None:
-                new_cache.append(layer_cache)
+        x, new_cache = self._run_layers(x, cos, sin, mask, cache, cache_index)
         x = self.norm(x)
         if not return_logits:
             return x, new_cache
@@ -203,7 +232,33 @@ class Qwen2_5_VL(nn.Module):
                             preferred_element_type=jnp.float32)
         return logits, new_cache
 
+    def _run_layers(self, x, cos, sin, mask: MaskSpec, cache: KVCache | None, cache_index):
+        """All decoder layers: one scan, or the unrolled loop. The cache rides in the carry."""
+        cache = None if cache is None else constrain_cache(cache)
+        if self.scan_layers:
+            layers = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
+            (x, cache), _ = self.layers((x, cache), cos, sin, mask, cache_index, layers)
+        else:
+            for i, layer in enumerate(self.layers):
+                (x, cache), _ = layer((x, cache), cos, sin, mask, cache_index, i)
+        return x, None if cache is None else constrain_cache(cache)
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Dtype = jnp.float32) -> list[LayerCache]:
-    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    return [LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers)]
+
+def default_cache_dtype(compute_dtype: Dtype) -> Dtype:
+    """The compute dtype of a bfloat16 (or float16) model: half the cache memory and bandwidth, and its keys
+    and values are computed in that dtype anyway; float32 otherwise so float32 models keep exact parity."""
+    dtype = jnp.dtype(compute_dtype)
+    return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Dtype | None = None,
+               compute_dtype: Dtype = jnp.float32) -> KVCache:
+    """An empty stacked cache; dtype defaults to `default_cache_dtype(compute_dtype)`. Under a mesh and
+    logical rules its rows are split like the batch and its kv heads over "tensor" where they divide."""
+    dtype = default_cache_dtype(compute_dtype) if dtype is None else dtype
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return constrain_cache(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+
+
+def constrain_cache(cache: KVCache) -> KVCache:
+    return KVCache(*(constrain(x, CACHE_AXES) for x in cache))

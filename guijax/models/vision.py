@@ -11,15 +11,18 @@ dense N x N square by segment (windows or images), as the original formulation d
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from guijax.models.config import VisionConfig
 from guijax.models.attention import attention
 from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary
+from guijax.models.scan import ATTENTION_OUT, MLP_IN, maybe_remat, scanned_layers
 
 Dtype = Any
 
@@ -74,10 +77,13 @@ class VisionAttention(nn.Module):
             ids = segments[None].astype(jnp.int32) + 1  # 0 is the padding id
             out = attention(q[None], k[None], v[None], q_segment_ids=ids, kv_segment_ids=ids,
                             implementation=self.attention_impl)[0]
-        return Linear(e, ("vision_heads", "vision_embed"), use_bias=True, name="proj", **kw)(out.reshape(n, e))
+        out = checkpoint_name(out.reshape(n, e), ATTENTION_OUT)
+        return Linear(e, ("vision_heads", "vision_embed"), use_bias=True, name="proj", **kw)(out)
 
 
 class VisionBlock(nn.Module):
+    """One block, shaped as a scan body: x -> (x, None)."""
+
     cfg: VisionConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -86,15 +92,73 @@ class VisionBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array, window_tokens: jax.Array,
-                 window_slots: jax.Array) -> jax.Array:
+                 window_slots: jax.Array) -> tuple[jax.Array, None]:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         x = nn.with_logical_constraint(x, ("vision_tokens", None))  # patches split over the data-parallel devices
         x = x + VisionAttention(self.cfg, name="attn", windowed=self.windowed, attention_impl=self.attention_impl,
                                 **kw)(RMSNorm(1e-6, name="norm1", axis_name="vision_norm", **kw)(x), cos, sin,
                                       segments, window_tokens, window_slots)
-        h = RMSNorm(1e-6, name="norm2", axis_name="vision_norm", **kw)(x)
+        h = checkpoint_name(RMSNorm(1e-6, name="norm2", axis_name="vision_norm", **kw)(x), MLP_IN)
         return x + GatedMLP(self.cfg.intermediate_size, self.cfg.hidden_act, use_bias=True, embed_axis="vision_embed",
-                            mlp_axis="vision_mlp", name="mlp", **kw)(h)
+                            mlp_axis="vision_mlp", name="mlp", **kw)(h), None
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """The vision blocks as `repeats` copies of one period, a period being runs of identical blocks (same
+    attention kind). Qwen2.5-VL-7B (full attention at 7, 15, 23, 31 of 32) is 4 x (7 windowed, 1 full):
+    two scanned runs inside a scan over periods, so the program holds one windowed and one full block."""
+
+    repeats: int
+    runs: tuple[tuple[bool, int], ...]  # (windowed, number of blocks) for each run of a period
+
+    @property
+    def period(self) -> int:
+        return sum(n for _, n in self.runs)
+
+    def block_index(self, repeat: int, run: int, position: int) -> int:
+        """The checkpoint block number of `position` in run `run` of period `repeat`."""
+        return repeat * self.period + sum(n for _, n in self.runs[:run]) + position
+
+
+def block_plan(cfg: VisionConfig) -> BlockPlan:
+    """The shortest period that tiles the blocks' attention kinds, cut into runs."""
+    kinds = [i not in cfg.fullatt_block_indexes for i in range(cfg.depth)]
+    period = next(p for p in range(1, cfg.depth + 1)
+                  if cfg.depth % p == 0 and kinds == kinds[:p] * (cfg.depth // p))
+    runs: list[tuple[bool, int]] = []
+    for windowed in kinds[:period]:
+        if runs and runs[-1][0] == windowed:
+            runs[-1] = (windowed, runs[-1][1] + 1)
+        else:
+            runs.append((windowed, 1))
+    return BlockPlan(cfg.depth // period, tuple(runs))
+
+
+class VisionPeriod(nn.Module):
+    """One period of a `BlockPlan`, shaped as a scan body: each run of identical blocks is one `nn.scan`
+    (parameters under "run_{k}", [run length, ...])."""
+
+    cfg: VisionConfig
+    runs: tuple[tuple[bool, int], ...]
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    remat_policy: str = "none"
+    attention_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, full_segments: jax.Array,
+                 window_segments: jax.Array, window_tokens: jax.Array, window_slots: jax.Array,
+                 image_tokens: jax.Array, image_slots: jax.Array) -> tuple[jax.Array, None]:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        block_cls = maybe_remat(VisionBlock, self.remat_policy, scanned=True)
+        for k, (windowed, length) in enumerate(self.runs):
+            run = scanned_layers(block_cls, length, nn.broadcast)(
+                self.cfg, windowed=windowed, attention_impl=self.attention_impl, name=f"run_{k}", **kw)
+            groups = (window_segments, window_tokens, window_slots) if windowed else (
+                full_segments, image_tokens, image_slots)
+            x, _ = run(x, cos, sin, *groups)
+        return x, None
 
 
 class PatchMerger(nn.Module):
@@ -125,6 +189,7 @@ class VisionTower(nn.Module):
     param_dtype: Dtype = jnp.float32
     remat_policy: str = "none"
     attention_impl: str = "auto"
+    scan_layers: bool = True  # blocks under nested scans (see BlockPlan); False: one module per block
 
     @nn.compact
     def __call__(self, pixel_values: jax.Array, window_index: jax.Array, rotary_positions: jax.Array,
@@ -138,26 +203,19 @@ class VisionTower(nn.Module):
         n = x.shape[0]
         x = x.reshape(n // unit, unit, -1)[window_index].reshape(n, -1)
         cos, sin = vision_rotary(rotary_positions, cfg)
-        block_cls = _maybe_remat(VisionBlock, self.remat_policy)
-        for i in range(cfg.depth):
-            windowed = i not in cfg.fullatt_block_indexes
-            groups = (window_segments, window_tokens, window_slots) if windowed else (
-                full_segments, image_tokens, image_slots)
-            x = block_cls(cfg, windowed=windowed, attention_impl=self.attention_impl, name=f"blocks_{i}", **kw)(
-                x, cos, sin, *groups)
+        if self.scan_layers and cfg.depth:
+            plan = block_plan(cfg)
+            blocks = scanned_layers(VisionPeriod, plan.repeats, nn.broadcast, axis_name="layer_groups")(
+                cfg, plan.runs, remat_policy=self.remat_policy, attention_impl=self.attention_impl, name="blocks", **kw)
+            x, _ = blocks(x, cos, sin, full_segments, window_segments, window_tokens, window_slots, image_tokens,
+                          image_slots)
+        else:
+            block_cls = maybe_remat(VisionBlock, self.remat_policy)
+            for i in range(cfg.depth):
+                windowed = i not in cfg.fullatt_block_indexes
+                groups = (window_segments, window_tokens, window_slots) if windowed else (
+                    full_segments, image_tokens, image_slots)
+                x, _ = block_cls(cfg, windowed=windowed, attention_impl=self.attention_impl, name=f"blocks_{i}",
+                                 **kw)(x, cos, sin, *groups)
         merged = PatchMerger(cfg, name="merger", **kw)(x)
         return merged[jnp.argsort(window_index)]
-
-
-REMAT_POLICIES = ("none", "full", "dots_saveable")
-
-
-def _maybe_remat(cls: type[nn.Module], policy: str) -> type[nn.Module]:
-    """Wrap a layer class in rematerialisation: 'full' saves nothing, 'dots_saveable' keeps matmul outputs."""
-    if policy == "none":
-        return cls
-    if policy == "full":
-        return nn.remat(cls, prevent_cse=True)
-    if policy == "dots_saveable":
-        return nn.remat(cls, prevent_cse=True, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    raise ValueError(f"unknown remat policy {policy!r}; choose one of {REMAT_POLICIES}")

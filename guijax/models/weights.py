@@ -1,8 +1,10 @@
 """Parameters of the Flax Qwen2.5-VL <-> Hugging Face checkpoint tensors.
 
-Each Flax leaf maps to exactly one checkpoint tensor through a name rule and a layout transform
-(Flax kernels are [in, out], torch Linear weights [out, in]; the vision patch Conv3d is a flattened
-linear map). Loading builds every device's shard from a memmapped slice, so no host ever holds a full
+Each Flax leaf maps to one checkpoint tensor through a name rule and a layout transform (Flax kernels are
+[in, out], torch Linear weights [out, in]; the vision patch Conv3d is a flattened linear map), or, for
+the scanned layers' stacked leaves (params["layers"] [num_hidden_layers, ...], and
+params["visual"]["blocks"]["run_k"] [periods, run length, ...], see `vision.BlockPlan`), to one tensor per
+layer: stacked on load, unstacked on save, so the files keep the per-layer names `model.layers.{i}.*`. Loading builds every device's shard from a memmapped slice, so no host ever holds a full
 copy of the model per device.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from flax import traverse_util
 
 from guijax.models.config import ModelConfig
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
+from guijax.models.vision import block_plan
 from guijax.models.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
 from guijax.sharding import param_shardings
 
@@ -29,10 +32,11 @@ NESTED = "nested"  # model.language_model.*, model.visual.*: transformers 5's in
 
 
 def build_module(cfg: ModelConfig, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 remat_policy: str = "none", attention_impl: str = "auto") -> Qwen2_5_VL:
-    """The Flax module; attention_impl is the attention backend (see guijax.models.attention)."""
+                 remat_policy: str = "none", attention_impl: str = "auto", scan_layers: bool = True) -> Qwen2_5_VL:
+    """The Flax module; attention_impl is the attention backend (see guijax.models.attention), scan_layers
+    stacks the layers under `nn.scan` (False: one module per layer, the unrolled reference)."""
     return Qwen2_5_VL(cfg, dtype=dtype, param_dtype=param_dtype, remat_policy=remat_policy,
-                      attention_impl=attention_impl)
+                      attention_impl=attention_impl, scan_layers=scan_layers)
 
 
 def _dummy_inputs(cfg: ModelConfig) -> tuple:
@@ -72,30 +76,60 @@ def count_params(tree: Any) -> int:
 # ---------------------------------------------------------------------------- names and layouts
 @dataclasses.dataclass(frozen=True)
 class TensorRule:
-    """How one Flax leaf relates to one checkpoint tensor."""
+    """How one Flax leaf relates to checkpoint tensors: one tensor, or, for a leaf of scanned layers, one
+    tensor per layer, the leaf's leading `stack` axes indexing `hf_names` in row-major order."""
 
-    hf_name: str
+    hf_names: tuple[str, ...]
     layout: str  # "same" | "transpose" | "patch"
+    stack: tuple[int, ...] = ()
+
+    @property
+    def hf_name(self) -> str:
+        if self.stack:
+            raise ValueError(f"stacked leaf of {len(self.hf_names)} tensors ({self.hf_names[0]}, ...)")
+        return self.hf_names[0]
+
+
+def _unstacked(path: tuple[str, ...], cfg: ModelConfig) -> tuple[tuple[str, ...], tuple[int, ...], list[int]]:
+    """A scanned leaf's path with its layer modules replaced by the per-layer template ("layers_{}"), the
+    leading stack shape, and the checkpoint layer number of each stacked entry (row-major)."""
+    if path[0] == "layers":
+        n = cfg.num_hidden_layers
+        return ("layers_{}",) + path[1:], (n,), list(range(n))
+    if path[:2] == ("visual", "blocks") and path[2].startswith("run_"):
+        plan, run = block_plan(cfg.vision), int(path[2][len("run_"):])
+        length = plan.runs[run][1]
+        numbers = [plan.block_index(r, run, j) for r in range(plan.repeats) for j in range(length)]
+        return ("visual", "blocks_{}") + path[3:], (plan.repeats, length), numbers
+    return path, (), []
 
 
 def flax_to_hf(path: tuple[str, ...], cfg: ModelConfig, style: str = LEGACY) -> TensorRule:
+    path, stack, numbers = _unstacked(path, cfg)
+    name, layout = _hf_template(path, style)
+    names = tuple(name.format(i) for i in numbers) if stack else (name,)
+    return TensorRule(names, layout, stack)
+
+
+def _hf_template(path: tuple[str, ...], style: str) -> tuple[str, str]:
+    """(checkpoint name, layout) of one unstacked leaf; "{}" in a layer module's name stays a placeholder."""
     text_prefix = "model." if style == LEGACY else "model.language_model."
     vision_prefix = "visual." if style == LEGACY else "model.visual."
-    parts = [re.sub(r"^(layers|blocks|mlp)_(\d+)$", r"\1.\2", p) for p in path]
+    parts = [re.sub(r"^(layers|blocks|mlp)_(\d+|\{\})$", r"\1.\2", p) for p in path]
     leaf = parts[-1]
     if path == ("embed_tokens",):
-        return TensorRule(text_prefix + "embed_tokens.weight", "same")
+        return text_prefix + "embed_tokens.weight", "same"
     if path == ("lm_head",):
-        return TensorRule("lm_head.weight", "transpose")
+        return "lm_head.weight", "transpose"
     if path[0] == "visual":
         if path[1:] == ("patch_embed", "kernel"):
-            return TensorRule(vision_prefix + "patch_embed.proj.weight", "patch")
+            return vision_prefix + "patch_embed.proj.weight", "patch"
         prefix, parts = vision_prefix, parts[1:]
     else:
         prefix = text_prefix
     if leaf == "kernel":
-        return TensorRule(prefix + ".".join(parts[:-1] + ["weight"]), "transpose")
-    return TensorRule(prefix + ".".join(parts), "same")
+        return prefix + ".".join(parts[:-1] + ["weight"]), "transpose"
+    return prefix + ".".join(parts), "same"
 
 
 def detect_style(keys: list[str]) -> str:
@@ -109,6 +143,17 @@ def _hf_shape(shape: tuple[int, ...], layout: str, cfg: ModelConfig) -> tuple[in
         v = cfg.vision
         return (shape[1], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
     return tuple(shape)
+
+
+def _read_leaf(sources: list[np.ndarray], rule: TensorRule, index: tuple[slice, ...]) -> np.ndarray:
+    """The part of a (stacked) Flax leaf at `index`: each layer in the index's leading stack range is read
+    from its own checkpoint tensor, so a device shard still touches only the bytes it holds."""
+    if not rule.stack:
+        return _read_slice(sources[0], rule.layout, index)
+    k = len(rule.stack)
+    picked = np.arange(len(sources)).reshape(rule.stack)[index[:k]]
+    parts = [_read_slice(sources[i], rule.layout, index[k:]) for i in picked.reshape(-1)]
+    return np.stack(parts).reshape(picked.shape + parts[0].shape)
 
 
 def _read_slice(src: np.ndarray, layout: str, index: tuple[slice, ...]) -> np.ndarray:
@@ -133,14 +178,36 @@ def _numpy_dtype(dtype: Any) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
 
 
+class ArrayReader:
+    """In-memory tensors (e.g. a torch state dict as numpy) behind `SafetensorsReader`'s interface."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays = arrays
+
+    def keys(self) -> list[str]:
+        return sorted(self.arrays)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.arrays[name].shape)
+
+    def get(self, name: str) -> np.ndarray:
+        return self.arrays[name]
+
+
 def load_params(directory: str, module: Qwen2_5_VL, mesh=None) -> Any:
     """Read a Hugging Face Qwen2.5-VL safetensors checkpoint into (sharded) Flax parameters.
 
     Fails with the full lists of missing keys, unexpected keys and shape mismatches, so a wrong checkpoint
     is diagnosed in one go.
     """
+    return load_tensors(SafetensorsReader(directory), module, mesh, origin=f"checkpoint {directory}")
+
+
+def load_tensors(reader: SafetensorsReader | ArrayReader, module: Qwen2_5_VL, mesh=None,
+                 origin: str = "tensors") -> Any:
+    """Checkpoint-named tensors -> (sharded) Flax parameters; per-layer tensors are stacked into the
+    scanned layers' leaves shard by shard."""
     cfg = module.cfg
-    reader = SafetensorsReader(directory)
     keys = reader.keys()
     style = detect_style(keys)
     boxed = abstract_params(module)
@@ -151,15 +218,31 @@ def load_params(directory: str, module: Qwen2_5_VL, mesh=None) -> Any:
         device = jax.devices()[0]
         flat_shardings = {p: jax.sharding.SingleDeviceSharding(device) for p in flat}
     rules = {path: flax_to_hf(path, cfg, style) for path in flat}
-    wanted = {r.hf_name for r in rules.values()}
+    _check_tensors(reader, keys, flat, rules, cfg, origin)
+    loaded = {}
+    for path, leaf in flat.items():
+        rule = rules[path]
+        sources = [reader.get(name) for name in rule.hf_names]
+        target = _numpy_dtype(leaf.dtype)
+
+        def fetch(index, sources=sources, rule=rule, target=target):
+            return _read_leaf(sources, rule, index).astype(target)
+
+        loaded[path] = jax.make_array_from_callback(leaf.shape, flat_shardings[path], fetch)
+    return traverse_util.unflatten_dict(loaded)
+
+
+def _check_tensors(reader, keys: list[str], flat: dict, rules: dict, cfg: ModelConfig, origin: str) -> None:
+    """Raise one CheckpointError listing every missing, unexpected and mis-shaped tensor."""
+    wanted = {name for r in rules.values() for name in r.hf_names}
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = sorted(wanted - set(keys))
     unexpected = sorted(set(keys) - wanted - ignorable)
-    mismatched = [
-        f"{r.hf_name}: checkpoint {reader.shape(r.hf_name)} vs model {_hf_shape(flat[p].shape, r.layout, cfg)}"
-        for p, r in rules.items()
-        if r.hf_name in keys and reader.shape(r.hf_name) != _hf_shape(flat[p].shape, r.layout, cfg)
-    ]
+    mismatched = []
+    for p, r in rules.items():
+        expected = _hf_shape(flat[p].shape[len(r.stack):], r.layout, cfg)
+        mismatched += [f"{name}: checkpoint {reader.shape(name)} vs model {expected}"
+                       for name in r.hf_names if name in keys and reader.shape(name) != expected]
     problems = []
     if missing:
         problems.append(f"missing keys ({len(missing)}): {missing}")
@@ -168,18 +251,7 @@ def load_params(directory: str, module: Qwen2_5_VL, mesh=None) -> Any:
     if mismatched:
         problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
     if problems:
-        raise CheckpointError(f"checkpoint {directory} does not match the model config:\n  " + "\n  ".join(problems))
-    loaded = {}
-    for path, leaf in flat.items():
-        rule = rules[path]
-        src = reader.get(rule.hf_name)
-        target = _numpy_dtype(leaf.dtype)
-
-        def fetch(index, src=src, layout=rule.layout, target=target):
-            return _read_slice(src, layout, index).astype(target)
-
-        loaded[path] = jax.make_array_from_callback(leaf.shape, flat_shardings[path], fetch)
-    return traverse_util.unflatten_dict(loaded)
+        raise CheckpointError(f"{origin} does not match the model config:\n  " + "\n  ".join(problems))
 
 
 def _host_value(x: jax.Array) -> np.ndarray:
@@ -190,19 +262,40 @@ def _host_value(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+@jax.jit
+def _take_layer(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[index] for an int32 vector over x's leading stack axes (traced, so one program serves all layers)."""
+    k = index.shape[0]
+    start = tuple(index) + (0,) * (x.ndim - k)
+    return jax.lax.dynamic_slice(x, start, (1,) * k + x.shape[k:]).reshape(x.shape[k:])
+
+
+def _layer_values(value: jax.Array, rule: TensorRule) -> list[Callable[[], np.ndarray]]:
+    """Host reads of each checkpoint tensor of a leaf: the whole leaf, or one layer of a stacked one at a
+    time (a stacked 7B MLP kernel is 7.6 GB in float32; one layer is what the writer holds)."""
+    if not rule.stack:
+        return [lambda: _host_value(value)]
+    return [lambda i=i: _host_value(_take_layer(value, np.asarray(np.unravel_index(i, rule.stack), np.int32)))
+            for i in range(len(rule.hf_names))]
+
+
 def save_params(directory: str, params: Any, cfg: ModelConfig, dtype: Any | None = None) -> list[str]:
-    """Write parameters as Hugging Face safetensors in the released checkpoints' layout, one tensor at a
-    time. In multi-host runs every process must call this (it gathers); only process 0 writes."""
+    """Write parameters as Hugging Face safetensors in the released checkpoints' layout (scanned layers
+    unstacked into per-layer tensors), one tensor at a time. In multi-host runs every process must call this
+    (it gathers); only process 0 writes."""
     flat = traverse_util.flatten_dict(nn.unbox(params))
     entries: list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]] = []
-    for path, value in sorted(flat.items(), key=lambda kv: flax_to_hf(kv[0], cfg).hf_name):
+    for path, value in flat.items():
         rule = flax_to_hf(path, cfg)
         out_dtype = _numpy_dtype(dtype if dtype is not None else value.dtype)
+        shape = _hf_shape(value.shape[len(rule.stack):], rule.layout, cfg)
+        for name, read in zip(rule.hf_names, _layer_values(value, rule)):
 
-        def fetch(value=value, layout=rule.layout, out_dtype=out_dtype):
-            return _to_checkpoint_layout(_host_value(value), layout, cfg).astype(out_dtype)
+            def fetch(read=read, layout=rule.layout, out_dtype=out_dtype):
+                return _to_checkpoint_layout(read(), layout, cfg).astype(out_dtype)
 
-        entries.append((rule.hf_name, _hf_shape(value.shape, rule.layout, cfg), out_dtype, fetch))
+            entries.append((name, shape, out_dtype, fetch))
+    entries.sort(key=lambda entry: entry[0])
     if jax.process_index() != 0:
         for *_, fetch in entries:  # participate in the gathers, write nothing
             fetch()

@@ -123,8 +123,8 @@ def test_sharded_forward_equals_single_device(hf_checkpoint):
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=4, tensor=2))
     sharded = policy_lib.from_pretrained(path, mesh=mesh)
     single = policy_lib.from_pretrained(path)
-    q = sharded.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
-    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    q = sharded.params["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     assert len({str(s.index) for s in q.addressable_shards}) == 8  # really split, not replicated
     inputs = _batch(CFG, GRIDS)
     assert _max_diff(sharded.logits(**inputs), single.logits(**inputs), inputs["attention_mask"]) <= 1e-5

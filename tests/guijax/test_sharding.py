@@ -154,8 +154,8 @@ def test_compiled_step_splits_batch_rows_over_data_and_fsdp(tiny):
     assert all(s.is_fully_replicated for s in jax.tree.leaves(vision_in))
     want = train_step.state_shardings(module, tx, mesh)
     out_state, metrics = compiled.output_shardings
-    for got, expect in zip(jax.tree.leaves(out_state), jax.tree.leaves(want)):
-        assert got.is_equivalent_to(expect, 2)
+    for got, expect, leaf in zip(jax.tree.leaves(out_state), jax.tree.leaves(want), jax.tree.leaves(state)):
+        assert got.is_equivalent_to(expect, np.ndim(leaf))
     assert all(s.is_fully_replicated for s in jax.tree.leaves(metrics))
 
 
@@ -208,8 +208,9 @@ def test_logical_constraints_reach_the_program(tiny):
     plain = jax.jit(lambda p, b: train_step.batch_logprobs(module, p, b)).lower(params, batch).as_text()
     constraints = lambda text: text.count("sharding_constraint") + text.count("@Sharding")  # noqa: E731
     assert constraints(plain) == 0
-    # the embedding and every decoder layer's output are constrained to rows over (data, fsdp)
-    assert constraints(sharded) >= 1 + TINY.num_hidden_layers
+    # the embedding and the decoder layer's output (one scan body serves every layer) are constrained to rows
+    # over (data, fsdp)
+    assert constraints(sharded) >= 2
 
 
 @pytest.mark.parametrize("batch_fn", [_text_batch, _vision_batch], ids=["text", "vision"])

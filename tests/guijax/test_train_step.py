@@ -107,11 +107,11 @@ def test_sharded_step_equals_single_device(module_params):
     sharded_params = jax.device_put(jax.tree.map(jnp.copy, params), shardings)  # the step donates its state
     sharded, m2 = step(train_step.TrainState(sharded_params, tx.init(sharded_params), jnp.int32(0)), batch)
     assert float(m1["loss"]) == pytest.approx(float(m2["loss"]), rel=1e-5)
-    np.testing.assert_allclose(sharded.params["layers_0"]["mlp"]["up_proj"]["kernel"],
-                               single.params["layers_0"]["mlp"]["up_proj"]["kernel"], atol=1e-5)
+    np.testing.assert_allclose(sharded.params["layers"]["mlp"]["up_proj"]["kernel"],
+                               single.params["layers"]["mlp"]["up_proj"]["kernel"], atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+@pytest.mark.parametrize("policy", ["full", "dots_saveable", "attention_saveable"])
 def test_remat_policies_give_the_same_loss_and_gradients(module_params, policy):
     module, params = module_params
     remat = weights.build_module(CFG, remat_policy=policy)
