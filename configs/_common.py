@@ -54,6 +54,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
     c.rollout.max_new_tokens = 256
+    c.rollout.max_sampler_rows = 0  # rows per sampler program (0: all live episodes at once); see --dry_run
     c.rollout.format_reward = -1.0
     c.rollout.format_weight = 0.5
     c.rollout.prompt = "uitars"  # uitars | compact

@@ -12,4 +12,7 @@ def get_config():
     c.stages = ("base_model", "tasks", "eval_base", "grpo", "eval_final", "report")
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1  # every local GPU in one FSDP axis
     c.mesh.num_devices = 1  # the dry run's mesh: one H100
+    # One 16k-token row (five full-HD screenshots) per optimizer step: bf16 weights, gradients and AdamW
+    # moments of the 8.3B model take 62 GB of the 80; `--dry_run` compiles this step and checks it fits.
+    c.train.minibatch_size = 1
     return c

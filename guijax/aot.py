@@ -208,3 +208,99 @@ def _compiler_oom_figures(message: str) -> dict[str, int]:
     scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
     return {"temp_bytes_per_device": int(float(found.group(1)) * scale[found.group(2)]),
             "compiler_available_bytes": int(float(found.group(3)) * scale[found.group(4)])}
+
+
+def _target_mesh(config: ml_collections.ConfigDict) -> tuple[Target, Mesh, int]:
+    mesh_cfg = sharding.MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    num_devices = config.mesh.num_devices or jax.device_count()
+    target = compile_target(config, num_devices)
+    return target, Mesh(np.asarray(target.devices).reshape(mesh_cfg.shape(num_devices)), sharding.MESH_AXES), num_devices
+
+
+def prompt_tokens(config: ml_collections.ConfigDict, model_cfg: Any) -> int:
+    """The prompt bucket of a rollout step: `rollout.max_images` screenshots and their text, no response."""
+    from guijax.sampling import bucket_for
+
+    shape = batch_shape(config, model_cfg)
+    image_tokens = shape.patch_grid[0] * shape.patch_grid[1] // model_cfg.vision.spatial_merge_size ** 2
+    used = shape.screenshots_per_row * (image_tokens + TEXT_TOKENS_PER_SCREENSHOT)
+    return bucket_for(used, tuple(config.pipeline.length_buckets))
+
+
+def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int,
+                    target_mesh: tuple[Target, Mesh, int] | None = None) -> dict[str, Any]:
+    """Compile the sampler's generation program (prefill with every screenshot, then the decode loop) for
+    `rows` prompts at the recipe's shapes; its peak bytes per device, or the compiler's refusal."""
+    import flax.linen as nn
+
+    from guijax.models import weights
+    from guijax.models.policy import resolve_dtype
+    from guijax.sampling import Sampler, SamplingConfig
+
+    target, mesh, _ = target_mesh or _target_mesh(config)
+    param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
+    module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
+                                  attention_impl=config.model.attention)
+    sampler = Sampler(module, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens,
+                                             prompt_buckets=tuple(config.pipeline.length_buckets),
+                                             patch_bucket=config.pipeline.patch_bucket), mesh=mesh)
+    boxed = weights.abstract_params(module)
+    params = _abstract(nn.unbox(boxed), sharding.param_shardings(boxed, mesh))
+    shape = batch_shape(config, model_cfg)
+    length = prompt_tokens(config, model_cfg)
+    grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (rows * shape.screenshots_per_row, 1))
+    from guijax.models.positions import vision_layout
+
+    layout = vision_layout(grids, model_cfg.vision)
+    vision = layout.inputs(jax.ShapeDtypeStruct((layout.num_patches, model_cfg.vision.patch_dim), jnp.float32))
+    i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
+    split = rows % sharding.data_parallel_size(mesh) == 0
+    args = (params, i32(rows, length), i32(rows, length), i32(3, rows, length), i32(rows), vision,
+            jax.eval_shape(lambda: jax.random.PRNGKey(0)))
+    program = sampler._programs[split]
+    in_shardings, _ = program.shardings(*args)
+    args = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), args, in_shardings,
+                        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    start = time.perf_counter()
+    out = {"rows": rows, "prompt_tokens": length, "new_tokens": config.rollout.max_new_tokens,
+           "kv_cache_bytes_per_row": 2 * model_cfg.num_hidden_layers * (length + config.rollout.max_new_tokens)
+           * model_cfg.num_key_value_heads * model_cfg.head_dim * jnp.dtype(sampler.cache_dtype).itemsize}
+    try:
+        compiled = program.lower(*args).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return {**out, "compiled": False, "fits": False, "compile_s": time.perf_counter() - start,
+                "error": str(err).splitlines()[0], **_compiler_oom_figures(str(err))}
+    mem = compiled.memory_analysis()
+    peak = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    return {**out, "compiled": True, "compile_s": time.perf_counter() - start, "peak_bytes_per_device": int(peak),
+            "temp_bytes_per_device": int(mem.temp_size_in_bytes),
+            "fits": None if target.capacity_bytes is None else bool(peak <= target.capacity_bytes)}
+
+
+def plan_sampler_rows(config: ml_collections.ConfigDict, model_cfg: Any) -> dict[str, Any]:
+    """The most prompts one sampler program holds beside the parameters on the target: compiled at one and
+    two rows per data-parallel device, the difference is what a row costs (KV cache and activations); the
+    estimate, rounded down to a power of two (the sampler pads batches to one), is compiled to confirm."""
+    target_mesh = _target_mesh(config)
+    target, mesh, _ = target_mesh
+    ways = sharding.data_parallel_size(mesh)
+    one = compile_sampler(config, model_cfg, ways, target_mesh)
+    plan = {"at_one_row_per_device": one}
+    if not one["compiled"] or target.capacity_bytes is None:
+        return {**plan, "rows": 0 if not one["compiled"] else None}
+    two = compile_sampler(config, model_cfg, 2 * ways, target_mesh)
+    plan["at_two_rows_per_device"] = two
+    if not two["compiled"]:
+        return {**plan, "rows": ways}
+    per_row = max(two["peak_bytes_per_device"] - one["peak_bytes_per_device"], 1)
+    rows_per_device = 1 + (target.capacity_bytes - one["peak_bytes_per_device"]) // per_row
+    rows = ways * (1 << (int(rows_per_device).bit_length() - 1))
+    plan["bytes_per_row_per_device"] = int(per_row)
+    checked = compile_sampler(config, model_cfg, rows, target_mesh) if rows > 2 * ways else two
+    while rows > ways and (not checked["compiled"] or not checked["fits"]):
+        rows //= 2
+        checked = compile_sampler(config, model_cfg, rows, target_mesh)
+    plan["checked"] = checked
+    return {**plan, "rows": rows}

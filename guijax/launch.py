@@ -27,6 +27,8 @@ flags.DEFINE_bool("dry_run", False, "build mesh and model abstractly, print size
                   "train step at its real shapes for its target (see guijax/aot.py); allocate nothing")
 flags.DEFINE_bool("dry_run_compile", True, "with --dry_run: also compile the train step (--nodry_run_compile: sizes only)")
 flags.DEFINE_string("dry_run_json", None, "with --dry_run: write the report as JSON to this path")
+flags.DEFINE_bool("dry_run_sampler", True, "with --dry_run: also compile the sampler and plan how many prompts one "
+                  "sampler program holds (rollout.max_sampler_rows)")
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -124,6 +126,20 @@ def print_compiled(r: dict[str, Any]) -> None:
         print(f"  compiled FLOPs per device per step: {r['flops_per_device']:.3g}")
 
 
+def print_rollout_plan(plan: dict[str, Any], config: ml_collections.ConfigDict) -> None:
+    one = plan["at_one_row_per_device"]
+    where = f"{one['prompt_tokens']}-token prompts + {one['new_tokens']} new tokens"
+    if not one["compiled"]:
+        print(f"  sampler: one prompt per device ({where}) does NOT fit: {one['error']}")
+        return
+    print(f"  sampler: one prompt per device ({where}): peak {format_bytes(one['peak_bytes_per_device'])}; "
+          f"KV cache {format_bytes(one['kv_cache_bytes_per_row'])} per prompt")
+    if plan["rows"]:
+        now = config.rollout.max_sampler_rows or "all live episodes"
+        print(f"  sampler: {plan['rows']} prompts per program fit (checked: peak "
+              f"{format_bytes(plan['checked']['peak_bytes_per_device'])}); rollout.max_sampler_rows is {now}")
+
+
 def format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -153,6 +169,9 @@ def main(argv: list[str]) -> None:
             compiled = aot.compile_train_step(config, model_config_for(config))
             print_compiled(compiled)
             report = {**report, **compiled}
+            if FLAGS.dry_run_sampler:
+                report["rollout"] = aot.plan_sampler_rows(config, model_config_for(config))
+                print_rollout_plan(report["rollout"], config)
         if FLAGS.dry_run_json:
             import json
 

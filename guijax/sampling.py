@@ -42,6 +42,10 @@ class SamplingConfig:
     # Rows are padded up to the next power of two (text-only dummy rows, dropped from the output), so a
     # shrinking set of live episodes reuses a few compiled programs instead of compiling one per batch size.
     pad_batch_to_power_of_two: bool = True
+    # Rows per device program (0: all in one). The KV cache grows with rows x (prompt + new tokens): a 7B
+    # prompt with five full-HD screenshots is ~16k tokens, so the rows that fit beside the parameters are
+    # planned by `python -m guijax.launch --dry_run` and a larger batch is generated in chunks of this size.
+    max_rows: int = 0
 
 
 @dataclasses.dataclass
@@ -51,6 +55,23 @@ class SampleOutput:
     lengths: np.ndarray  # [b] tokens kept (stop token included when stopped by id)
     stopped: np.ndarray  # [b] True when a stop token or stop string ended the row
     texts: list[str] | None = None
+
+
+def _images_per_row(input_ids: np.ndarray, attention_mask: np.ndarray, image_grid_thw: Any,
+                    cfg: ModelConfig) -> np.ndarray:
+    """Cumulative image counts by row ([rows + 1]): the grids of row r are image_grid_thw[out[r]:out[r+1]],
+    matched by the image-pad tokens each row holds (each grid fills t*h*w / merge^2 of them)."""
+    tokens = ((np.asarray(input_ids) == cfg.image_token_id) & (np.asarray(attention_mask) > 0)).sum(1)
+    per_image = np.prod(np.asarray(image_grid_thw), axis=1) // cfg.vision.spatial_merge_size ** 2
+    bounds, image = [0], 0
+    for need in tokens:
+        while need > 0:
+            need -= int(per_image[image])
+            image += 1
+        if need:
+            raise ValueError("image_grid_thw does not match the image-pad tokens of the rows")
+        bounds.append(image)
+    return np.asarray(bounds)
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
@@ -232,6 +253,9 @@ class Sampler:
         input_ids = np.asarray(input_ids)
         attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
         rows = input_ids.shape[0]
+        limit = self.config.max_rows
+        if limit and rows > limit:
+            return self._generate_in_chunks(params, rng, input_ids, attention_mask, pixel_values, image_grid_thw)
         if self.config.pad_batch_to_power_of_two and rows & (rows - 1):
             extra = (1 << rows.bit_length()) - rows  # dummy rows: one valid text token each, no image
             input_ids = np.concatenate([input_ids, np.zeros((extra, input_ids.shape[1]), input_ids.dtype)])
@@ -249,6 +273,30 @@ class Sampler:
                            np.asarray(done)[:rows])
         if self.tokenizer is not None:
             self._apply_stop_strings(out)
+        return out
+
+    def _generate_in_chunks(self, params, rng, input_ids, attention_mask, pixel_values, image_grid_thw
+                            ) -> SampleOutput:
+        """`max_rows` rows at a time, each chunk with its own images and a key folded from `rng`."""
+        limit = self.config.max_rows
+        images = _images_per_row(input_ids, attention_mask, image_grid_thw, self.cfg) if pixel_values is not None else None
+        parts = []
+        for i, start in enumerate(range(0, input_ids.shape[0], limit)):
+            stop = min(start + limit, input_ids.shape[0])
+            pix = grid = None
+            if images is not None:
+                first, last = images[start], images[stop]
+                grid = np.asarray(image_grid_thw)[first:last]
+                patch_start = int(np.prod(np.asarray(image_grid_thw)[:first], axis=1).sum())
+                pix = np.asarray(pixel_values)[patch_start:patch_start + int(np.prod(grid, axis=1).sum())]
+                if not len(grid):
+                    pix = grid = None
+            parts.append(self.generate(params, jax.random.fold_in(rng, i), input_ids[start:stop],
+                                       attention_mask[start:stop], pix, grid))
+        out = SampleOutput(*(np.concatenate([getattr(o, f) for o in parts]) for f in
+                             ("tokens", "logprobs", "lengths", "stopped")))
+        if self.tokenizer is not None:
+            out.texts = [t for o in parts for t in (o.texts or [])]
         return out
 
     def _place(self, arrays):

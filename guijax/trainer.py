@@ -57,7 +57,7 @@ def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperatu
     return SamplingConfig(temperature=temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
                           max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stops,
                           prompt_buckets=tuple(config.pipeline.length_buckets),
-                          patch_bucket=config.pipeline.patch_bucket)
+                          patch_bucket=config.pipeline.patch_bucket, max_rows=config.rollout.max_sampler_rows)
 
 
 def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str | None) -> PipelineConfig:

@@ -179,3 +179,24 @@ def test_odd_batches_pad_to_a_power_of_two_and_keep_their_rows(checkpoint):
         alone = sampler.generate(policy.params, jax.random.PRNGKey(0), input_ids=ids[row:row + 1])
         np.testing.assert_array_equal(alone.tokens[0], out.tokens[row])
         np.testing.assert_allclose(alone.logprobs[0], out.logprobs[row], atol=1e-5)
+
+
+def test_max_rows_generates_in_chunks_with_each_rows_own_images(checkpoint):
+    """4 image rows (two prompts twice) with max_rows=1 and 3: the same greedy tokens as one call."""
+    path, _ = checkpoint
+    policy = policy_lib.from_pretrained(path)
+    inputs = _prompts()
+    inputs = {k: (np.concatenate([v, v]) if k in ("input_ids", "attention_mask") else v) for k, v in inputs.items()}
+    inputs["pixel_values"] = np.concatenate([inputs["pixel_values"]] * 2)
+    inputs["image_grid_thw"] = np.concatenate([GRIDS, GRIDS])
+    sc = sampling.SamplingConfig(temperature=0.0, max_new_tokens=5, stop_token_ids=(-5,), patch_bucket=64)
+    whole = sampling.Sampler(policy.module, sc).generate(policy.params, jax.random.PRNGKey(0), **inputs)
+    for limit in (1, 3):
+        chunked = sampling.Sampler(policy.module, dataclasses.replace(sc, max_rows=limit)).generate(
+            policy.params, jax.random.PRNGKey(0), **inputs)
+        np.testing.assert_array_equal(chunked.tokens, whole.tokens)
+        np.testing.assert_allclose(chunked.logprobs, whole.logprobs, atol=1e-5)
+    bounds = sampling._images_per_row(inputs["input_ids"], inputs["attention_mask"], inputs["image_grid_thw"], CFG)
+    assert bounds.tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="does not match"):
+        sampling._images_per_row(inputs["input_ids"], inputs["attention_mask"], GRIDS[::-1], CFG)
