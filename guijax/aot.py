@@ -153,7 +153,8 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     mesh = Mesh(np.asarray(target.devices).reshape(mesh_cfg.shape(num_devices)), sharding.MESH_AXES)
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
     module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
-                                  remat_policy=config.model.remat, attention_impl=config.model.attention)
+                                  remat_policy=config.model.remat, attention_impl=config.model.attention,
+                                  scan_layers=config.model.scan_layers)
     tx, _ = optim.make_optimizer(config.optim)
     shards = train_step.state_shardings(module, tx, mesh)
     params = nn.unbox(weights.abstract_params(module))
@@ -240,7 +241,7 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     target, mesh, _ = target_mesh or _target_mesh(config)
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
     module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
-                                  attention_impl=config.model.attention)
+                                  attention_impl=config.model.attention, scan_layers=config.model.scan_layers)
     sampler = Sampler(module, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens,
                                              prompt_buckets=tuple(config.pipeline.length_buckets),
                                              patch_bucket=config.pipeline.patch_bucket), mesh=mesh)

@@ -85,7 +85,8 @@ class Run:
         policy = from_pretrained(path, dtype=self.config.model.dtype,
                                  param_dtype=self.config.model.param_dtype or None, mesh=self.mesh(),
                                  remat_policy=self.config.model.remat,
-                                 attention_impl=self.config.model.get("attention", "auto"))
+                                 attention_impl=self.config.model.get("attention", "auto"),
+                                 scan_layers=self.config.model.scan_layers)
         processor = policy.processor
         if self.config.model.image_max_pixels:
             processor.image_processor = dataclasses.replace(processor.image_processor,

@@ -132,7 +132,7 @@ class Policy:
 
 def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_dtype: Any = None,
                     mesh: jax.sharding.Mesh | None = None, remat_policy: str = "none",
-                    attention_impl: str = "auto") -> Policy:
+                    attention_impl: str = "auto", scan_layers: bool = True) -> Policy:
     """Load a Hugging Face Qwen2.5-VL directory (config.json, safetensors with optional index, tokenizer).
 
     dtype is the compute dtype; param_dtype defaults to it. With a mesh, every device reads only its shard.
@@ -144,7 +144,7 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_d
     cfg = ModelConfig.from_json_file(path / "config.json")
     dtype = resolve_dtype(dtype)
     module = weights.build_module(cfg, dtype=dtype, param_dtype=resolve_dtype(param_dtype or dtype),
-                                  remat_policy=remat_policy, attention_impl=attention_impl)
+                                  remat_policy=remat_policy, attention_impl=attention_impl, scan_layers=scan_layers)
     params = weights.load_params(str(path), module, mesh)
     return Policy(cfg, module, params, mesh, path)
 

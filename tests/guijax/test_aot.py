@@ -21,11 +21,11 @@ def test_gpu_recipe_shape_is_five_full_hd_screenshots_per_row():
     config = launch.resolve("grpo_gpu", [])
     shape = aot.batch_shape(config, get_preset("qwen2_5_vl_7b"))
     assert shape.patch_grid == (78, 138)  # 1920x1080 kept at 1932x1092 by UI-TARS's preprocessor
-    assert shape.as_dict() == {"rows": 8, "tokens_per_row": 16384, "screenshots_per_row": 5,
+    assert shape.as_dict() == {"rows": 1, "tokens_per_row": 16384, "screenshots_per_row": 5,
                                "screenshot_hw": [1080, 1920], "patches_per_screenshot": 10764}
     batch = aot.host_batch(shape, get_preset("qwen2_5_vl_7b"))
-    assert batch["vision"]["pixel_values"].shape == (8 * 5 * 10764, 1176)
-    assert batch["input_ids"].shape == (8, 16384) and batch["positions"].shape == (3, 8, 16384)
+    assert batch["vision"]["pixel_values"].shape == (5 * 10764, 1176)
+    assert batch["input_ids"].shape == (1, 16384) and batch["positions"].shape == (3, 1, 16384)
 
 
 def test_cli_compiles_the_cpu_recipe_and_writes_the_report(tmp_path):
