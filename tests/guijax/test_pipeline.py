@@ -14,27 +14,12 @@ from guijax.data.pipeline import (Collate, EncodeStep, PipelineConfig, ResponseB
                                   make_dataset, response_positions, step_refs)
 from guijax.data.store import TrajectoryStore
 from guijax.models import policy as policy_lib
-from guijax.models.config import PRESETS
-from guijax.models.processor import Processor
-from guijax.models.tokenizer import agent_corpus, build_tokenizer, special_token_ids
 from guijax.rollout.prompt import Turn, build_messages
 from guijax.rollout.trajectory import Source, Step, Trajectory
 
 SYSTEM = "Task: {instruction}\n"
 CONFIG = PipelineConfig(batch_size=4, max_images=2, length_buckets=(64, 128, 256, 512), patch_bucket=64,
                         system_prompt=SYSTEM, seed=3)
-
-
-@pytest.fixture(scope="module")
-def proc(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path, vocab_size=512, corpus=agent_corpus(300))
-    return Processor.from_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def cfg(proc):
-    return PRESETS["tiny"].replace(**special_token_ids(proc.tokenizer))
 
 
 def make_trajectories(proc, n: int = 4) -> list[Trajectory]:

@@ -15,25 +15,10 @@ import pytest
 from guijax import sharding, train_step
 from guijax.data.pipeline import Collate, EncodeStep, PipelineConfig, make_dataset, step_refs
 from guijax.models import weights
-from guijax.models.config import PRESETS
-from guijax.models.processor import Processor
-from guijax.models.tokenizer import agent_corpus, build_tokenizer, special_token_ids
 from guijax.rollout.trajectory import Source, Step, Trajectory
 
 CONFIG = PipelineConfig(batch_size=8, max_images=3, length_buckets=(128, 256, 512), patch_bucket=64,
                         system_prompt="Task: {instruction}\n", shuffle=False, response_bucket=16)
-
-
-@pytest.fixture(scope="module")
-def proc(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path, vocab_size=512, corpus=agent_corpus(300))
-    return Processor.from_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def cfg(proc):
-    return PRESETS["tiny"].replace(**special_token_ids(proc.tokenizer))
 
 
 @pytest.fixture(scope="module")
