@@ -279,18 +279,18 @@ class Sampler:
                             ) -> SampleOutput:
         """`max_rows` rows at a time, each chunk with its own images and a key folded from `rng`."""
         limit = self.config.max_rows
-        images = _images_per_row(input_ids, attention_mask, image_grid_thw, self.cfg) if pixel_values is not None else None
+        if pixel_values is not None:
+            grids = np.asarray(image_grid_thw)
+            images = _images_per_row(input_ids, attention_mask, grids, self.cfg)
+            patch_starts = np.concatenate([[0], np.cumsum(np.prod(grids, axis=1))])
         parts = []
         for i, start in enumerate(range(0, input_ids.shape[0], limit)):
             stop = min(start + limit, input_ids.shape[0])
             pix = grid = None
-            if images is not None:
+            if pixel_values is not None and images[stop] > images[start]:
                 first, last = images[start], images[stop]
-                grid = np.asarray(image_grid_thw)[first:last]
-                patch_start = int(np.prod(np.asarray(image_grid_thw)[:first], axis=1).sum())
-                pix = np.asarray(pixel_values)[patch_start:patch_start + int(np.prod(grid, axis=1).sum())]
-                if not len(grid):
-                    pix = grid = None
+                grid = grids[first:last]
+                pix = np.asarray(pixel_values)[patch_starts[first]:patch_starts[last]]
             parts.append(self.generate(params, jax.random.fold_in(rng, i), input_ids[start:stop],
                                        attention_mask[start:stop], pix, grid))
         out = SampleOutput(*(np.concatenate([getattr(o, f) for o in parts]) for f in

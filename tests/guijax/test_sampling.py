@@ -51,6 +51,15 @@ def _prompts(seed=0):
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": pix, "image_grid_thw": GRIDS}
 
 
+def _prompts_twice():
+    """The two prompts of `_prompts` repeated: 4 rows, each with its own image."""
+    inputs = _prompts()
+    inputs = {k: (np.concatenate([v, v]) if k in ("input_ids", "attention_mask") else v) for k, v in inputs.items()}
+    inputs["pixel_values"] = np.concatenate([inputs["pixel_values"]] * 2)
+    inputs["image_grid_thw"] = np.concatenate([GRIDS, GRIDS])
+    return inputs
+
+
 def test_greedy_equals_transformers_generate(checkpoint):
     path, model = checkpoint
     inputs = _prompts()
@@ -154,10 +163,7 @@ def test_sharded_sampling_matches_single_device(checkpoint):
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
     single = policy_lib.from_pretrained(path)
     sharded = policy_lib.from_pretrained(path, mesh=mesh)
-    inputs = _prompts()
-    inputs = {k: (np.concatenate([v, v]) if k in ("input_ids", "attention_mask") else v) for k, v in inputs.items()}
-    inputs["pixel_values"] = np.concatenate([inputs["pixel_values"]] * 2)
-    inputs["image_grid_thw"] = np.concatenate([GRIDS, GRIDS])
+    inputs = _prompts_twice()
     cfg = sampling.SamplingConfig(temperature=0.0, max_new_tokens=5, stop_token_ids=(-5,), patch_bucket=64)
     a = sampling.Sampler(single.module, cfg).generate(single.params, jax.random.PRNGKey(0), **inputs)
     b = sampling.Sampler(sharded.module, cfg, mesh=mesh).generate(sharded.params, jax.random.PRNGKey(0), **inputs)
@@ -185,10 +191,7 @@ def test_max_rows_generates_in_chunks_with_each_rows_own_images(checkpoint):
     """4 image rows (two prompts twice) with max_rows=1 and 3: the same greedy tokens as one call."""
     path, _ = checkpoint
     policy = policy_lib.from_pretrained(path)
-    inputs = _prompts()
-    inputs = {k: (np.concatenate([v, v]) if k in ("input_ids", "attention_mask") else v) for k, v in inputs.items()}
-    inputs["pixel_values"] = np.concatenate([inputs["pixel_values"]] * 2)
-    inputs["image_grid_thw"] = np.concatenate([GRIDS, GRIDS])
+    inputs = _prompts_twice()
     sc = sampling.SamplingConfig(temperature=0.0, max_new_tokens=5, stop_token_ids=(-5,), patch_bucket=64)
     whole = sampling.Sampler(policy.module, sc).generate(policy.params, jax.random.PRNGKey(0), **inputs)
     for limit in (1, 3):
