@@ -12,7 +12,7 @@ an hour a trainer turns over and how much of that time it sits waiting on enviro
     second sampler with max_new_tokens=1 times the prefill, so decode tokens/s = batch * (new - 1) /
     (t_generate - t_prefill). One untimed call compiles; median of --repeats.
 (c) e2e: a fresh tiny checkpoint, desk tasks and (optionally, --sft-steps) a scripted-expert SFT warm start
-    via guijax.stages, then guijax.trainer.Trainer.iterate() --warmup-iterations times untimed and once
+    via guijax.pipeline, then guijax.trainer.Trainer.iterate() --warmup-iterations times untimed and once
     timed. Figures come from the metrics the trainer already logs: episodes/hour = episodes * 3600 /
     time_iteration_s; the rollout engine is synchronous (the trainer thread blocks inside every EnvPool
     reset / step / evaluate call while the worker processes run), so its `time_env_s` IS the time the
@@ -144,23 +144,26 @@ def e2e_config(a: argparse.Namespace):
 
 
 def bench_e2e(a: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
-    from guijax import stages
-    from guijax.algorithms import make_algorithm
+    from guijax.methods import get_method
+    from guijax.pipeline import base_stages as stages
+    from guijax.pipeline.run import Run
     from guijax.trainer import Components, Trainer
 
     config = e2e_config(a)
-    run = stages.Run(config, workdir)
+    run = Run(config, workdir)
     trainer = None
     try:
         t0 = time.perf_counter()
-        stages.base_model(run)
-        stages.tasks(run)
+        stages.base_model.fn(run)
+        stages.tasks.fn(run)
         if a.sft_steps:
-            stages.sft(run)
+            stages.sft.fn(run)
         setup_s = time.perf_counter() - t0
         policy = run.load_policy(stages.policy_dir(run))
-        parts = Components(policy, run.pool(), policy.processor, run.tasks()["train"],
-                           make_algorithm(config.algorithm.name), run.system_prompt, run.mesh())
+        method = get_method(config.method, config)
+        parts = Components(policy, run.pool(), policy.processor, run.tasks()["train"], lambda score: method.hook(
+            stages.method_context(run, config, workdir, method.name)), method.objective(), run.system_prompt,
+            run.mesh(), streams=run.streams)
         trainer = Trainer(config, workdir, parts)
         trainer.engine.config = dataclasses.replace(trainer.engine.config, show_progress=False)
         engine_runs: list[tuple[list, dict]] = []

@@ -9,6 +9,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.name = name
     c.seed = 0
     c.stages = ()
+    c.method = "grpo"  # what the `rl` stage trains: a name of guijax.methods.REGISTRY
     c.distributed = "auto"  # auto | on | off: jax.distributed.initialize() on TPU pods / SLURM
     c.accelerator = ""  # "" (whatever jax finds) | cpu | gpu | tpu: checked before any stage runs
     c.compilation_cache_dir = "~/.cache/guijax/xla"  # XLA's persistent compilation cache; "" turns it off
@@ -72,19 +73,16 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.train.iterations = 100
     c.train.ppo_epochs = 1
     c.train.minibatch_size = 8
-    c.train.loss = "grpo"  # grpo | luffy | sft
+    c.train.loss = ""  # "": the method's own loss; else grpo | luffy | sft, if the method can use it
     c.train.eps_low = 0.2
     c.train.eps_high = 0.3
     c.train.dual_clip = 0.0
     c.train.kl_coef = 0.0
     c.train.normalization = "token"
-    c.train.luffy_gamma = 0.1
-    c.train.sft_coef = 0.0
     c.train.logprob_impl = "auto"
     c.train.checkpoint_every = 5
     c.train.keep_checkpoints = 3
     c.train.max_nonfinite_in_row = 3
-    c.train.task_filter = ""  # "valuable": train only on the tasks the select stage kept (ARPO)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 1e-6
@@ -110,10 +108,6 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.sft.plan_fraction = 0.0  # share of SFT traces repeated with the plan appended (BEPA LEVEL-1 prompts)
     c.sft.checkpoint_every = 50  # steps between SFT checkpoints (params, optimiser, grain iterator position)
 
-    c.algorithm = ml_collections.ConfigDict()
-    c.algorithm.name = "grpo"  # grpo | arpo | bepa | trace_replacement | luffy | rl_sft
-    c.algorithm.seed_cache = ""  # bepa: "level1" (D_self from the level1 stage) | "conv" (D_conv) | "" (empty)
-
     c.bepa = ml_collections.ConfigDict()
     c.bepa.update_rule = "random"  # U: random | logprob | shortest
     c.bepa.plan_extractor = "rule"  # rule | chat (OpenAI-compatible; never used in tests)
@@ -130,19 +124,29 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.bepa.train_fraction = 0.8  # bepa_splits: share of the solvable pool that trains
     c.bepa.extra_train_tasks = 8  # bepa_splits: unsolvable tasks added to the training split
 
-    c.arpo = ml_collections.ConfigDict()
-    c.arpo.buffer_size = 8
-    c.arpo.selection_rollouts = 16  # select stage: base-policy rollouts per task
-    c.arpo.offline_methods = ()  # offline stage: any of rft, dpo, kto (on the select stage's rollouts)
-    c.arpo.offline_steps = 20
-    c.arpo.offline_batch_trajectories = 8
-    c.arpo.offline_learning_rate = 1e-5
-    c.arpo.offline_beta = 0.1
+    c.arpo = ml_collections.ConfigDict()  # the arpo method
+    c.arpo.buffer_size = 8  # successes kept per task (FIFO)
+    c.arpo.selection_rollouts = 16  # select stage: base-policy rollouts per task (ARPO §3.4: 16)
+    c.arpo.task_selection = True  # train on the valuable tasks only (False: the selection ablation)
+
+    c.offline = ml_collections.ConfigDict()  # the rft, dpo and kto methods (on the select stage's rollouts)
+    c.offline.steps = 20
+    c.offline.batch_trajectories = 8
+    c.offline.learning_rate = 1e-5
+    c.offline.beta = 0.1
+
+    c.luffy = ml_collections.ConfigDict()  # the luffy method
+    c.luffy.gamma = 0.1  # policy shaping f(w) = w / (w + γ) (BEPA App. E.3)
+
+    c.rl_sft = ml_collections.ConfigDict()  # the rl_sft method
+    c.rl_sft.coef = 1.0  # λ of the cross-entropy term on the D_conv rows
+
+    c.expert_sft = ml_collections.ConfigDict()  # the sft and sft_rl baselines
+    c.expert_sft.epochs = 3  # epochs over D_conv (BEPA App. E.1: 3)
+    c.expert_sft.learning_rate = 1e-6  # fine-tuning at the RL rate (BEPA App. E: both 1e-6)
 
     c.compare = ml_collections.ConfigDict()
     c.compare.methods = ("grpo", "bepa")  # the methods stage trains each from the same base policy
-    c.compare.sft_epochs = 3  # SFT / SFT+RL baselines: epochs over D_conv
-    c.compare.sft_learning_rate = 1e-6  # SFT / SFT+RL baselines fine-tune at the RL rate (BEPA App. E: both 1e-6)
 
     c.dry_run = ml_collections.ConfigDict()  # --dry_run compiles the real train step at these shapes
     c.dry_run.topology = ""  # a TPU topology such as "v5p:4x4x4"; GPU recipes are compiled for one v5p chip
@@ -215,7 +219,7 @@ def small_desk(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.optim.learning_rate = 1e-4
     c.sft.batch_size = 8
     c.sft.learning_rate = 1e-3  # the warm start of a fresh model
-    c.compare.sft_learning_rate = 1e-4  # fine-tuning baselines: the RL rate, as in the paper
+    c.expert_sft.learning_rate = 1e-4  # fine-tuning baselines: the RL rate, as in the paper
     c.sft.traces_per_task = 2
     return c
 
@@ -224,10 +228,9 @@ def bepa_on_osworld(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """BEPA's accelerator settings: Agent-S2 traces from a directory (one folder per task with trace.json +
     step PNGs, the layout envs.desk.expert.ExpertTrace.save writes), plans by an OpenAI-compatible model (key
     in $OPENAI_API_KEY), base pass@5, LEVEL-1 seeds for the LEVEL-2 cache, the expert-only split reported."""
-    c.stages = ("base_model", "tasks", "expert", "bepa_splits", "level1", "eval_base", "grpo", "eval_final",
+    c.stages = ("base_model", "tasks", "expert", "bepa_splits", "level1", "eval_base", "rl", "eval_final",
                 "report")
-    c.algorithm.name = "bepa"
-    c.algorithm.seed_cache = "level1"
+    c.method = "bepa"
     c.bepa.expert_dir = "/data/agent_s2_traces"
     c.bepa.plan_extractor = "chat"
     c.bepa.plan_url = "https://api.openai.com/v1"

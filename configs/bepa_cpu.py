@@ -28,7 +28,6 @@ def get_config():
     c.sft.plan_fraction = 0.25
     c.bepa.base_pass_k = 4
     c.bepa.level1_rollouts = 8
-    c.algorithm.seed_cache = "level1"
     c.compare.methods = ("grpo", "bepa")
     c.eval.splits = ("expert_only", "train", "held_out")
     c.eval.episodes_per_task = 4

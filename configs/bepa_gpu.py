@@ -9,4 +9,5 @@ def get_config():
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.mesh.num_devices = 1
     c.train.minibatch_size = 1  # one 16k-token row per optimizer step on 80 GB (see grpo_gpu)
+    c.train.iterations = 4 * 128 // c.rollout.tasks_per_iteration  # BEPA App. E: 4 epochs over 128 tasks
     return c

@@ -11,4 +11,5 @@ def get_config():
     c.mesh.num_devices = 64
     c.rollout.tasks_per_iteration = 32
     c.train.minibatch_size = 64
+    c.train.iterations = 4 * 128 // c.rollout.tasks_per_iteration  # BEPA App. E: 4 epochs over 128 tasks
     return c

@@ -10,7 +10,7 @@ from configs._common import base, small_desk
 
 def get_config():
     c = small_desk(base("grpo_cpu"))
-    c.stages = ("base_model", "tasks", "sft", "eval_base", "grpo", "eval_final", "report")
+    c.stages = ("base_model", "tasks", "sft", "eval_base", "rl", "eval_final", "report")
     c.train.iterations = 10
     c.train.checkpoint_every = 5
     c.sft.steps = 60

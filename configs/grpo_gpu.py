@@ -9,7 +9,7 @@ from configs._common import base, uitars_on_osworld
 def get_config():
     c = uitars_on_osworld(base("grpo_gpu"))
     c.accelerator = "gpu"
-    c.stages = ("base_model", "tasks", "eval_base", "grpo", "eval_final", "report")
+    c.stages = ("base_model", "tasks", "eval_base", "rl", "eval_final", "report")
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1  # every local GPU in one FSDP axis
     c.mesh.num_devices = 1  # the dry run's mesh: one H100
     # One 16k-token row (five full-HD screenshots) per optimizer step: bf16 weights, gradients and AdamW

@@ -7,7 +7,7 @@ def get_config():
     c = uitars_on_osworld(base("grpo_tpu"))
     c.accelerator = "tpu"
     c.dry_run.topology = "v5p:4x4x4"  # 64 v5p chips (v5p-128)
-    c.stages = ("base_model", "tasks", "eval_base", "grpo", "eval_final", "report")
+    c.stages = ("base_model", "tasks", "eval_base", "rl", "eval_final", "report")
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, -1, 1  # 4-way data x 16-way FSDP on 64 chips
     c.mesh.num_devices = 64
     c.rollout.tasks_per_iteration = 32  # 256 environments per iteration, as in the BEPA paper

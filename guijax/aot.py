@@ -88,7 +88,6 @@ def host_batch(shape: BatchShape, model_cfg: Any) -> dict[str, Any]:
     return {"input_ids": i32(b, s), "attention_mask": i32(b, s), "positions": i32(3, b, s), "vision": vision,
             "targets": i32(b, s), "loss_mask": f32(b, s), "advantages": f32(b, s), "old_logp": f32(b, s),
             "off_policy": jax.ShapeDtypeStruct((b,), jnp.bool_), "expert": f32(b),
-            "normalizer": jax.ShapeDtypeStruct((), jnp.float32),
             **({"response_positions": i32(b, shape.response_width)} if shape.response_width else {})}
 
 
@@ -143,7 +142,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     """Lower and compile the recipe's train step for its target; the report `--dry_run_json` writes."""
     import flax.linen as nn
 
-    from guijax import losses, optim, train_step
+    from guijax import optim, train_step
     from guijax.models import weights
     from guijax.models.policy import resolve_dtype
 
@@ -163,12 +162,15 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
                                   jax.ShapeDtypeStruct((), jnp.int32, sharding=shards.step))
     shape = batch_shape(config, model_cfg)
     batch = host_batch(shape, model_cfg)
+    if config.train.kl_coef:  # the KL term's reference log-probs ride in the batch
+        batch["ref_logp"] = batch["old_logp"]
     batch = _abstract(batch, sharding.batch_shardings(batch, mesh))
     t = config.train
-    step_cfg = train_step.StepConfig(
-        kind=t.loss, clip=losses.ClipConfig(t.eps_low, t.eps_high, t.dual_clip, t.kl_coef, t.normalization),
-        temperature=config.rollout.temperature, luffy_gamma=t.luffy_gamma, sft_coef=t.sft_coef,
-        impl="chunked" if t.logprob_impl == "auto" else t.logprob_impl)
+    from guijax.methods import get_method
+
+    loss = get_method(config.method, config).loss()
+    step_cfg = train_step.StepConfig(loss, config.rollout.temperature,
+                                     impl="chunked" if t.logprob_impl == "auto" else t.logprob_impl)
     step = train_step.make_train_step(module, tx, step_cfg, mesh)
     start = time.perf_counter()
     report = {"compile_target": target.name, "exact": target.exact, "note": target.note, "devices": num_devices,

@@ -20,7 +20,8 @@ from guijax import launch
 
 FLAGS = flags.FLAGS  # --config and --workdir are guijax.launch's flags
 flags.DEFINE_string("seeds", "0,1,2", "comma-separated seeds")
-flags.DEFINE_string("methods", "all", "comma-separated methods of guijax.stages_bepa.METHODS, or 'all'")
+flags.DEFINE_string("methods", "all", "comma-separated methods of guijax.methods.REGISTRY, or 'all' (every method the "
+                    "recipe's stages can feed: those reading the select stage need a recipe that runs it)")
 
 COLUMNS = ("expert_only", "train", "held_out", "overall")
 
@@ -51,12 +52,12 @@ def markdown(result: dict[str, dict[str, dict[str, float]]], seeds: Sequence[int
 
 def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: Sequence[str],
         workdir: pathlib.Path) -> dict[str, Any]:
-    from guijax import stages
-    from guijax.stages_bepa import METHODS
+    from guijax.methods import REGISTRY
+    from guijax.pipeline.registry import run_stages
 
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in REGISTRY]
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; available: {sorted(METHODS)}")
+        raise ValueError(f"unknown methods {unknown}; available: {sorted(REGISTRY)}")
     tables = []
     for seed in seeds:
         config = launch.resolve(config_name, overrides + [f"seed={seed}", f"compare.methods={tuple(methods)!r}"])
@@ -64,7 +65,7 @@ def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: S
             raise ValueError(f"recipe {config_name} has no 'methods' and 'table' stages to compare")
         seed_dir = workdir / f"seed_{seed}"
         print(f"compare: seed {seed} -> {seed_dir}")
-        stages.run_stages(config, seed_dir)
+        run_stages(config, seed_dir)
         tables.append(json.loads((seed_dir / "table.json").read_text()))
     result = aggregate(tables)
     text = markdown(result, seeds)
@@ -77,10 +78,11 @@ def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: S
 
 def main(argv: list[str]) -> None:
     del argv
-    from guijax.stages_bepa import METHODS
+    from guijax.methods import REGISTRY
 
     seeds = [int(s) for s in FLAGS.seeds.split(",") if s.strip()]
-    methods = sorted(METHODS) if FLAGS.methods == "all" else [m.strip() for m in FLAGS.methods.split(",") if m.strip()]
+    methods = sorted(m for m, cls in REGISTRY.items() if not cls.requires or "select" not in cls.requires) \
+        if FLAGS.methods == "all" else [m.strip() for m in FLAGS.methods.split(",") if m.strip()]
     workdir = pathlib.Path(FLAGS.workdir or f"runs/compare_{FLAGS.config}")
     workdir.mkdir(parents=True, exist_ok=True)
     logging.set_verbosity(logging.WARNING)

@@ -180,8 +180,14 @@ def main(argv: list[str]) -> None:
         if report.get("fits") is False:
             sys.exit(1)  # the recipe's step does not fit its target: scripts and CI must see it
         return
-    from guijax import preflight, stages
+    from guijax import preflight
+    from guijax.pipeline import registry
 
+    try:  # the recipe as a whole: stage and method names, each method's loss and the stages it reads
+        registry.check_recipe(config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     unmet = preflight.problems(config)
     if unmet:
         for line in unmet:
@@ -195,7 +201,7 @@ def main(argv: list[str]) -> None:
         (workdir / "config.json").write_text(config_lib.to_json(config))
     print(f"{config.name}: {len(config.stages)} stages ({', '.join(config.stages)}) in {workdir}", flush=True)
     start = time.time()
-    stages.run_stages(config, workdir)
+    registry.run_stages(config, workdir)
     print(f"{config.name}: all stages done in {format_duration(time.time() - start)}; outputs in {workdir}")
 
 

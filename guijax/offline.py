@@ -66,7 +66,8 @@ def trajectory_logps(module: Any, params: Any, batch: dict[str, Any], segments: 
 
 def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], config: ml_collections.ConfigDict,
                      pipeline: PipelineConfig, steps: int, batch_trajectories: int, seed: int = 0,
-                     beta: float = 0.1, log: Callable[[dict], None] | None = None) -> tuple[Any, list[float]]:
+                     beta: float = 0.1, learning_rate: float = 1e-5,
+                     log: Callable[[dict], None] | None = None) -> tuple[Any, list[float]]:
     """DPO (`kind="dpo"`) or KTO (`kind="kto"`) from the policy's current parameters, which are also the frozen
     reference. Returns the trained parameters and the loss per step."""
     if kind == "dpo":
@@ -85,7 +86,7 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
                        static_argnums=(3,))
     ref_params = policy.params
     opt_cfg = ml_collections.ConfigDict(config.optim.to_dict())
-    opt_cfg.learning_rate = config.arpo.offline_learning_rate
+    opt_cfg.learning_rate = learning_rate
     opt_cfg.total_steps = max(steps, opt_cfg.warmup_steps + 1)
     tx, _ = optim.make_optimizer(opt_cfg)
     params, opt_state = policy.params, sharding.init_opt_state(tx, policy.params, policy.mesh)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from guijax import kernels, losses, sharding
+from guijax import kernels, objectives, sharding
 from guijax.models import weights
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
 
@@ -101,35 +101,19 @@ def response_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, ma
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    kind: str = "grpo"  # grpo | luffy | sft
-    clip: losses.ClipConfig = losses.ClipConfig()
+    """`loss`: an `objectives.Loss` (it decides what the batch must carry); the log-probs it receives are at
+    the sampling `temperature`, through the `impl` kernel."""
+
+    loss: Any = objectives.ClippedPolicyLoss()
     temperature: float = 1.0
-    luffy_gamma: float = 0.1
-    sft_coef: float = 0.0  # RL+SFT: λ · CE on rows flagged `expert` in the batch
     impl: str = "auto"
 
 
 def loss_fn(params: Any, batch: Batch, module: Qwen2_5_VL, cfg: StepConfig,
             mesh: Mesh | None = None) -> tuple[jax.Array, dict]:
     logp, entropy = batch_logprobs(module, params, batch, cfg.temperature, cfg.impl, mesh)
+    loss, metrics = cfg.loss(logp, entropy, batch)
     mask = batch["loss_mask"]
-    normalizer = batch.get("normalizer")
-    if cfg.kind == "sft":
-        loss, metrics = losses.sft_loss(logp, mask, normalizer)
-    elif cfg.kind == "luffy":
-        loss, metrics = losses.luffy_loss(logp, batch["old_logp"], batch["advantages"], mask, batch["off_policy"],
-                                          cfg.clip, gamma=cfg.luffy_gamma, normalizer=normalizer)
-    elif cfg.kind == "grpo":
-        loss, metrics = losses.clipped_policy_loss(logp, batch["old_logp"], batch["advantages"], mask, cfg.clip,
-                                                   ref_logp=batch.get("ref_logp"), entropy=entropy,
-                                                   normalizer=normalizer)
-    else:
-        raise ValueError(f"unknown step kind {cfg.kind!r}; choose grpo, luffy or sft")
-    if cfg.sft_coef and "expert" in batch:
-        expert_mask = mask * batch["expert"][:, None]
-        ce, _ = losses.sft_loss(logp, expert_mask)
-        loss = loss + cfg.sft_coef * ce
-        metrics["sft_ce"] = ce
     metrics.setdefault("entropy", jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0))
     metrics["loss"] = loss
     return loss, metrics

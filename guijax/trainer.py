@@ -1,16 +1,17 @@
-"""The RL loop shared by every method: sample tasks -> rollouts -> algorithm hook assembles groups ->
-advantages -> old log-probs under θ_old -> minibatch updates for `ppo_epochs` -> metrics, checkpoints.
+"""The RL loop shared by every method: sample tasks -> rollouts -> the method's hook assembles groups ->
+the objective's advantages -> old log-probs under θ_old (and reference log-probs when the loss has a KL
+term) -> minibatch updates for `ppo_epochs` -> metrics, checkpoints. It names no method: a method reaches it
+as a hook factory and an `objectives.Objective`.
 
-Every iteration draws its tasks, environment seeds and sampling key from (seed, iteration) alone, so a run
-resumed from a checkpoint repeats exactly the iterations an uninterrupted run would have done.
+Every iteration draws its tasks, environment seeds and sampling key from named streams of (seed, iteration),
+so a run resumed from a checkpoint repeats exactly the iterations an uninterrupted run would have done.
 """
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-import random
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,19 +20,21 @@ import numpy as np
 from absl import logging
 
 from envs.api import Task
-from guijax import advantages as adv_lib
-from guijax import losses, optim, sharding, train_step
-from guijax.algorithms import Algorithm
+from guijax import objectives, optim, sharding, train_step
 from guijax.checkpoint import Checkpointer
 from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
 from guijax.data.store import TrajectoryStore
 from guijax.metrics import MetricsWriter
 from guijax.models.policy import Policy
 from guijax.progress import Progress
+from guijax.rng import Streams
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
 from guijax.rollout.prompt import SYSTEM_PROMPT
 from guijax.rollout.trajectory import Status, Trajectory
 from guijax.sampling import Sampler, SamplingConfig
+from guijax.sft import device_batch
+
+Scorer = Callable[[Sequence[Trajectory]], list[float]]
 
 
 class TrainingError(RuntimeError):
@@ -70,22 +73,21 @@ def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str | None
                           shuffle_block=config.pipeline.get("shuffle_block", 1))
 
 
-def device_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """The arrays a jitted step takes: everything but the host-only `meta`."""
-    return {k: v for k, v in batch.items() if k != "meta"}
-
-
 @dataclasses.dataclass
 class Components:
-    """What the loop needs, built once per run by guijax.stages."""
+    """What the loop needs, built once per run by the pipeline. `make_hook` builds the method's trajectory
+    hook given the trainer's scorer (mean response log-prob under the current policy); `objective` is the
+    method's loss and advantage estimator."""
 
     policy: Policy
     pool: Any
     processor: Any
     train_tasks: list[Task]
-    algorithm: Algorithm
+    make_hook: Callable[[Scorer], Any]
+    objective: objectives.Objective
     system_prompt: str | None
     mesh: jax.sharding.Mesh | None
+    streams: Streams = Streams(0)
 
 
 class Trainer:
@@ -94,17 +96,17 @@ class Trainer:
         self.policy = parts.policy
         self.module = parts.policy.module
         self.tx, self.schedule = optim.make_optimizer(config.optim)
-        step_cfg = train_step.StepConfig(
-            kind=config.train.loss,
-            clip=losses.ClipConfig(config.train.eps_low, config.train.eps_high, config.train.dual_clip,
-                                   config.train.kl_coef, config.train.normalization),
-            temperature=config.rollout.temperature, luffy_gamma=config.train.luffy_gamma,
-            sft_coef=config.train.sft_coef, impl=config.train.logprob_impl)
+        self.objective = parts.objective
+        step_cfg = train_step.StepConfig(parts.objective.loss, config.rollout.temperature, config.train.logprob_impl)
         self.mesh = parts.mesh
+        self.streams = parts.streams
         self.step_fn = train_step.make_train_step(self.module, self.tx, step_cfg, self.mesh)
         self.logprob_fn = train_step.make_logprob_fn(self.module, config.rollout.temperature, config.train.logprob_impl,
                                                      self.mesh)
         self.state = train_step.init_state(self.module, self.policy.params, self.tx, self.mesh)
+        # the frozen reference policy of a KL term: the parameters the run starts from (a copy: the train
+        # state's buffers are donated to each step)
+        self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if parts.objective.reference_kl else None)
         self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature),
                                mesh=parts.mesh)
         self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor,
@@ -115,8 +117,7 @@ class Trainer:
         self.store = TrajectoryStore(self.workdir / "trajectories")
         self.iteration = 0
         self.nonfinite_in_row = 0
-        if getattr(parts.algorithm, "update_rule", None) == "logprob" and getattr(parts.algorithm, "scorer", 0) is None:
-            parts.algorithm.scorer = self.score_trajectories
+        self.hook = parts.make_hook(self.score_trajectories)
 
     def _place(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Global arrays split over the data-parallel devices (padded to divide); as-is without a mesh."""
@@ -125,7 +126,8 @@ class Trainer:
         return sharding.place_batch(batch, self.mesh, pad=True, image_token_id=self.module.cfg.image_token_id)
 
     def score_trajectories(self, trajectories: Sequence[Trajectory]) -> list[float]:
-        """Mean response-token log-prob of each trajectory under the current policy (BEPA's U = logprob)."""
+        """Mean response-token log-prob of each trajectory under the current policy (for hooks that rank
+        trajectories by it)."""
         from guijax.diagnostics import mean_trajectory_logps
 
         return mean_trajectory_logps(self.logprob_fn, self.state.params, trajectories, self.parts.processor,
@@ -133,7 +135,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
-        meta = {"iteration": self.iteration, "algorithm": self.parts.algorithm.state_dict(),
+        meta = {"iteration": self.iteration, "hook": self.hook.state_dict(),
                 "nonfinite_in_row": self.nonfinite_in_row}
         self.ckpt.save(self.iteration, self.state, meta)
 
@@ -144,7 +146,7 @@ class Trainer:
         self.state, meta = self.ckpt.restore(step, self.state)
         self.iteration = meta["iteration"]
         self.nonfinite_in_row = meta.get("nonfinite_in_row", 0)
-        self.parts.algorithm.load_state_dict(meta["algorithm"])
+        self.hook.load_state_dict(meta["hook"])
         self._drop_shards_from(self.iteration)
         self.metrics.drop_from(self.iteration)
         logging.info("resumed from checkpoint at iteration %d", self.iteration)
@@ -160,7 +162,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
     def _tasks_for(self, iteration: int) -> list[Task]:
-        rng = random.Random(self.config.seed * 1_000_003 + iteration)
+        rng = self.streams.python("tasks", iteration)
         k = min(self.config.rollout.tasks_per_iteration, len(self.parts.train_tasks))
         return rng.sample(self.parts.train_tasks, k)
 
@@ -168,31 +170,31 @@ class Trainer:
         cfg = self.config
         t_start = time.perf_counter()
         tasks = self._tasks_for(self.iteration)
-        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), self.iteration)
-        rollouts, timing = self.engine.run(self.state.params, tasks, cfg.rollout.group_size, key,
-                                           seed=cfg.seed * 7919 + self.iteration)
+        rollouts, timing = self.engine.run(self.state.params, tasks, cfg.rollout.group_size,
+                                           self.streams.key("sampling", self.iteration),
+                                           seed=self.streams.seed_for("episodes", self.iteration))
         groups: list[list[Trajectory]] = []
+        auxiliary: list[Trajectory] = []  # rows for a term of the method's loss, outside every group
         dropped = []
         for i, task in enumerate(tasks):
             group = rollouts[i * cfg.rollout.group_size:(i + 1) * cfg.rollout.group_size]
             dropped += [f"{t.task_id}: {t.error}" for t in group if t.status == Status.ENV_ERROR]
             group = [t for t in group if t.status != Status.ENV_ERROR]
-            self.parts.algorithm.observe(task, group)
-            groups.append(self.parts.algorithm.assemble(task, group))
+            self.hook.observe(task, group)
+            groups.append(self.hook.assemble(task, group))
+            auxiliary += self.hook.auxiliary(task)
         for reason in dropped:
             logging.warning("dropped an episode whose environment failed: %s", reason)
         t_store = time.perf_counter()
         self.store.append(rollouts, name=f"iter-{self.iteration:06d}")  # every episode, failures included
         t_store = time.perf_counter() - t_store
-        # RL+SFT's expert rows ride along for the cross-entropy term only: no part in group advantages
-        scored = [[t for t in g if not t.meta.get("sft_only")] for g in groups]
-        sft_only = [t for g in groups for t in g if t.meta.get("sft_only")]
-        trajectories = [t for g in scored for t in g] + sft_only
-        group_ids = np.concatenate([np.full(len(g), i) for i, g in enumerate(scored)] + [np.zeros(0)]).astype(np.int32)
-        rewards = np.asarray([t.reward for g in scored for t in g], np.float32)
-        stats = adv_lib.group_advantages(rewards, group_ids, len(groups), eps=1e-6)
-        advantages = np.concatenate([np.asarray(stats.advantages), np.zeros(len(sft_only), np.float32)])
-        keep = [i for i, a in enumerate(advantages) if a != 0.0 or i >= len(advantages) - len(sft_only)]
+        trajectories = [t for g in groups for t in g] + auxiliary
+        group_ids = np.concatenate([np.full(len(g), i) for i, g in enumerate(groups)] + [np.zeros(0)]).astype(np.int32)
+        rewards = np.asarray([t.reward for g in groups for t in g], np.float32)
+        stats = self.objective.advantages(rewards, group_ids, len(groups))
+        scored = len(rewards)
+        advantages = np.concatenate([np.asarray(stats.advantages), np.zeros(len(auxiliary), np.float32)])
+        keep = [i for i, a in enumerate(advantages) if a != 0.0 or i >= scored]
         on_policy = [t for t in rollouts if t.status != Status.ENV_ERROR]
         metrics: dict[str, float] = {
             "iteration": self.iteration,
@@ -211,7 +213,7 @@ class Trainer:
         metrics["injected"] = sum(t.source.value != "on_policy" for t in trajectories)
         won = [s.behaviour_logprobs for t in on_policy if t.success for s in t.steps if len(s.behaviour_logprobs)]
         metrics["logp_success_on_policy"] = float(np.mean(np.concatenate(won))) if won else None
-        metrics.update(self.parts.algorithm.metrics())
+        metrics.update(self.hook.metrics())
         update = self._update(trajectories, advantages, keep) if keep else {}
         metrics.update(update)
         metrics["time_iteration_s"] = time.perf_counter() - t_start
@@ -226,25 +228,27 @@ class Trainer:
         cfg = self.config
         refs = step_refs(trajectories, {i: float(advantages[i]) for i in keep})
         data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
-                            dataclasses.replace(self.pipeline, seed=cfg.seed * 31 + self.iteration))
+                            dataclasses.replace(self.pipeline, seed=self.streams.seed_for("batches", self.iteration)))
         t0 = time.perf_counter()
         prepared, injected_logp, screenshots = [], [], np.zeros(2)
         for batch in data:  # old log-probs under θ_old, fixed for every epoch
             screenshots += [batch["meta"].get("unique_screenshots", 0), batch["meta"].get("screenshots", 0)]
             batch = self._place(device_batch(batch))
             old, _ = self.logprob_fn(self.state.params, batch)
+            extra = {"old_logp": old}
+            if self.ref_params is not None:  # the KL term's reference policy, frozen at the start
+                extra["ref_logp"], _ = self.logprob_fn(self.ref_params, batch)
             # injected traces (replay, cache, expert) as the current θ_old sees them; sums over the global batch
             off_mask = batch["loss_mask"] * jnp.asarray(batch["off_policy"], jnp.float32)[:, None]
             if float(jnp.sum(off_mask)) > 0:
                 injected_logp.append((float(jnp.sum(old * off_mask)), float(jnp.sum(off_mask))))
-            prepared.append(dict(batch, old_logp=old))
+            prepared.append(dict(batch, **extra))
         t_old = time.perf_counter() - t0
         total_tokens = sum(float(jnp.sum(b["loss_mask"])) for b in prepared)
         collected: dict[str, list[float]] = {}
         t0 = time.perf_counter()
         for _ in range(cfg.train.ppo_epochs):
-            for batch in prepared:
-                batch = dict(batch, normalizer=np.float32(max(float(jnp.sum(batch["loss_mask"])), 1.0)))
+            for batch in prepared:  # each loss normalises over its own batch (token or sequence)
                 self.state, m = self.step_fn(self.state, batch)
                 for k, v in m.items():
                     collected.setdefault(k, []).append(float(v))
@@ -283,48 +287,3 @@ class Trainer:
     def close(self) -> None:
         self.ckpt.close()
         self.metrics.close()
-
-
-def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processor: Any,
-              config: ml_collections.ConfigDict, pipeline: PipelineConfig, steps: int, batch_size: int, seed: int,
-              log: Any = None, checkpoint_dir: str | pathlib.Path | None = None,
-              checkpoint_every: int = 50, desc: str = "sft") -> tuple[Any, list[float]]:
-    """Supervised warm start on (converted expert) trajectories: token cross-entropy on the responses.
-
-    `trajectories` may be a list or a TrajectoryStore. With `checkpoint_dir`, parameters, optimiser state,
-    the losses so far and the grain iterator's position are saved every `checkpoint_every` steps, and a
-    rerun continues from the newest save with the same batches an uninterrupted run would have seen.
-    """
-    sft_optim = ml_collections.ConfigDict(config.optim.to_dict())
-    sft_optim.learning_rate = config.sft.learning_rate
-    sft_optim.total_steps = max(steps, sft_optim.warmup_steps + 1)
-    tx, _ = optim.make_optimizer(sft_optim)
-    step_fn = train_step.make_train_step(policy.module, tx, train_step.StepConfig(kind="sft",
-                                                                                 impl=config.train.logprob_impl),
-                                         policy.mesh)
-    state = train_step.init_state(policy.module, policy.params, tx, policy.mesh)
-    data = make_dataset(trajectories, step_refs(trajectories), processor, policy.module.cfg,
-                        dataclasses.replace(pipeline, batch_size=batch_size, seed=seed, num_epochs=None))
-    it = iter(data)
-    losses_seen: list[float] = []
-    ckpt = Checkpointer(checkpoint_dir, keep=1) if checkpoint_dir else None
-    if ckpt is not None and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(ckpt.latest_step(), state)
-        it.set_state(meta["data"])
-        losses_seen = list(meta["losses"])
-        logging.info("sft: resumed at step %d", len(losses_seen))
-    bar = Progress(steps, desc, "step", initial=len(losses_seen))
-    try:
-        while len(losses_seen) < steps:
-            state, m = step_fn(state, device_batch(next(it)))
-            losses_seen.append(float(m["loss"]))
-            bar.update(1, loss=round(losses_seen[-1], 4))
-            if log is not None:
-                log({"sft_step": len(losses_seen), "sft_loss": losses_seen[-1]})
-            if ckpt is not None and len(losses_seen) % checkpoint_every == 0 and len(losses_seen) < steps:
-                ckpt.save(len(losses_seen), state, {"data": it.get_state(), "losses": losses_seen})
-    finally:
-        bar.close()
-        if ckpt is not None:
-            ckpt.close()
-    return state.params, losses_seen

@@ -9,7 +9,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from guijax import launch, stages
+from guijax import launch
+from guijax.pipeline import base_stages as stages
+from guijax.pipeline.registry import run_stages
+from guijax.pipeline.run import Run
 from guijax.data.store import TrajectoryStore
 from guijax.plans import RulePlanExtractor, parse_numbered_plan
 
@@ -18,7 +21,7 @@ RECIPE = textwrap.dedent("""
 
     def get_config():
         c = base("tiny_bepa")
-        c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "select", "offline", "methods",
+        c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "select", "methods",
                     "table", "diagnostics")
         c.model.preset = "tiny"
         c.model.tokenizer_vocab = 1024
@@ -42,11 +45,10 @@ RECIPE = textwrap.dedent("""
         c.bepa.base_pass_k = 1
         c.bepa.level1_rollouts = 1
         c.arpo.selection_rollouts = 2
-        c.arpo.offline_methods = ("kto",)
-        c.arpo.offline_steps = 2
-        c.arpo.offline_batch_trajectories = 4
+        c.offline.steps = 2
+        c.offline.batch_trajectories = 4
         c.compare.methods = {methods}
-        c.compare.sft_learning_rate = 0.0  # the SFT baseline must fine-tune at this rate, not sft.learning_rate
+        c.expert_sft.learning_rate = 0.0  # the SFT baseline must fine-tune at this rate, not sft.learning_rate
         c.eval.splits = ("expert_only", "train", "held_out")
         c.eval.episodes_per_task = 1
         return c
@@ -60,9 +62,9 @@ def _config(tmp_path: pathlib.Path, methods: tuple[str, ...]):
 
 
 def test_expert_guided_recipe_end_to_end(tmp_path):
-    config = _config(tmp_path, ("level2_only", "rl_sft", "luffy", "sft"))
+    config = _config(tmp_path, ("level2_only", "rl_sft", "luffy", "sft", "kto"))
     workdir = tmp_path / "run"
-    stages.run_stages(config, workdir)
+    run_stages(config, workdir)
     expert = json.loads((workdir / "expert.json").read_text())["tasks"]
     assert len(expert) == 4 and all(v["success"] and v["plan"] for v in expert.values())
     assert len(TrajectoryStore(workdir / "expert_traces")) == 4
@@ -135,13 +137,23 @@ def test_same_responses_and_on_policy_successes():
     assert diag.on_policy_successes([won, lost, injected, other], {"a", "b"}) == {"episodes": 2, "successes": 1}
 
 
-def test_unknown_method_and_seed_cache_are_named(tmp_path):
-    config = _config(tmp_path, ("grpo", "bepa3"))
-    run = stages.Run(config, tmp_path / "run")
-    from guijax.stages_bepa import method_config
+def test_recipe_errors_name_the_key_before_any_work(tmp_path):
+    from guijax.pipeline.registry import check_recipe
 
-    with pytest.raises(ValueError, match="unknown method 'bepa3'"):
-        method_config(run, "bepa3")
+    with pytest.raises(ValueError, match=r"unknown method 'bepa3' in compare.methods; did you mean bepa"):
+        check_recipe(_config(tmp_path, ("grpo", "bepa3")))
+    config = _config(tmp_path, ("luffy",))
+    config.unlock()
+    config.train.loss = "grpo"  # LUFFY's groups with the GRPO loss: refused, not silently trained
+    with pytest.raises(ValueError, match=r"'luffy' cannot train with train.loss='grpo'"):
+        check_recipe(config)
+    config.train.loss = ""
+    config.stages = tuple(s for s in config.stages if s != "expert")
+    with pytest.raises(ValueError, match=r"method 'luffy' \(compare.methods\) reads the output of stage\(s\) \['expert'\]"):
+        check_recipe(config)
+    arpo = launch.resolve("grpo_cpu", ["method=arpo"])
+    with pytest.raises(ValueError, match=r"'arpo' \(method\) reads the output of stage\(s\) \['select'\]"):
+        check_recipe(arpo)
 
 
 def test_rule_plan_extractor_drops_dynamic_ui_and_keeps_effective_steps():
@@ -164,23 +176,23 @@ def test_expert_stage_reads_recorded_traces(tmp_path):
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
 
     config = _config(tmp_path, ("grpo",))
-    run = stages.Run(config, tmp_path / "run")
-    stages.tasks(run)
-    from guijax.stages_bepa import all_tasks, expert
+    run = Run(config, tmp_path / "run")
+    stages.tasks.fn(run)
+    from guijax.pipeline.expert_stages import expert
 
-    tasks = all_tasks(run)
+    tasks = run.all_tasks()
     env = DeskEnv(seed=0, popups=False)
     for task in tasks[:3]:  # the fourth task has no recorded trace
         run_expert(env, task, ScriptedExpert(seed=1)).save(tmp_path / "traces" / task.id)
     config.unlock()
     config.bepa.expert_dir = str(tmp_path / "traces")
-    expert(run)
+    expert.fn(run)
     results = json.loads((tmp_path / "run" / "expert.json").read_text())["tasks"]
     assert [results[t.id]["success"] for t in tasks] == [True, True, True, False]
     assert len(TrajectoryStore(tmp_path / "run" / "expert_traces")) == 3
     config.bepa.expert_dir = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        from guijax.stages_bepa import load_recorded_traces
+        from guijax.pipeline.expert_stages import load_recorded_traces
 
         load_recorded_traces(config.bepa.expert_dir)
 
@@ -197,7 +209,7 @@ def test_accelerator_recipes_dry_run(name, devices):
 def test_osworld_env_without_servers_is_refused(tmp_path):
     config = launch.resolve("grpo_gpu", ["env.server_urls=()"])
     with pytest.raises(ValueError, match="server_urls"):
-        stages.Run(config, tmp_path).pool()
+        Run(config, tmp_path).pool()
 
 
 def test_compare_aggregates_mean_and_std_over_seeds():
@@ -230,9 +242,9 @@ def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path):
     from guijax.trainer import pipeline_config
 
     config = _config(tmp_path, ("grpo",))
-    run = stages.Run(config, tmp_path / "run")
-    stages.base_model(run)
-    stages.tasks(run)
+    run = Run(config, tmp_path / "run")
+    stages.base_model.fn(run)
+    stages.tasks.fn(run)
     wins = stages.expert_trajectories(run, run.tasks()["train"][:2])
     fails = [dc.replace(t, reward=0.0, steps=[dc.replace(s, response="Thought: no.\nAction: wait()") for s in t.steps])
              for t in wins]
@@ -240,7 +252,7 @@ def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path):
     assert [(w.task_id, l.reward) for w, l in dpo_pairs(rollouts)] == [(w.task_id, 0.0) for w in wins]
     policy = run.load_policy(run.base_model_dir)
     config.unlock()
-    config.arpo.offline_learning_rate = 3e-3
+    config.offline.learning_rate = 3e-3
     _, history = preference_train(policy, "dpo", rollouts, config, pipeline_config(config, run.system_prompt), 6, 4)
     assert history[0] == pytest.approx(np.log(2), abs=1e-4)  # policy == reference: margin 0
     assert history[-1] < history[0] - 0.05
@@ -255,11 +267,11 @@ def test_bepa_splits_train_on_the_solvable_pool(tmp_path):
     config.env.num_tasks = 6
     config.bepa.train_fraction = 0.5
     config.bepa.extra_train_tasks = 0
-    run = stages.Run(config, tmp_path / "run")
-    from guijax.stages_bepa import bepa_splits, expert
+    run = Run(config, tmp_path / "run")
+    from guijax.pipeline.expert_stages import bepa_splits, expert
 
     for step in (stages.base_model, stages.tasks, expert, bepa_splits):
-        step(run)
+        step.fn(run)
     info = json.loads((tmp_path / "run" / "bepa_splits.json").read_text())
     splits = json.loads((tmp_path / "run" / "splits.json").read_text())
     assert len(info["solvable_pool"]) == 6  # the scripted expert solves every desk task
@@ -275,9 +287,9 @@ def test_trajectory_scores_are_mean_token_logprobs(tmp_path):
     from guijax.trainer import pipeline_config
 
     config = _config(tmp_path, ("grpo",))
-    run = stages.Run(config, tmp_path / "run")
-    stages.base_model(run)
-    stages.tasks(run)
+    run = Run(config, tmp_path / "run")
+    stages.base_model.fn(run)
+    stages.tasks.fn(run)
     trajs = stages.expert_trajectories(run, run.tasks()["train"][:2])
     policy = run.load_policy(run.base_model_dir)
     fn, pipe = make_logprob_fn(policy.module), pipeline_config(config, run.system_prompt)

@@ -10,7 +10,9 @@ import sys
 import ml_collections
 import pytest
 
-from guijax import launch, preflight, progress, stages
+from guijax import launch, preflight, progress
+from guijax.pipeline import registry
+from guijax.pipeline.stage import Stage, output_exists
 
 
 class FakeTerminal(io.StringIO):
@@ -76,9 +78,9 @@ def _toy_stages(monkeypatch, calls: list[str]) -> None:
     def summary(run):
         calls.append("summary")
 
-    monkeypatch.setitem(stages.STAGES, "toy_first", stages.Stage(
-        "toy_first", first, lambda run: "write one file", stages.output_exists("first.txt")))
-    monkeypatch.setitem(stages.STAGES, "toy_summary", stages.Stage(
+    monkeypatch.setitem(registry.STAGES, "toy_first", Stage(
+        "toy_first", first, lambda run: "write one file", output_exists("first.txt")))
+    monkeypatch.setitem(registry.STAGES, "toy_summary", Stage(
         "toy_summary", summary, lambda run: "summarise", lambda run: False))
 
 
@@ -87,12 +89,12 @@ def test_stages_say_what_they_do_and_a_resumed_run_names_the_done_ones(monkeypat
     _toy_stages(monkeypatch, calls)
     config = ml_collections.ConfigDict({"name": "toy", "stages": ("toy_first", "toy_summary"),
                                         "compilation_cache_dir": ""})
-    stages.run_stages(config, tmp_path)
+    registry.run_stages(config, tmp_path)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "[1/2] toy_first: write one file"
     assert out[1].startswith("[1/2] toy_first: done in ") and out[1].endswith("; wrote first.txt")
     assert out[2] == "[2/2] toy_summary: summarise" and out[3].startswith("[2/2] toy_summary: done in ")
-    stages.run_stages(config, tmp_path)
+    registry.run_stages(config, tmp_path)
     again = capsys.readouterr().out.splitlines()
     assert again[0] == f"toy: resuming in {tmp_path}; found done: toy_first"
     assert again[1] == "[1/2] toy_first: already done, skipped"

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from guijax import sharding, train_step
+from guijax import objectives, sharding, train_step
 from guijax.data.pipeline import Collate, EncodeStep, PipelineConfig, make_dataset, step_refs
 from guijax.models import weights
 from guijax.rollout.trajectory import Source, Step, Trajectory
@@ -73,7 +73,7 @@ def test_grpo_loss_and_gradients_equal_all_positions(proc, cfg, module_params):
     old, _ = train_step.make_logprob_fn(module)(params, without(batch, "response_positions"))
     noise = np.random.RandomState(0).normal(0, 0.2, batch["loss_mask"].shape).astype(np.float32)
     batch = dict(batch, old_logp=np.asarray(old) + noise * batch["loss_mask"])  # ratios away from 1: clipping
-    step = train_step.StepConfig(kind="grpo", sft_coef=0.1)
+    step = train_step.StepConfig(objectives.WithCrossEntropy(objectives.ClippedPolicyLoss(), 0.1))
     grad = jax.jit(jax.value_and_grad(train_step.loss_fn, has_aux=True), static_argnums=(2, 3))
     (loss, metrics), grads = grad(params, batch, module, step)
     (ref_loss, ref_metrics), ref_grads = grad(params, without(batch, "response_positions"), module, step)
@@ -112,7 +112,7 @@ def test_a_missed_loss_position_poisons_the_loss(proc, cfg, module_params):
     assert np.isfinite(np.asarray(logp)[batch["loss_mask"] == 0]).all() and np.isfinite(logp[0]).all()
     batch = dict(batch, response_positions=positions, old_logp=np.zeros_like(batch["loss_mask"]),
                  advantages=batch["advantages"])
-    loss, _ = train_step.loss_fn(params, batch, module, train_step.StepConfig(kind="grpo"))
+    loss, _ = train_step.loss_fn(params, batch, module, train_step.StepConfig(objectives.ClippedPolicyLoss()))
     assert not np.isfinite(float(loss))
 
 

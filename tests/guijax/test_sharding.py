@@ -11,14 +11,14 @@ import ml_collections
 import numpy as np
 import pytest
 
-from guijax import optim, sharding, train_step
+from guijax import objectives, optim, sharding, train_step
 from guijax.models import weights
 from guijax.models.config import PRESETS
 from guijax.models.positions import mrope_positions, vision_layout
 from guijax.sampling import pad_images
 
 TINY, SMALL = PRESETS["tiny"], PRESETS["small"]
-SFT = train_step.StepConfig(kind="sft")
+SFT = train_step.StepConfig(objectives.CrossEntropyLoss())
 
 
 def _tx(eps: float = 1e-8):
@@ -259,8 +259,8 @@ def test_pallas_interpret_kernel_runs_under_shard_map_on_the_mesh(tiny):
     module, params = tiny
     tx, mesh = _tx(), _mesh(2, 4)
     batch = _text_batch(TINY)
-    ref = train_step.StepConfig(kind="sft", impl="chunked")
-    pallas = train_step.StepConfig(kind="sft", impl="pallas_interpret")
+    ref = train_step.StepConfig(objectives.CrossEntropyLoss(), impl="chunked")
+    pallas = train_step.StepConfig(objectives.CrossEntropyLoss(), impl="pallas_interpret")
     assert train_step.kernel_mesh("pallas_interpret", mesh) == {"mesh": mesh, "batch_axes": ("data", "fsdp")}
     assert train_step.kernel_mesh("chunked", mesh) == {}
     _, m1 = train_step.make_train_step(module, tx, ref)(

@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from guijax import optim, sharding, train_step
+from guijax import objectives, optim, sharding, train_step
 from guijax.models import policy as policy_lib, weights
 from guijax.models.config import PRESETS
 
@@ -58,7 +58,7 @@ def test_kernel_logprobs_equal_logits_path(module_params):
 def test_sft_steps_reduce_loss(module_params):
     module, params = module_params
     tx = _opt()
-    step = train_step.make_train_step(module, tx, train_step.StepConfig(kind="sft"))
+    step = train_step.make_train_step(module, tx, train_step.StepConfig(objectives.CrossEntropyLoss()))
     state = train_step.TrainState(jax.tree.map(jnp.copy, params), tx.init(params), jnp.int32(0))
     batch = _batch()
     losses = []
@@ -73,19 +73,19 @@ def test_grpo_step_at_ratio_one(module_params):
     batch = _batch(1)
     old, _ = train_step.make_logprob_fn(module)(params, batch)
     batch["old_logp"] = np.asarray(old)
-    loss, metrics = train_step.loss_fn(params, batch, module, train_step.StepConfig(kind="grpo"))
+    loss, metrics = train_step.loss_fn(params, batch, module, train_step.StepConfig(objectives.ClippedPolicyLoss()))
     m = batch["loss_mask"]
     expected = -(batch["advantages"][:, None] * m).sum() / m.sum()
     assert float(loss) == pytest.approx(expected, rel=1e-5)
     assert float(metrics["clip_frac_low"]) == 0.0 and float(metrics["approx_kl"]) == pytest.approx(0.0, abs=1e-10)
-    luffy, lm = train_step.loss_fn(params, batch, module, train_step.StepConfig(kind="luffy"))
+    luffy, lm = train_step.loss_fn(params, batch, module, train_step.StepConfig(objectives.LuffyLoss()))
     assert np.isfinite(float(luffy)) and float(lm["off_policy_tokens"]) == m[0].sum()
 
 
 def test_non_finite_batch_is_skipped(module_params):
     module, params = module_params
     tx = _opt()
-    step = train_step.make_train_step(module, tx, train_step.StepConfig(kind="grpo"))
+    step = train_step.make_train_step(module, tx, train_step.StepConfig(objectives.ClippedPolicyLoss()))
     state = train_step.TrainState(jax.tree.map(jnp.copy, params), tx.init(params), jnp.int32(0))
     batch = _batch(2)
     batch["old_logp"] = np.zeros_like(batch["loss_mask"])
@@ -101,7 +101,7 @@ def test_sharded_step_equals_single_device(module_params):
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=4, tensor=2))
     shardings = sharding.param_shardings(weights.abstract_params(module), mesh)
     tx = _opt()
-    step = train_step.make_train_step(module, tx, train_step.StepConfig(kind="sft"))
+    step = train_step.make_train_step(module, tx, train_step.StepConfig(objectives.CrossEntropyLoss()))
     batch = _batch(3)
     single, m1 = step(train_step.TrainState(jax.tree.map(jnp.copy, params), tx.init(params), jnp.int32(0)), batch)
     sharded_params = jax.device_put(jax.tree.map(jnp.copy, params), shardings)  # the step donates its state
@@ -116,7 +116,7 @@ def test_remat_policies_give_the_same_loss_and_gradients(module_params, policy):
     module, params = module_params
     remat = weights.build_module(CFG, remat_policy=policy)
     batch = _batch(4)
-    cfg = train_step.StepConfig(kind="sft")
+    cfg = train_step.StepConfig(objectives.CrossEntropyLoss())
     (l1, _), g1 = jax.value_and_grad(train_step.loss_fn, has_aux=True)(params, batch, module, cfg)
     (l2, _), g2 = jax.value_and_grad(train_step.loss_fn, has_aux=True)(params, batch, remat, cfg)
     assert float(l1) == pytest.approx(float(l2), rel=1e-6)

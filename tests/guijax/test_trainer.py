@@ -12,9 +12,13 @@ import time
 
 import pytest
 
-from guijax import launch, stages
+from guijax import launch
+from guijax.pipeline import base_stages as stages
+from guijax.pipeline.registry import run_stages
+from guijax.pipeline.run import Run
 from guijax.data.store import TrajectoryStore
-from guijax.trainer import pipeline_config, sft_steps
+from guijax.sft import sft_steps
+from guijax.trainer import pipeline_config
 from guijax.evaluation import pass_at_k
 
 RECIPE = textwrap.dedent("""
@@ -22,7 +26,7 @@ RECIPE = textwrap.dedent("""
 
     def get_config():
         c = base("tiny_rl")
-        c.stages = ("base_model", "tasks", "sft", "grpo", "eval_final", "report")
+        c.stages = ("base_model", "tasks", "sft", "rl", "eval_final", "report")
         c.model.preset = "tiny"
         c.model.tokenizer_vocab = 1024
         c.model.image_max_pixels = 112 * 112
@@ -62,7 +66,7 @@ def _iteration_records(workdir: pathlib.Path) -> list[dict]:
 def test_recipe_end_to_end_and_rerun_resumes(tmp_path):
     config = launch.resolve(_recipe(tmp_path, 2), [])
     workdir = tmp_path / "run"
-    stages.run_stages(config, workdir)
+    run_stages(config, workdir)
     for name in ("base_model/config.json", "tasks.json", "splits.json", "sft_model/config.json",
                  "trained_model/model.safetensors", "eval_final.json", "report.md", "curves.png"):
         assert (workdir / name).exists(), name
@@ -82,15 +86,15 @@ def test_recipe_end_to_end_and_rerun_resumes(tmp_path):
     assert [p.name.split(".")[0] for p in store.shards] == ["iter-000000", "iter-000001"]
     assert len(store) == 4 + 4 and all(len(t.steps) >= 1 for t in store)
     assert [round(t.reward, 6) for t in store][:4] != [] and store[0].steps[0].screenshot.ndim == 3
-    stages.run_stages(config, workdir)  # everything exists: nothing runs again
+    run_stages(config, workdir)  # everything exists: nothing runs again
     assert len(_iteration_records(workdir)) == 2
 
 
 def test_sft_resumes_from_its_checkpoint_with_the_same_batches(tmp_path):
     config = launch.resolve(_recipe(tmp_path, 1), [])
-    run = stages.Run(config, tmp_path / "run")
-    stages.base_model(run)
-    stages.tasks(run)
+    run = Run(config, tmp_path / "run")
+    stages.base_model.fn(run)
+    stages.tasks.fn(run)
     trajectories = stages.expert_trajectories(run, run.tasks()["train"])
     pipeline = pipeline_config(config, run.system_prompt)
 
@@ -115,7 +119,7 @@ def test_pass_at_k():
 def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path):
     recipe = _recipe(tmp_path, 4)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    command = [sys.executable, "-m", "guijax.launch", f"--config={recipe}", "--config.stages=('base_model','tasks','sft','grpo')"]
+    command = [sys.executable, "-m", "guijax.launch", f"--config={recipe}", "--config.stages=('base_model','tasks','sft','rl')"]
     clean = tmp_path / "clean"
     subprocess.run(command + [f"--workdir={clean}"], env=env, check=True, capture_output=True, timeout=900)
     killed = tmp_path / "killed"

@@ -1,22 +1,25 @@
-"""ARPO's experience replay (arpo.txt §3.3): a per-task FIFO of successful trajectories; a group that is all
-failure gets one failed rollout replaced by a random buffered success, so it has a non-zero advantage."""
+"""ARPO (arpo.txt): GRPO on the valuable tasks (§3.4: those the base policy solves at least once in
+`arpo.selection_rollouts` rollouts, chosen by the `select` stage) with experience replay (§3.3): a per-task
+FIFO of successful trajectories; a group that is all failure gets one failed rollout replaced by a random
+buffered success, so it has a non-zero advantage."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from typing import Any, Sequence
 
 import numpy as np
 
 from envs.api import Task
-from guijax.algorithms.persist import TrajectoryBank
 from guijax.data.store import TrajectoryStore
+from guijax.methods.base import Context, IdentityHook, Method
+from guijax.methods.persist import TrajectoryBank
+from guijax.rng import Streams
 from guijax.rollout.trajectory import Source, Trajectory
 
 
-class ARPO:
-    name = "arpo"
-
+class ReplayHook(IdentityHook):
     def __init__(self, buffer_size: int = 8, success_threshold: float = 0.1, std_threshold: float = 0.05,
                  mean_threshold: float = 0.2, seed: int = 0, store: TrajectoryStore | None = None):
         """Thresholds are those of the paper's code: a success has reward > 0.1; a group counts as all
@@ -32,7 +35,7 @@ class ARPO:
 
     def _rng(self) -> random.Random:
         self.draws += 1
-        return random.Random(self.seed * 1_000_003 + self.draws)
+        return Streams(self.seed).python("draw", self.draws)
 
     def observe(self, task: Task, rollouts: Sequence[Trajectory]) -> None:
         buf = self.buffers.setdefault(task.id, [])
@@ -69,3 +72,31 @@ class ARPO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.draws = int(state["draws"])
         self.buffers = {k: [self.bank.load(i) for i in v] for k, v in state["buffers"].items()}
+
+
+def valuable_tasks(ctx: Context, tasks: Sequence[Task]) -> list[Task]:
+    """The training tasks the select stage kept (solved at least once in its rollouts)."""
+    selected = ctx.run_dir / "valuable_tasks.json"
+    if not selected.exists():
+        raise FileNotFoundError(f"ARPO trains on the valuable tasks in {selected}: add the 'select' stage to "
+                                "config.stages before the stage that trains it")
+    keep = set(json.loads(selected.read_text())["valuable"])
+    kept = [t for t in tasks if t.id in keep]
+    if not kept:
+        raise ValueError(f"the select stage kept no training task ({selected}: the base policy solved none in "
+                         "its rollouts); nothing for ARPO to train on")
+    return kept
+
+
+class ARPO(Method):
+    name = "arpo"
+    summary = "ARPO: GRPO with per-task success replay on the valuable tasks"
+    section = "arpo"
+    requires = ("select",)
+
+    def hook(self, ctx: Context) -> ReplayHook:
+        return ReplayHook(self.options.buffer_size, seed=ctx.streams.seed_for("replay"),
+                          store=TrajectoryStore(ctx.workdir / "algorithm_trajectories"))
+
+    def training_tasks(self, ctx: Context, tasks: Sequence[Task]) -> list[Task]:
+        return valuable_tasks(ctx, tasks) if self.options.task_selection else list(tasks)

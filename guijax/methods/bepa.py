@@ -1,34 +1,37 @@
-"""BEPA LEVEL-2 (bepa.txt §4.2, Algorithm 2): a per-task cache holding one successful trajectory.
+"""BEPA (bepa.txt) and its ablations. LEVEL-2 (§4.2, Algorithm 2): a per-task cache holding one successful
+trajectory.
 
 After a group with at least one success the cache is refreshed with U(successes); when a group has no
 success and the cache is non-empty, the group's FIRST failed trajectory is replaced by the cached one,
 re-encoded under the plain instruction (no plan). Its π_old log-probs are not carried over: the trainer
 computes old log-probs of every row under the current θ_old, which is what separates BEPA from LUFFY's
 constant off-policy probabilities. The cache is seeded by LEVEL-1's self-rolled successes (D_self).
+
+Methods: `bepa` (LEVEL-1 seeds, refreshed by own successes), `level1_only` (the static LEVEL-1 ablation:
+D_self only, never updated), `level2_only` (seeded by the converted expert traces D_conv, refreshed).
 """
 from __future__ import annotations
 
 import dataclasses
-import random
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from envs.api import Task
-from guijax.algorithms.persist import TrajectoryBank
 from guijax.data.store import TrajectoryStore
+from guijax.methods.base import Context, IdentityHook, Method, Scorer
+from guijax.methods.persist import TrajectoryBank
+from guijax.rng import Streams
 from guijax.rollout.trajectory import Source, Trajectory
 
 UPDATE_RULES = ("random", "logprob", "shortest")
-Scorer = Callable[[Sequence[Trajectory]], Sequence[float]]
 
 
-class BEPA:
-    name = "bepa"
-
+class CacheHook(IdentityHook):
     def __init__(self, update_rule: str = "random", seed: int = 0, store: TrajectoryStore | None = None,
                  scorer: Scorer | None = None, refresh: bool = True):
         """update_rule U: random (the paper's default), logprob (highest mean token log-prob under the current
-        policy; needs `scorer`, which the trainer binds) or shortest (fewest steps, then fewest tokens).
-        refresh=False keeps the LEVEL-1 seed for good (the static-cache ablation)."""
+        policy; needs `scorer`, which the trainer provides) or shortest (fewest steps, then fewest tokens).
+        refresh=False never changes the cache after seeding: no refresh, and no entry for a task without a
+        seed (the static LEVEL-1 ablation keeps D_self only)."""
         if update_rule not in UPDATE_RULES:
             raise ValueError(f"unknown BEPA update_rule {update_rule!r}; choose one of {UPDATE_RULES}")
         self.update_rule, self.seed, self.scorer, self.refresh = update_rule, seed, scorer, refresh
@@ -51,16 +54,16 @@ class BEPA:
             return min(successes, key=lambda t: (len(t.steps), t.num_tokens))
         if self.update_rule == "logprob":
             if self.scorer is None:
-                raise ValueError("BEPA update_rule='logprob' needs a scorer (the trainer binds one)")
+                raise ValueError("BEPA update_rule='logprob' needs a scorer (the trainer provides one)")
             scores = list(self.scorer(successes))
             return successes[max(range(len(successes)), key=scores.__getitem__)]
         self.draws += 1
-        return random.Random(self.seed * 1_000_003 + self.draws).choice(successes)
+        return Streams(self.seed).python("draw", self.draws).choice(successes)
 
     def observe(self, task: Task, rollouts: Sequence[Trajectory]) -> None:
         self._groups += 1
         successes = [t for t in rollouts if t.success and t.source == Source.ON_POLICY]
-        if successes and (self.refresh or task.id not in self.cache):
+        if successes and self.refresh:
             self.cache[task.id] = self._choose(successes)
             self._updates += 1
 
@@ -88,3 +91,40 @@ class BEPA:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.draws = int(state["draws"])
         self.cache = {k: self.bank.load(i) for k, i in state["cache"].items()}
+
+
+class BEPA(Method):
+    name = "bepa"
+    summary = "BEPA: LEVEL-1 self-rolled seeds (D_self) in a per-task cache refreshed by own successes"
+    section = "bepa"
+    requires = ("level1",)
+    refresh = True
+
+    def seeds(self, ctx: Context) -> Iterable[Trajectory]:
+        directory = ctx.run_dir / "level1_trajectories"
+        if not directory.exists():
+            raise FileNotFoundError(f"{self.name} seeds its cache from {directory}: add the 'level1' stage to "
+                                    "config.stages before the stage that trains it")
+        return TrajectoryStore(directory)
+
+    def hook(self, ctx: Context) -> CacheHook:
+        hook = CacheHook(self.options.update_rule, seed=ctx.streams.seed_for("cache"),
+                         store=TrajectoryStore(ctx.workdir / "algorithm_trajectories"), scorer=ctx.score,
+                         refresh=self.refresh)
+        hook.seed_cache(self.seeds(ctx))
+        return hook
+
+
+class Level1Only(BEPA):
+    name = "level1_only"
+    summary = "LEVEL-1 only: the D_self cache, never updated (static)"
+    refresh = False
+
+
+class Level2Only(BEPA):
+    name = "level2_only"
+    summary = "LEVEL-2 only: a cache seeded by the converted expert traces D_conv, refreshed by own successes"
+    requires = ("expert",)
+
+    def seeds(self, ctx: Context) -> Iterable[Trajectory]:
+        return ctx.expert_traces().values()

@@ -1,4 +1,4 @@
-"""Algorithm hooks on hand-made groups: ARPO replay, BEPA LEVEL-2 cache, expert-mixing baselines, and
+"""Method hooks on hand-made groups: ARPO replay, BEPA LEVEL-2 cache, expert-mixing baselines, and
 their checkpointed state round-tripping through a TrajectoryStore."""
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from envs.api import Task
-from guijax.algorithms import make_algorithm
+from guijax.methods.arpo import ReplayHook
+from guijax.methods.bepa import CacheHook
+from guijax.methods.expert_mix import AppendHook, AuxiliaryHook, ReplacementHook
 from guijax.data.store import TrajectoryStore
 from guijax.rollout.trajectory import Source, Status, Step, Trajectory
 
@@ -26,7 +28,7 @@ def tags(group):
 
 
 def test_bepa_injects_cache_into_first_failure_without_plan_and_refreshes_on_success(tmp_path):
-    bepa = make_algorithm("bepa", store=TrajectoryStore(tmp_path))
+    bepa = CacheHook(store=TrajectoryStore(tmp_path))
     failures = [traj(0.0, tag=i) for i in range(4)]
     assert bepa.assemble(TASK, failures) == failures  # empty cache: the group is left alone
     assert bepa.seed_cache([traj(0.0, tag=8), traj(1.0, plan=("1. click OK",), tag=9)]) == 1
@@ -45,17 +47,17 @@ def test_bepa_injects_cache_into_first_failure_without_plan_and_refreshes_on_suc
 
 def test_bepa_update_rules():
     short, long_ = traj(1.0, steps=1, tag=1), traj(1.0, steps=3, tag=2)
-    b = make_algorithm("bepa", update_rule="shortest")
+    b = CacheHook(update_rule="shortest")
     b.observe(TASK, [long_, short])
     assert b.cache["t1"] is short
-    b = make_algorithm("bepa", update_rule="logprob", scorer=lambda ts: [-1.0 if t is short else -0.1 for t in ts])
+    b = CacheHook(update_rule="logprob", scorer=lambda ts: [-1.0 if t is short else -0.1 for t in ts])
     b.observe(TASK, [short, long_])
     assert b.cache["t1"] is long_
     with pytest.raises(ValueError, match="scorer"):
-        make_algorithm("bepa", update_rule="logprob").observe(TASK, [short])
+        CacheHook(update_rule="logprob").observe(TASK, [short])
     with pytest.raises(ValueError, match="update_rule"):
-        make_algorithm("bepa", update_rule="best")
-    static = make_algorithm("bepa", refresh=False)
+        CacheHook(update_rule="best")
+    static = CacheHook(refresh=False)
     static.seed_cache([traj(1.0, tag=5)])
     static.observe(TASK, [traj(1.0, tag=6)])
     assert static.cache["t1"].meta["tag"] == 5
@@ -63,22 +65,22 @@ def test_bepa_update_rules():
 
 def test_bepa_cache_survives_a_checkpoint(tmp_path):
     store = TrajectoryStore(tmp_path / "bank")
-    b = make_algorithm("bepa", store=store)
+    b = CacheHook(store=store)
     b.seed_cache([traj(1.0, tag=7)])
     state = b.state_dict()
     assert b.state_dict() == state and len(store) == 1  # stored once, referenced after
-    restored = make_algorithm("bepa", store=TrajectoryStore(tmp_path / "bank"))
+    restored = CacheHook(store=TrajectoryStore(tmp_path / "bank"))
     restored.load_state_dict(state)
     got = restored.cache["t1"]
     assert got.meta["tag"] == 7 and np.array_equal(got.steps[0].response_tokens, np.arange(3) + 7)
-    unstored = make_algorithm("bepa")
+    unstored = CacheHook()
     unstored.seed_cache([traj(1.0)])
     with pytest.raises(ValueError, match="TrajectoryStore"):
         unstored.state_dict()
 
 
 def test_arpo_replays_a_buffered_success_into_an_all_failure_group(tmp_path):
-    arpo = make_algorithm("arpo", buffer_size=2, store=TrajectoryStore(tmp_path))
+    arpo = ReplayHook(buffer_size=2, store=TrajectoryStore(tmp_path))
     for tag in (1, 2, 3):
         arpo.observe(TASK, [traj(1.0, tag=tag), traj(0.0, tag=0)])
     assert tags(arpo.buffers["t1"]) == [2, 3]  # FIFO evicts the oldest
@@ -90,7 +92,7 @@ def test_arpo_replays_a_buffered_success_into_an_all_failure_group(tmp_path):
     mixed = [traj(1.0, tag=20), traj(0.0, tag=21)]
     assert arpo.assemble(TASK, mixed) == mixed  # std >= 0.05: not all failure
     state = arpo.state_dict()
-    again = make_algorithm("arpo", buffer_size=2, store=TrajectoryStore(tmp_path))
+    again = ReplayHook(buffer_size=2, store=TrajectoryStore(tmp_path))
     again.load_state_dict(state)
     assert tags(again.buffers["t1"]) == tags(arpo.buffers["t1"]) and again.draws == arpo.draws
 
@@ -99,20 +101,23 @@ def test_expert_mixing_baselines():
     expert = traj(1.0, tag=99)
     expert.source = Source.EXPERT
     failures = [traj(0.0, tag=i) for i in range(3)]
-    tr = make_algorithm("trace_replacement", expert_traces={"t1": expert})
+    tr = ReplacementHook({"t1": expert})
     assert tags(tr.assemble(TASK, failures)) == [99, 1, 2]
     assert tags(tr.assemble(TASK, [traj(1.0, tag=5)])) == [5]
-    luffy = make_algorithm("luffy", expert_traces={"t1": expert})
+    luffy = AppendHook({"t1": expert})
     assert tags(luffy.assemble(TASK, [traj(1.0, tag=5)])) == [5, 99]
-    rl_sft = make_algorithm("rl_sft", expert_traces={"t1": expert})
-    group = rl_sft.assemble(TASK, failures)
-    assert tags(group) == [0, 1, 2, 99] and group[-1].meta["sft_only"] and not failures[0].meta.get("sft_only")
-    assert make_algorithm("luffy", expert_traces={}).assemble(TASK, failures) == failures
+    rl_sft = AuxiliaryHook({"t1": expert})
+    assert rl_sft.assemble(TASK, failures) == failures  # the group itself is untouched: advantages as GRPO's
+    assert tags(rl_sft.auxiliary(TASK)) == [99] and rl_sft.auxiliary(TASK)[0].source == Source.EXPERT
+    assert AppendHook({}).assemble(TASK, failures) == failures
 
 
-def test_make_algorithm_errors_name_the_problem():
-    with pytest.raises(ValueError, match="unknown algorithm 'bepa2'.*bepa"):
-        make_algorithm("bepa2")
-    with pytest.raises(ValueError, match="no option.*buffer"):
-        make_algorithm("bepa", buffer=3)
-    assert make_algorithm("grpo", store=None, expert_traces={}).name == "grpo"
+def test_static_level1_cache_never_gains_an_entry_for_an_unseeded_task():
+    """The LEVEL-1-only ablation keeps D_self only: a task with no seed stays uncached after a success."""
+    static = CacheHook(refresh=False)
+    static.observe(TASK, [traj(1.0, tag=6)])
+    assert "t1" not in static.cache
+    assert static.assemble(TASK, [traj(0.0, tag=1)])[0].meta["tag"] == 1
+    live = CacheHook()
+    live.observe(TASK, [traj(1.0, tag=6)])
+    assert live.cache["t1"].meta["tag"] == 6

@@ -1,0 +1,34 @@
+"""ARPO for UI-TARS-1.5-7B on OSWorld on one 8-GPU node (`python -m guijax.launch --config=arpo_gpu`).
+
+The paper's constants (arpo.txt §4.1) and its public code's (clip ratios 0.2/0.3, lr 1e-6, no KL, 15
+steps per episode, 15 epochs): 16 base-policy rollouts per task select the valuable tasks (solved at least
+once; 128 in the paper), GRPO with groups of 8, 32 tasks per rollout batch, temperature 1.0 for training
+and 0.6 for evaluation, per-task replay of successes. Mini-batches of 8 rows (one per GPU) with 4-step
+gradient accumulation. The paper feeds the whole 15-step history; five full-HD screenshots already fill
+the 16k-token bucket one GPU's step holds (see grpo_gpu), so this recipe keeps the last five and the rest
+as text, as the other 7B recipes do.
+"""
+from configs._common import base, uitars_on_osworld
+
+
+def get_config():
+    c = uitars_on_osworld(base("arpo_gpu"))
+    c.accelerator = "gpu"
+    c.stages = ("base_model", "tasks", "select", "eval_base", "rl", "eval_final", "report")
+    c.method = "arpo"
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+    c.mesh.num_devices = 8
+    c.arpo.selection_rollouts = 16
+    c.arpo.buffer_size = 8
+    c.rollout.group_size = 8
+    c.rollout.tasks_per_iteration = 32
+    c.rollout.temperature = 1.0
+    c.eval.temperature = 0.6
+    c.env.step_limit = 15
+    c.train.eps_low, c.train.eps_high = 0.2, 0.3
+    c.train.kl_coef = 0.0
+    c.optim.learning_rate = 1e-6
+    c.train.minibatch_size = 8
+    c.optim.grad_accum_steps = 4
+    c.train.iterations = 15 * 128 // 32  # 15 epochs over the 128 valuable tasks
+    return c

@@ -1,0 +1,138 @@
+"""What a method is: one unit that owns its config section, its trajectory hook, its objective, the stages
+whose outputs it reads, and any training it does before (or instead of) the RL loop.
+
+The RL loop (`guijax.trainer`) and the jitted step know only this interface. A method is registered by name
+in `guijax.methods` (its `REGISTRY`); adding one touches its own module and that registry.
+
+Hooks: `observe(task, rollouts)` sees a task's raw on-policy group (to update replay buffers or caches);
+`assemble(task, rollouts)` returns the group that is trained on, possibly with injected trajectories;
+`auxiliary(task)` returns rows that join the batch with zero advantage for a term of the method's own loss
+(RL+SFT's cross-entropy rows). Hooks keep JSON-serialisable state, checkpointed with the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+
+import ml_collections
+
+from envs.api import Task
+from guijax import objectives
+from guijax.rng import Streams
+from guijax.rollout.trajectory import Trajectory
+
+Scorer = Callable[[Sequence[Trajectory]], Sequence[float]]
+
+
+class Hook(Protocol):
+    def observe(self, task: Task, rollouts: Sequence[Trajectory]) -> None: ...
+
+    def assemble(self, task: Task, rollouts: Sequence[Trajectory]) -> list[Trajectory]: ...
+
+    def auxiliary(self, task: Task) -> list[Trajectory]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since the last call (injections, cache updates), logged with the iteration."""
+        ...
+
+
+class IdentityHook:
+    """Train on the on-policy group as it is (GRPO); the base of hooks that change only some of it."""
+
+    def observe(self, task: Task, rollouts: Sequence[Trajectory]) -> None:
+        return None
+
+    def assemble(self, task: Task, rollouts: Sequence[Trajectory]) -> list[Trajectory]:
+        return list(rollouts)
+
+    def auxiliary(self, task: Task) -> list[Trajectory]:
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} has no state, got keys {sorted(state)}")
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a method may read from its run. The pipeline fills it, so methods never import the pipeline.
+
+    `run_dir` holds the outputs of earlier stages (the method names the ones it reads in `requires`);
+    `workdir` is the method's own directory; `streams` its random streams; `expert_traces` loads the
+    converted expert traces on first use; `train_tasks` is the training split; `score` is the trainer's mean response log-prob of trajectories
+    under the current policy (bound when the trainer builds the hook)."""
+
+    config: ml_collections.ConfigDict
+    run_dir: pathlib.Path
+    workdir: pathlib.Path
+    streams: Streams
+    expert_traces: Callable[[], Mapping[str, Trajectory]] = dict
+    train_tasks: Sequence[Task] = ()
+    score: Scorer | None = None
+
+
+class Method:
+    """A training method. Subclasses set the class attributes and override what differs from GRPO."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    section: ClassVar[str | None] = None  # the config section this method owns (its knobs)
+    requires: ClassVar[tuple[str, ...]] = ()  # stages whose outputs it reads, in any order before it runs
+    losses: ClassVar[tuple[str, ...]] = ("grpo",)  # losses it can train with; the first is its default
+    normalizations: ClassVar[tuple[str, ...]] = ("token", "sequence")
+    rl: ClassVar[bool] = True  # False: trains only in `before_rl` (offline methods, the SFT baseline)
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        self.config = config
+
+    @property
+    def options(self) -> Any:
+        """The method's own config section."""
+        if self.section is None:
+            raise AttributeError(f"method {self.name!r} has no config section")
+        return self.config[self.section]
+
+    def validate(self) -> None:
+        """Reject a combination this method cannot train with, naming the config key."""
+        train = self.config.train
+        if train.loss and train.loss not in self.losses:
+            raise ValueError(f"method {self.name!r} cannot train with train.loss={train.loss!r}; it uses "
+                             f"{' or '.join(repr(x) for x in self.losses)} (or leave train.loss empty for its default)")
+        if train.normalization not in self.normalizations:
+            raise ValueError(f"method {self.name!r} does not support train.normalization={train.normalization!r}; "
+                             f"choose one of {self.normalizations}")
+
+    def loss(self) -> Any:
+        return objectives.make_loss(self.config.train.loss or self.losses[0], self.config.train)
+
+    def objective(self) -> objectives.Objective:
+        return objectives.Objective(self.loss())
+
+    def hook(self, ctx: Context) -> Hook:
+        return IdentityHook()
+
+    def training_tasks(self, ctx: Context, tasks: Sequence[Task]) -> list[Task]:
+        """The tasks the RL loop samples from (ARPO keeps its valuable ones)."""
+        return list(tasks)
+
+    def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
+        """Training before the RL loop, in place on `policy.params` (SFT baselines, offline methods)."""
+        return None
+
+    def describe(self) -> str:
+        train = self.config.train
+        if not self.rl:
+            return self.summary
+        return (f"{self.summary}; {train.iterations} iterations of {self.config.rollout.tasks_per_iteration} tasks "
+                f"x {self.config.rollout.group_size} episodes, {train.ppo_epochs} PPO epoch(s) each")

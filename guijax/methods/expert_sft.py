@@ -1,0 +1,49 @@
+"""BEPA's SFT baselines (bepa.txt §5.1, App. E.1): `sft` fine-tunes the base policy on the converted expert
+traces D_conv of the training tasks for `expert_sft.epochs` epochs and stops; `sft_rl` then runs GRPO."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+from guijax.methods.base import Context, Method
+from guijax.metrics import MetricsWriter
+
+
+class SFT(Method):
+    name = "sft"
+    summary = "SFT on D_conv"
+    section = "expert_sft"
+    requires = ("expert",)
+    rl = False
+
+    def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
+        from guijax.trainer import sft_steps
+
+        train_ids = {t.id for t in ctx.train_tasks}
+        traces = [t for t in ctx.expert_traces().values() if t.task_id in train_ids]
+        if not traces:
+            raise ValueError(f"{self.name}: no converted expert trace of a training task to fine-tune on")
+        config = ml_collections.ConfigDict(self.config.to_dict())
+        config.sft.learning_rate = self.options.learning_rate  # fine-tuning, not the fresh model's warm start
+        steps = max(1, self.options.epochs * sum(len(t.steps) for t in traces) // config.sft.batch_size)
+        writer = MetricsWriter(ctx.workdir, "sft_metrics.jsonl", console=False)
+        policy.params, _ = sft_steps(policy, traces, policy.processor, config,
+                                     dataclasses.replace(pipeline, seed=ctx.streams.seed_for("sft", "data")), steps,
+                                     config.sft.batch_size, seed=ctx.streams.seed_for("sft", "data"),
+                                     log=writer.write, checkpoint_dir=ctx.workdir / "sft_checkpoints",
+                                     desc=f"{self.name} sft")
+        writer.close()
+
+    def describe(self) -> str:
+        return f"{self.options.epochs} SFT epochs on D_conv at lr {self.options.learning_rate:g}"
+
+
+class SFTThenRL(SFT):
+    name = "sft_rl"
+    summary = "SFT on D_conv, then GRPO"
+    rl = True
+
+    def describe(self) -> str:
+        return f"{SFT.describe(self)}; then {Method.describe(self)}"

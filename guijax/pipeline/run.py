@@ -1,0 +1,125 @@
+"""What every stage of a run shares: its config and workdir, and the policy, tasks, mesh, environment pool
+and rollout engine it builds once and caches."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import ml_collections
+
+from guijax.rng import Streams
+from guijax.rollout.prompt import COMPACT_PROMPT
+
+
+@dataclasses.dataclass
+class Run:
+    config: ml_collections.ConfigDict
+    workdir: pathlib.Path
+    _cache: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def streams(self) -> Streams:
+        """The run's named random streams (guijax.rng): every draw is keyed by stage and purpose."""
+        return Streams(self.config.seed)
+
+    @property
+    def system_prompt(self) -> str | None:
+        return COMPACT_PROMPT if self.config.rollout.prompt == "compact" else None
+
+    def mesh(self):
+        if "mesh" not in self._cache:
+            from guijax.sharding import MeshConfig, make_mesh
+
+            m = self.config.mesh
+            self._cache["mesh"] = make_mesh(MeshConfig(m.data, m.fsdp, m.tensor))
+        return self._cache["mesh"]
+
+    @property
+    def base_model_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.config.model.path) if self.config.model.path else self.workdir / "base_model"
+
+    def load_policy(self, path: pathlib.Path):
+        from guijax.models.policy import from_pretrained
+
+        policy = from_pretrained(path, dtype=self.config.model.dtype,
+                                 param_dtype=self.config.model.param_dtype or None, mesh=self.mesh(),
+                                 remat_policy=self.config.model.remat,
+                                 attention_impl=self.config.model.get("attention", "auto"),
+                                 scan_layers=self.config.model.scan_layers)
+        processor = policy.processor
+        if self.config.model.image_max_pixels:
+            processor.image_processor = dataclasses.replace(processor.image_processor,
+                                                            max_pixels=self.config.model.image_max_pixels)
+        return policy
+
+    def tasks(self) -> dict[str, list]:
+        from envs.tasks import load_tasks
+
+        if "tasks" not in self._cache:
+            data = json.loads((self.workdir / "splits.json").read_text())
+            tasks = {t.id: t for t in load_tasks(self.workdir / "tasks.json")}
+            self._cache["tasks"] = {name: [tasks[i] for i in ids] for name, ids in data.items()}
+        return self._cache["tasks"]
+
+    def pool(self):
+        if "pool" not in self._cache:
+            from envs.pool import DeskFactory, EnvPool
+
+            e = self.config.env
+            if e.kind == "desk":
+                factories = DeskFactory(tuple(e.screen), e.step_limit, self.streams.seed_for("env"), e.popups)
+                workers = e.num_workers
+            elif e.kind == "osworld":
+                import os
+
+                from envs.client import RemoteFactory
+
+                if not e.server_urls:
+                    raise ValueError("env.kind='osworld' needs env.server_urls: one desktop server (an OSWorld VM "
+                                     "or `python -m envs.server`) per rollout worker")
+                token = os.environ.get(e.server_token_env) if e.server_token_env else None
+                factories = [RemoteFactory(url, token, e.step_limit, tuple(e.cache_dirs)) for url in e.server_urls]
+                workers = len(factories)
+            else:
+                raise ValueError(f"unknown env.kind {e.kind!r}; choose 'desk' or 'osworld'")
+            self._cache["pool"] = EnvPool(factories, workers, timeout_s=e.timeout_s)
+        return self._cache["pool"]
+
+    def engine(self, policy, temperature: float):
+        from guijax.rollout.engine import RolloutEngine
+        from guijax.sampling import Sampler
+        from guijax.trainer import rollout_config, sampling_config
+
+        sampler = Sampler(policy.module, sampling_config(self.config, policy.processor, temperature), mesh=self.mesh())
+        return RolloutEngine(self.pool(), sampler, policy.processor, rollout_config(self.config, self.system_prompt))
+
+    def close(self) -> None:
+        if "pool" in self._cache:
+            self._cache["pool"].close()
+
+    def all_tasks(self) -> list:
+        """Every task of every split once, in split order."""
+        seen, out = set(), []
+        for tasks in self.tasks().values():
+            for t in tasks:
+                if t.id not in seen:
+                    seen.add(t.id)
+                    out.append(t)
+        return out
+
+    def expert_traces(self) -> dict[str, Any]:
+        """{task id: converted expert trajectory (D_conv)} written by the expert stage."""
+        from guijax.data.store import TrajectoryStore
+
+        if "expert_traces" not in self._cache:
+            if not (self.workdir / "expert.json").exists():
+                raise FileNotFoundError(f"{self.workdir}/expert.json missing: add the 'expert' stage to config.stages "
+                                        "before the stage that reads the expert traces")
+            self._cache["expert_traces"] = {t.task_id: t for t in TrajectoryStore(self.workdir / "expert_traces")}
+        return self._cache["expert_traces"]
+
+    def forget_tasks(self) -> None:
+        """Stages that rewrite splits.json call this so later stages read the new splits."""
+        self._cache.pop("tasks", None)

@@ -1,0 +1,84 @@
+"""The trainer's update with each objective setting, on converted expert traces of the tiny preset: the KL term
+reads reference log-probs of the initial policy, and each normalisation divides by what it says."""
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from guijax import launch, objectives
+from guijax.methods import get_method
+from guijax.pipeline import base_stages
+from guijax.pipeline.run import Run
+from guijax.trainer import Components, Trainer
+
+TINY = ["model.preset=tiny", "model.tokenizer_vocab=1024", "env.families=('click_button',)", "env.num_tasks=2",
+        "env.step_limit=3", "rollout.max_new_tokens=24", "pipeline.length_buckets=(192, 256, 384)",
+        "pipeline.patch_bucket=64", "sft.traces_per_task=1", "optim.learning_rate=1e-3"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A tiny base model, two tasks and their converted expert traces (text responses of 1-3 steps)."""
+    workdir = tmp_path_factory.mktemp("run")
+    run = Run(launch.resolve("grpo_cpu", TINY), workdir)
+    base_stages.base_model.fn(run)
+    base_stages.tasks.fn(run)
+    return workdir, base_stages.expert_trajectories(run, run.all_tasks())
+
+
+def _trainer(workdir: pathlib.Path, overrides: list[str]) -> Trainer:
+    config = launch.resolve("grpo_cpu", TINY + overrides)
+    run = Run(config, workdir)
+    policy = run.load_policy(run.base_model_dir)
+    method = get_method("grpo", config)
+    parts = Components(policy, None, policy.processor, [], lambda score: method.hook(None), method.objective(),
+                       run.system_prompt, None, streams=run.streams)
+    return Trainer(config, workdir / "trainer", parts)
+
+
+def _rows(trajectories, advantages):
+    """(advantage, response tokens) per step row, as the pipeline lays them out."""
+    return [(a, None) for t, a in zip(trajectories, advantages) for _ in t.steps]
+
+
+def test_sequence_and_token_normalisation_divide_by_rows_and_tokens(prepared):
+    workdir, trajectories = prepared
+    advantages = np.asarray([1.5, -0.5][:len(trajectories)] + [0.25] * max(0, len(trajectories) - 2), np.float32)
+    keep = list(range(len(trajectories)))
+    losses = {}
+    for normalization in ("token", "sequence"):
+        trainer = _trainer(workdir, [f"train.normalization={normalization}", "train.minibatch_size=32",
+                                     "optim.learning_rate=1e-9"])
+        losses[normalization] = trainer._update(trajectories, advantages, keep)
+        trainer.close()
+    rows = np.asarray([a for a, _ in _rows(trajectories, advantages)])
+    # at the first epoch the ratio is 1, so the surrogate of a row's token is -A: "sequence" averages rows
+    assert losses["sequence"]["loss"] == pytest.approx(-rows.mean(), rel=1e-4, abs=1e-5)
+    tokens = losses["token"]["tokens"]
+    assert tokens > len(rows)  # responses are several tokens long: the two normalisations must differ
+    assert losses["token"]["loss"] != pytest.approx(losses["sequence"]["loss"], rel=1e-3)
+
+
+def test_kl_coefficient_scores_the_initial_policy_and_changes_the_update(prepared):
+    workdir, trajectories = prepared
+    advantages = np.linspace(1.0, -1.0, len(trajectories)).astype(np.float32)
+    keep = list(range(len(trajectories)))
+    plain = _trainer(workdir, ["train.ppo_epochs=3"])
+    with_kl = _trainer(workdir, ["train.ppo_epochs=3", "train.kl_coef=0.5"])
+    assert plain.ref_params is None and with_kl.objective.reference_kl
+    m_plain = plain._update(trajectories, advantages, keep)
+    m_kl = with_kl._update(trajectories, advantages, keep)
+    assert "ref_kl" not in m_plain and m_kl["ref_kl"] > 0  # later epochs move away from the reference
+    leaves = lambda t: np.concatenate([np.ravel(np.asarray(x)) for x in __import__("jax").tree.leaves(t.state.params)])  # noqa: E731
+    assert not np.allclose(leaves(plain), leaves(with_kl))  # the KL gradient changed the parameters
+    for t in (plain, with_kl):
+        t.close()
+
+
+def test_a_kl_loss_without_reference_log_probs_is_refused():
+    loss = objectives.ClippedPolicyLoss(objectives.losses.ClipConfig(kl_coef=0.1))
+    batch = {k: np.zeros((1, 4), np.float32) for k in ("old_logp", "advantages", "loss_mask")}
+    with pytest.raises(ValueError, match="ref_logp"):
+        loss(np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32), batch)
