@@ -3,160 +3,32 @@ from __future__ import annotations
 
 import ml_collections
 
+from guijax.methods import option_sections
+from guijax.schema import (Compare, DryRun, Env, Eval, Mesh, Model, Optim, Pipeline, Rollout, Sft, TopLevel,
+                           Train, section_defaults)
+
 
 def base(name: str) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+    """The generic sections hold the defaults guijax.schema declares (their meaning is documented there);
+    the method sections below are spelled out here."""
+    c = section_defaults(TopLevel)
     c.name = name
-    c.seed = 0
-    c.stages = ()
-    c.method = "grpo"  # what the `rl` stage trains: a name of guijax.methods.REGISTRY
-    c.distributed = "auto"  # auto | on | off: jax.distributed.initialize() on TPU pods / SLURM
-    c.accelerator = ""  # "" (whatever jax finds) | cpu | gpu | tpu: checked before any stage runs
-    c.compilation_cache_dir = "~/.cache/guijax/xla"  # XLA's persistent compilation cache; "" turns it off
+    c.model = section_defaults(Model)
+    c.mesh = section_defaults(Mesh)
+    c.env = section_defaults(Env)
+    c.rollout = section_defaults(Rollout)
+    c.pipeline = section_defaults(Pipeline)
+    c.train = section_defaults(Train)
+    c.optim = section_defaults(Optim)
+    c.sft = section_defaults(Sft)
 
-    c.model = ml_collections.ConfigDict()
-    c.model.preset = "small"  # used when model.path is empty: a fresh checkpoint is created in the workdir
-    c.model.path = ""  # a Hugging Face Qwen2.5-VL directory (e.g. a local UI-TARS-1.5-7B copy)
-    c.model.dtype = "float32"  # compute dtype
-    c.model.param_dtype = ""  # empty: same as dtype
-    c.model.remat = "none"  # none | full | dots_saveable | attention_saveable (guijax.models.scan)
-    c.model.attention = "auto"  # auto | xla | cudnn | reference: attention backend (guijax/models/attention.py)
-    c.model.scan_layers = True  # decoder layers and vision blocks under scan: compile time flat in depth
-    c.model.tokenizer_vocab = 0  # fresh checkpoints: BPE vocab size (0: the preset's vocab size)
-    c.model.image_max_pixels = 0  # 0: the checkpoint's preprocessor_config; else downscale screenshots for the policy
+    for section, options in option_sections().items():  # each method's section, from its own dataclass
+        c[section] = section_defaults(options)
 
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1
-    c.mesh.fsdp = -1  # -1: all remaining devices
-    c.mesh.tensor = 1
-    c.mesh.num_devices = 0  # 0: the devices present; set it to dry-run a pod-sized mesh on a laptop
+    c.compare = section_defaults(Compare)
 
-    c.env = ml_collections.ConfigDict()
-    c.env.kind = "desk"  # desk (synthetic, in-process workers) | osworld (remote desktop servers)
-    c.env.server_urls = ()  # osworld: one server URL per rollout worker (OSWorld VMs or `python -m envs.server`)
-    c.env.server_token_env = ""  # osworld: environment variable holding the servers' bearer token
-    c.env.osworld_dir = ""  # osworld: OSWorld's evaluation_examples folder
-    c.env.osworld_split = ""  # osworld: a split file ({domain: [ids]}); empty: every task in osworld_dir
-    c.env.cache_dirs = ()  # osworld: local folders with files the tasks would download
-    c.env.num_workers = 2
-    c.env.timeout_s = 120.0
-    c.env.screen = (280, 280)
-    c.env.step_limit = 15
-    c.env.popups = True
-    c.env.num_tasks = 36
-    c.env.families = ()
-    c.env.held_out_families = ()
-    c.env.held_out_fraction = 0.2
-
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.group_size = 8
-    c.rollout.tasks_per_iteration = 16
-    c.rollout.max_images = 5
-    c.rollout.temperature = 1.0
-    c.rollout.top_p = 1.0
-    c.rollout.top_k = 0
-    c.rollout.max_new_tokens = 256
-    c.rollout.max_sampler_rows = 0  # rows per sampler program (0: all live episodes at once); see --dry_run
-    c.rollout.format_reward = -1.0
-    c.rollout.format_weight = 0.5
-    c.rollout.prompt = "uitars"  # uitars | compact
-
-    c.pipeline = ml_collections.ConfigDict()
-    c.pipeline.length_buckets = (256, 512, 1024, 2048, 4096, 8192, 16384)
-    c.pipeline.patch_bucket = 1024
-    c.pipeline.worker_count = 0  # grain worker processes for prompt encoding + image patches (0: in-process threads)
-    c.pipeline.response_bucket = 64  # log-probs on response positions only, their count padded to this multiple
-    c.pipeline.dedupe_images = True  # each distinct screenshot of a batch through the vision tower once
-    c.pipeline.shuffle_block = 1  # >1: batches of runs of consecutive steps, which share screenshots (fewer patches)
-
-    c.train = ml_collections.ConfigDict()
-    c.train.iterations = 100
-    c.train.ppo_epochs = 1
-    c.train.minibatch_size = 8
-    c.train.loss = ""  # "": the method's own loss; else grpo | luffy | sft, if the method can use it
-    c.train.eps_low = 0.2
-    c.train.eps_high = 0.3
-    c.train.dual_clip = 0.0
-    c.train.kl_coef = 0.0
-    c.train.normalization = "token"
-    c.train.logprob_impl = "auto"
-    c.train.checkpoint_every = 5
-    c.train.keep_checkpoints = 3
-    c.train.max_nonfinite_in_row = 3
-
-    c.optim = ml_collections.ConfigDict()
-    c.optim.learning_rate = 1e-6
-    c.optim.warmup_steps = 0
-    c.optim.total_steps = 1000
-    c.optim.schedule = "constant"
-    c.optim.weight_decay = 0.0
-    c.optim.b1 = 0.9
-    c.optim.b2 = 0.999
-    c.optim.eps = 1e-8
-    c.optim.max_grad_norm = 1.0
-    c.optim.grad_accum_steps = 1
-    c.optim.state_dtype = "float32"
-
-    c.sft = ml_collections.ConfigDict()
-    c.sft.steps = 0
-    c.sft.batch_size = 8
-    c.sft.learning_rate = 1e-4
-    c.sft.traces_per_task = 1
-    c.sft.expert_noise = 0.0
-    c.sft.families = ()  # empty: every family of the training split
-    c.sft.plan_only_families = ()  # families whose traces appear only plan-conditioned
-    c.sft.plan_fraction = 0.0  # share of SFT traces repeated with the plan appended (BEPA LEVEL-1 prompts)
-    c.sft.checkpoint_every = 50  # steps between SFT checkpoints (params, optimiser, grain iterator position)
-
-    c.bepa = ml_collections.ConfigDict()
-    c.bepa.update_rule = "random"  # U: random | logprob | shortest
-    c.bepa.plan_extractor = "rule"  # rule | chat (OpenAI-compatible; never used in tests)
-    c.bepa.plan_url = ""
-    c.bepa.plan_model = "gpt-4o"
-    c.bepa.plan_api_key_env = "OPENAI_API_KEY"
-    c.bepa.expert_dir = ""  # folders of recorded expert traces (trace.json + PNGs); empty: the scripted desk expert
-    c.bepa.expert_noise = 0.0  # scripted expert: chance of a wrong or missed action per step
-    # D_conv's thoughts: terse (the SFT warm start's voice) | verbose (a framework worker's narration, which
-    # the base policy has never seen: the expert-to-policy distribution gap of BEPA §3)
-    c.bepa.conversion_thoughts = "terse"
-    c.bepa.base_pass_k = 5  # level1: plain base-policy rollouts per task (its pass@k)
-    c.bepa.level1_rollouts = 1  # level1: plan-conditioned rollouts per task
-    c.bepa.train_fraction = 0.8  # bepa_splits: share of the solvable pool that trains
-    c.bepa.extra_train_tasks = 8  # bepa_splits: unsolvable tasks added to the training split
-
-    c.arpo = ml_collections.ConfigDict()  # the arpo method
-    c.arpo.buffer_size = 8  # successes kept per task (FIFO)
-    c.arpo.selection_rollouts = 16  # select stage: base-policy rollouts per task (ARPO §3.4: 16)
-    c.arpo.task_selection = True  # train on the valuable tasks only (False: the selection ablation)
-
-    c.offline = ml_collections.ConfigDict()  # the rft, dpo and kto methods (on the select stage's rollouts)
-    c.offline.steps = 20
-    c.offline.batch_trajectories = 8
-    c.offline.learning_rate = 1e-5
-    c.offline.beta = 0.1
-
-    c.luffy = ml_collections.ConfigDict()  # the luffy method
-    c.luffy.gamma = 0.1  # policy shaping f(w) = w / (w + γ) (BEPA App. E.3)
-
-    c.rl_sft = ml_collections.ConfigDict()  # the rl_sft method
-    c.rl_sft.coef = 1.0  # λ of the cross-entropy term on the D_conv rows
-
-    c.expert_sft = ml_collections.ConfigDict()  # the sft and sft_rl baselines
-    c.expert_sft.epochs = 3  # epochs over D_conv (BEPA App. E.1: 3)
-    c.expert_sft.learning_rate = 1e-6  # fine-tuning at the RL rate (BEPA App. E: both 1e-6)
-
-    c.compare = ml_collections.ConfigDict()
-    c.compare.methods = ("grpo", "bepa")  # the methods stage trains each from the same base policy
-
-    c.dry_run = ml_collections.ConfigDict()  # --dry_run compiles the real train step at these shapes
-    c.dry_run.topology = ""  # a TPU topology such as "v5p:4x4x4"; GPU recipes are compiled for one v5p chip
-    c.dry_run.screenshot_hw = (1080, 1920)  # each row's screenshots (rollout.max_images of them)
-
-    c.eval = ml_collections.ConfigDict()
-    c.eval.splits = ("train", "held_out")
-    c.eval.episodes_per_task = 4
-    c.eval.temperature = 0.6
-    c.eval.pass_k = (1,)
+    c.dry_run = section_defaults(DryRun)
+    c.eval = section_defaults(Eval)
     return c
 
 

@@ -18,6 +18,16 @@ REGISTRY: dict[str, type[Method]] = {m.name: m for m in (
     GRPO, ARPO, BEPA, Level1Only, Level2Only, TraceReplacement, LUFFY, RLPlusSFT, SFT, SFTThenRL, RFT, DPO, KTO)}
 
 
+def option_sections() -> dict[str, type]:
+    """{config section: its dataclass} over every registered method (methods may share one section)."""
+    sections: dict[str, type] = {}
+    for cls in REGISTRY.values():
+        if cls.section is not None:
+            if sections.setdefault(cls.section, cls.options_class) is not cls.options_class:
+                raise TypeError(f"methods declare section {cls.section!r} with different option classes")
+    return sections
+
+
 def method_names() -> list[str]:
     return sorted(REGISTRY)
 
@@ -33,4 +43,4 @@ def get_method(name: str, config: ml_collections.ConfigDict, key: str = "method"
     return method
 
 
-__all__ = ["Context", "Hook", "IdentityHook", "Method", "REGISTRY", "get_method", "method_names"]
+__all__ = ["Context", "Hook", "IdentityHook", "Method", "REGISTRY", "get_method", "method_names", "option_sections"]

@@ -16,7 +16,17 @@ from guijax.data.store import TrajectoryStore
 from guijax.methods.base import Context, IdentityHook, Method
 from guijax.methods.persist import TrajectoryBank
 from guijax.rng import Streams
+from guijax.schema import ranged
 from guijax.rollout.trajectory import Source, Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class ARPOOptions:
+    """`arpo`: replay buffer size, the select stage's rollouts per task, and whether to train on its choice."""
+
+    buffer_size: int = ranged(8, low=1)  # successes kept per task (FIFO)
+    selection_rollouts: int = ranged(16, low=1)  # select stage: base-policy rollouts per task (ARPO §3.4: 16)
+    task_selection: bool = True  # train on the valuable tasks only (False: the selection ablation)
 
 
 class ReplayHook(IdentityHook):
@@ -92,6 +102,7 @@ class ARPO(Method):
     name = "arpo"
     summary = "ARPO: GRPO with per-task success replay on the valuable tasks"
     section = "arpo"
+    options_class = ARPOOptions
     requires = ("select",)
 
     def hook(self, ctx: Context) -> ReplayHook:

@@ -88,6 +88,7 @@ class Method:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     section: ClassVar[str | None] = None  # the config section this method owns (its knobs)
+    options_class: ClassVar[type | None] = None  # the typed dataclass of that section (guijax.schema)
     requires: ClassVar[tuple[str, ...]] = ()  # stages whose outputs it reads, in any order before it runs
     losses: ClassVar[tuple[str, ...]] = ("grpo",)  # losses it can train with; the first is its default
     normalizations: ClassVar[tuple[str, ...]] = ("token", "sequence")

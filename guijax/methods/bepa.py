@@ -13,16 +13,37 @@ D_self only, never updated), `level2_only` (seeded by the converted expert trace
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 from envs.api import Task
 from guijax.data.store import TrajectoryStore
 from guijax.methods.base import Context, IdentityHook, Method, Scorer
 from guijax.methods.persist import TrajectoryBank
 from guijax.rng import Streams
+from guijax.schema import ranged
 from guijax.rollout.trajectory import Source, Trajectory
 
 UPDATE_RULES = ("random", "logprob", "shortest")
+
+
+@dataclasses.dataclass(frozen=True)
+class BEPAOptions:
+    """`bepa`: the BEPA methods' knobs and those of the stages they read (expert, bepa_splits, level1)."""
+
+    update_rule: Literal["random", "logprob", "shortest"] = "random"  # U: the paper's default is random
+    plan_extractor: Literal["rule", "chat"] = "rule"  # chat: an OpenAI-compatible model (never used in tests)
+    plan_url: str = ""
+    plan_model: str = "gpt-4o"
+    plan_api_key_env: str = "OPENAI_API_KEY"
+    expert_dir: str = ""  # folders of recorded expert traces (trace.json + PNGs); empty: the scripted desk expert
+    expert_noise: float = ranged(0.0, low=0, high=1)  # scripted expert: chance of a wrong or missed action
+    # D_conv's thoughts: terse (the SFT warm start's voice) | verbose (a framework worker's narration, which
+    # the base policy has never seen: the expert-to-policy distribution gap of BEPA §3)
+    conversion_thoughts: Literal["terse", "verbose"] = "terse"
+    base_pass_k: int = ranged(5, low=1)  # level1 / bepa_splits: plain base-policy rollouts per task
+    level1_rollouts: int = ranged(1, low=1)  # level1: plan-conditioned rollouts per task
+    train_fraction: float = ranged(0.8, low=0, high=1)  # bepa_splits: share of the solvable pool that trains
+    extra_train_tasks: int = ranged(8, low=0)  # bepa_splits: unsolvable tasks added to the training split
 
 
 class CacheHook(IdentityHook):
@@ -97,6 +118,7 @@ class BEPA(Method):
     name = "bepa"
     summary = "BEPA: LEVEL-1 self-rolled seeds (D_self) in a per-task cache refreshed by own successes"
     section = "bepa"
+    options_class = BEPAOptions
     requires = ("level1",)
     refresh = True
 

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 from envs.api import Task
 from guijax import objectives
 from guijax.methods.base import Context, IdentityHook, Method
+from guijax.schema import ranged
 from guijax.rollout.trajectory import Source, Trajectory
 
 
@@ -62,6 +63,20 @@ class AuxiliaryHook(_ExpertHook):
         return [trace] if trace is not None else []
 
 
+@dataclasses.dataclass(frozen=True)
+class LuffyOptions:
+    """`luffy`: γ of the policy shaping f(w) = w / (w + γ) (BEPA App. E.3)."""
+
+    gamma: float = ranged(0.1, low=0, low_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSFTOptions:
+    """`rl_sft`: λ of the cross-entropy term on the D_conv rows."""
+
+    coef: float = ranged(1.0, low=0)
+
+
 class _ExpertMethod(Method):
     requires = ("expert",)
     hook_class: type[_ExpertHook] = ReplacementHook
@@ -79,6 +94,7 @@ class LUFFY(_ExpertMethod):
     name = "luffy"
     summary = "LUFFY: the D_conv trace added to every group, trained with policy shaping"
     section = "luffy"
+    options_class = LuffyOptions
     losses = ("luffy",)
     hook_class = AppendHook
 
@@ -90,6 +106,7 @@ class RLPlusSFT(_ExpertMethod):
     name = "rl_sft"
     summary = "RL+SFT: GRPO plus λ·cross-entropy on the task's D_conv trace"
     section = "rl_sft"
+    options_class = RLSFTOptions
     hook_class = AuxiliaryHook
 
     def loss(self) -> Any:

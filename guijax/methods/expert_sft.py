@@ -9,12 +9,22 @@ import ml_collections
 
 from guijax.methods.base import Context, Method
 from guijax.metrics import MetricsWriter
+from guijax.schema import ranged
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSFTOptions:
+    """`expert_sft`: the sft and sft_rl baselines' epochs over D_conv and learning rate."""
+
+    epochs: int = ranged(3, low=1)  # BEPA App. E.1: 3
+    learning_rate: float = ranged(1e-6, low=0)  # fine-tuning at the RL rate (BEPA App. E: both 1e-6)
 
 
 class SFT(Method):
     name = "sft"
     summary = "SFT on D_conv"
     section = "expert_sft"
+    options_class = ExpertSFTOptions
     requires = ("expert",)
     rl = False
 

@@ -13,10 +13,22 @@ from guijax.data.store import TrajectoryStore
 from guijax.methods.base import Context, Method
 from guijax.metrics import MetricsWriter
 from guijax.progress import echo
+from guijax.schema import ranged
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineOptions:
+    """`offline`: the rft, dpo and kto methods' steps, batch, learning rate and β."""
+
+    steps: int = ranged(20, low=1)
+    batch_trajectories: int = ranged(8, low=1)
+    learning_rate: float = ranged(1e-5, low=0)
+    beta: float = ranged(0.1, low=0, low_open=True)
 
 
 class _Offline(Method):
     section = "offline"
+    options_class = OfflineOptions
     requires = ("select",)
     rl = False
 

@@ -29,8 +29,10 @@ TRAINING_STAGES = {"rl": "method", "methods": "compare.methods"}
 
 def check_recipe(config: ml_collections.ConfigDict, stages: dict[str, Stage] | None = None) -> None:
     """Fail before any work if the recipe names an unknown stage or method, or a method cannot run where it is."""
-    from guijax.methods import get_method
+    from guijax import schema
+    from guijax.methods import get_method, option_sections
 
+    schema.validate(config, option_sections())  # types, choices and ranges of every key, before any work
     stages = STAGES if stages is None else stages
     names = list(config.stages)
     unknown = [s for s in names if s not in stages]

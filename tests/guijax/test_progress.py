@@ -87,8 +87,7 @@ def _toy_stages(monkeypatch, calls: list[str]) -> None:
 def test_stages_say_what_they_do_and_a_resumed_run_names_the_done_ones(monkeypatch, tmp_path, capsys):
     calls: list[str] = []
     _toy_stages(monkeypatch, calls)
-    config = ml_collections.ConfigDict({"name": "toy", "stages": ("toy_first", "toy_summary"),
-                                        "compilation_cache_dir": ""})
+    config = launch.resolve("grpo_cpu", ["name=toy", "stages=('toy_first','toy_summary')", "compilation_cache_dir="])
     registry.run_stages(config, tmp_path)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "[1/2] toy_first: write one file"
