@@ -58,7 +58,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.rollout.max_sampler_rows = 0  # rows per sampler program (0: all live episodes at once); see --dry_run
     c.rollout.format_reward = -1.0
     c.rollout.format_weight = 0.5
-    c.rollout.prompt = "uitars"  # uitars | compact
+    c.rollout.prompt = "uitars_official"  # uitars_official (UI-TARS-1.5's own) | compact (guijax.rollout.prompt)
 
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.length_buckets = (256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -168,6 +168,7 @@ def uitars_on_osworld(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     # Unrolled: at 16k-token rows the scanned step's compiled temporaries are several times the unrolled
     # one's (3B, one row, TPU compiler: 39.7 GiB against 8.6 GiB), so the 7B step fits only unrolled.
     c.model.scan_layers = False
+    c.rollout.prompt = "uitars_official"  # the computer-use prompt UI-TARS-1.5 was trained on, verbatim
     c.optim.state_dtype = "bfloat16"
     c.optim.learning_rate = 1e-6
     c.env.kind = "osworld"

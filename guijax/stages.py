@@ -25,7 +25,7 @@ import ml_collections
 
 from envs.atomic import write_text_atomic
 from guijax import progress
-from guijax.rollout.prompt import COMPACT_PROMPT
+from guijax.rollout.prompt import prompt_template
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -64,8 +64,8 @@ class Run:
     _cache: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
-    def system_prompt(self) -> str | None:
-        return COMPACT_PROMPT if self.config.rollout.prompt == "compact" else None
+    def system_prompt(self) -> str:
+        return prompt_template(self.config.rollout.prompt)
 
     def mesh(self):
         if "mesh" not in self._cache:
