@@ -44,6 +44,7 @@ def uitars_on_osworld(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     # Unrolled: at 16k-token rows the scanned step's compiled temporaries are several times the unrolled
     # one's (3B, one row, TPU compiler: 39.7 GiB against 8.6 GiB), so the 7B step fits only unrolled.
     c.model.scan_layers = False
+    c.rollout.prompt = "uitars_official"  # the computer-use prompt UI-TARS-1.5 was trained on, verbatim
     c.optim.state_dtype = "bfloat16"
     c.optim.learning_rate = 1e-6
     c.env.kind = "osworld"

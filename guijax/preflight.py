@@ -9,6 +9,8 @@ import pathlib
 
 import ml_collections
 
+from guijax.rollout.prompt import prompt_template
+
 INSTALL = {
     "desktop": "pip install -e '.[desktop]'",
     "gpu": "pip install -e '.[gpu]'",
@@ -39,6 +41,10 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
                    f"that has one (or `--config.accelerator=` to run on what jax finds)")
     elif accelerator not in ("", "cpu", "gpu", "tpu"):
         out.append(f"accelerator={accelerator!r} is not one of '', cpu, gpu, tpu")
+    try:
+        prompt_template(config.rollout.prompt)
+    except ValueError as e:
+        out.append(str(e))
     stages = set(config.stages)
     if config.env.kind == "osworld":
         if not _has_module("requests"):

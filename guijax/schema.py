@@ -131,7 +131,7 @@ class Rollout:
     max_sampler_rows: int = ranged(0, low=0)  # rows per sampler program (0: all live episodes at once); see --dry_run
     format_reward: float = -1.0  # reward of an unparsable response (ARPO) ...
     format_weight: float = ranged(0.5, low=0)  # ... and its weight
-    prompt: Literal["uitars", "compact"] = "uitars"
+    prompt: Literal["uitars_official", "compact"] = "uitars_official"  # UI-TARS-1.5's own prompt | compact
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,6 @@ from guijax.models.policy import Policy
 from guijax.progress import Progress
 from guijax.rng import Streams
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
-from guijax.rollout.prompt import SYSTEM_PROMPT
 from guijax.rollout.trajectory import Status, Trajectory
 from guijax.sampling import Sampler, SamplingConfig
 from guijax.sft import device_batch
@@ -41,7 +40,7 @@ class TrainingError(RuntimeError):
     pass
 
 
-def rollout_config(config: ml_collections.ConfigDict, system_prompt: str | None) -> RolloutConfig:
+def rollout_config(config: ml_collections.ConfigDict, system_prompt: str) -> RolloutConfig:
     """The engine settings of a run; a step's prompt plus its longest response must fit the largest
     training length bucket."""
     r = config.rollout
@@ -63,10 +62,10 @@ def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperatu
                           patch_bucket=config.pipeline.patch_bucket, max_rows=config.rollout.max_sampler_rows)
 
 
-def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str | None) -> PipelineConfig:
+def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str) -> PipelineConfig:
     return PipelineConfig(batch_size=config.train.minibatch_size, max_images=config.rollout.max_images,
                           length_buckets=tuple(config.pipeline.length_buckets),
-                          patch_bucket=config.pipeline.patch_bucket, system_prompt=system_prompt or SYSTEM_PROMPT,
+                          patch_bucket=config.pipeline.patch_bucket, system_prompt=system_prompt,
                           seed=config.seed, worker_count=config.pipeline.worker_count,
                           response_bucket=config.pipeline.get("response_bucket", 64),
                           dedupe_images=config.pipeline.get("dedupe_images", True),
@@ -85,7 +84,7 @@ class Components:
     train_tasks: list[Task]
     make_hook: Callable[[Scorer], Any]
     objective: objectives.Objective
-    system_prompt: str | None
+    system_prompt: str  # the template `rollout.prompt` names (Run.system_prompt)
     mesh: jax.sharding.Mesh | None
     streams: Streams = Streams(0)
 

@@ -10,7 +10,7 @@ from typing import Any
 import ml_collections
 
 from guijax.rng import Streams
-from guijax.rollout.prompt import COMPACT_PROMPT
+from guijax.rollout.prompt import prompt_template
 
 
 @dataclasses.dataclass
@@ -25,8 +25,8 @@ class Run:
         return Streams(self.config.seed)
 
     @property
-    def system_prompt(self) -> str | None:
-        return COMPACT_PROMPT if self.config.rollout.prompt == "compact" else None
+    def system_prompt(self) -> str:
+        return prompt_template(self.config.rollout.prompt)
 
     def mesh(self):
         if "mesh" not in self._cache:

@@ -2,8 +2,10 @@
 episodes, UI-TARS parsing, format penalties, verifier rewards at the end.
 
 Episodes beyond the pool's size run in rounds. An environment failure ends its episode as ENV_ERROR (the
-trainer drops it from its group with the logged reason); an unparsable response ends the episode with the
-format penalty (ARPO: format reward −1 with weight 0.5).
+trainer drops it from its group with the logged reason). An unparsable response ends the episode as ARPO's
+code ends it: the environment is still evaluated, and the reward is the evaluated score plus the weighted
+format reward, score + format_weight * format_reward (ARPO: -1 with weight 0.5), so a task already solved
+when the agent wrote garbage keeps score - 0.5 and an unsolved one gets -0.5.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from absl import logging
 from envs.actions import ActionParseError, parse_uitars, to_pyautogui
 from envs.api import Task
 from envs.pool import EnvPool
-from guijax.rollout.prompt import Turn, build_messages
+from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages
 from guijax.rollout.trajectory import Status, Step, Trajectory
 
 
@@ -40,10 +42,10 @@ def response_text(tokenizer: Any, tokens: np.ndarray) -> str:
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     max_images: int = 5  # screenshots kept as images in the prompt (K); earlier steps stay as text
-    format_reward: float = -1.0  # ARPO's format reward for an unparsable response ...
-    format_weight: float = 0.5  # ... and its weight
+    format_reward: float = -1.0  # ARPO's format reward for an unparsable response, added to its evaluated score ...
+    format_weight: float = 0.5  # ... with this weight
     coordinate_model: str = "uitars-1.5"
-    system_prompt: str | None = None  # None: the UI-TARS computer-use prompt (guijax.rollout.prompt)
+    system_prompt: str = SYSTEM_PROMPT  # a template of guijax.rollout.prompt.PROMPTS (`rollout.prompt`)
     show_progress: bool = True
     reset_retries: int = 1  # a failed reset (setup error, crashed worker: the pool restarts it) is retried
     # Longest prompt a step may have (0: no limit): prompt + response must fit the trainer's largest length
@@ -71,9 +73,9 @@ class RolloutEngine:
         self.pool, self.sampler, self.processor, self.config = pool, sampler, processor, config
 
     def _prompt(self, ep: _Episode) -> tuple[str, list[np.ndarray]]:
-        kwargs = {} if self.config.system_prompt is None else {"system_prompt": self.config.system_prompt}
         messages, images = build_messages(ep.task.instruction, ep.turns, ep.screenshot,
-                                          max_images=self.config.max_images, plan=ep.plan, **kwargs)
+                                          max_images=self.config.max_images, plan=ep.plan,
+                                          system_prompt=self.config.system_prompt)
         return self.processor.apply_chat_template(messages), images
 
     def run(self, params: Any, tasks: Sequence[Task], group_size: int, rng: jax.Array,
@@ -138,6 +140,7 @@ class RolloutEngine:
             timings["sample_s"] += time.perf_counter() - t0
             timings["sampled_tokens"] += int(out.lengths.sum())
             actions: dict[int, Any] = {}
+            unparsable: list[int] = []
             for row, slot in enumerate(slots):
                 e = live[slot]
                 tokens = out.tokens[row, :out.lengths[row]].copy()
@@ -152,15 +155,14 @@ class RolloutEngine:
                 except (ActionParseError, ValueError) as err:
                     step.error = str(err)
                     e.status, e.error = Status.PARSE_ERROR, f"step {len(e.steps)}: {err}"
-                    e.reward = self.config.format_weight * self.config.format_reward
-                    del live[slot]
-            if not actions:
-                break
-            t0 = time.perf_counter()
-            results = self.pool.step(actions)
-            timings["env_s"] += time.perf_counter() - t0
-            timings["steps"] += len(actions)
+                    unparsable.append(slot)  # ends here, unstepped, and is evaluated below
             finished = []
+            results = {}
+            if actions:
+                t0 = time.perf_counter()
+                results = self.pool.step(actions)
+                timings["env_s"] += time.perf_counter() - t0
+                timings["steps"] += len(actions)
             for slot, result in results.items():
                 e = live[slot]
                 if not result.ok:
@@ -174,30 +176,38 @@ class RolloutEngine:
                     e.status = Status.DONE if "finished" in kinds else Status.FAIL if kinds & {"fail", "call_user"} \
                         else Status.STEP_LIMIT
                     finished.append(slot)
-            if finished:
-                t0 = time.perf_counter()
-                scores = self.pool.evaluate(finished)
-                timings["env_s"] += time.perf_counter() - t0
-                for slot in finished:
-                    e = live.pop(slot)
-                    if scores[slot].ok:
-                        e.reward = float(scores[slot].value)
-                    else:
-                        e.status, e.error = Status.ENV_ERROR, scores[slot].error
+            self._evaluate(live, finished + unparsable, timings)
+
+    def _evaluate(self, live: dict[int, _Episode], slots: list[int], timings) -> None:
+        """End the episodes in `slots` with the environment's evaluation as their reward. An unparsable last
+        response adds the weighted format reward to the evaluated score, as ARPO's code does: its env worker
+        turns a parse failure into format_reward = -1 and a DONE step (dvlab-research/ARPO,
+        verl/trainer/gui_agent.py, EnvWorker.step), the trainer still evaluates that environment and rewards
+        `eval_results + 0.5 * format_rewards` (verl/trainer/ray_trainer.py, the "reward" block of fit). DONE
+        changes nothing on the desktop, so the evaluation here runs without stepping the environment."""
+        if not slots:
+            return
+        t0 = time.perf_counter()
+        scores = self.pool.evaluate(slots)
+        timings["env_s"] += time.perf_counter() - t0
+        for slot in slots:
+            e = live.pop(slot)
+            if not scores[slot].ok:
+                reason = scores[slot].error
+                e.status = Status.ENV_ERROR
+                e.error = f"{e.error}; then evaluation failed: {reason}" if e.error else reason
+                continue
+            e.reward = float(scores[slot].value)
+            if e.status == Status.PARSE_ERROR:
+                e.reward += self.config.format_weight * self.config.format_reward
 
     def _end_overlong(self, live: dict[int, _Episode], over: dict[int, int], timings) -> None:
-        t0 = time.perf_counter()
-        scores = self.pool.evaluate(list(over))
-        timings["env_s"] += time.perf_counter() - t0
         for slot, n in over.items():
-            e = live.pop(slot)
+            e = live[slot]
             e.status = Status.STEP_LIMIT
             e.error = (f"step {len(e.steps) + 1}: prompt of {n} tokens exceeds max_prompt_tokens="
                        f"{self.config.max_prompt_tokens}; episode ended as at the step limit")
-            if scores[slot].ok:
-                e.reward = float(scores[slot].value)
-            else:
-                e.status, e.error = Status.ENV_ERROR, scores[slot].error
+        self._evaluate(live, list(over), timings)
 
     @staticmethod
     def _trajectory(e: _Episode) -> Trajectory:

@@ -1,6 +1,7 @@
-"""UI-TARS agent prompts: the computer-use system prompt (BEPA Fig. 11), the instruction (optionally with a
-numbered plan appended, BEPA Fig. 7), and a multi-turn history in which the last K screenshots are images
-and every earlier step survives as its text response only (K >= steps gives ARPO's full history).
+"""UI-TARS agent prompts: the system prompt a recipe selects by name (`rollout.prompt`), the instruction
+(optionally with a numbered plan appended, BEPA Fig. 7), and a multi-turn history in which the last K
+screenshots are images and every earlier step survives as its text response only (K >= steps gives ARPO's
+full history).
 """
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-SYSTEM_PROMPT = """You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
+# UI-TARS-1.5's computer-use prompt, the one it was trained on, character for character as ByteDance ships it:
+# COMPUTER_USE_DOUBAO in ui_tars/prompt.py of the `ui-tars` package (bytedance/UI-TARS, codes/ui_tars/prompt.py;
+# tests/guijax/test_prompt.py compares the two). It lists coordinates as <point>x y</point>; UI-TARS-1.5 answers
+# in its own start_box='<|box_start|>(x,y)<|box_end|>' form all the same, and envs/actions/uitars.py reads both.
+UITARS_COMPUTER_USE = """You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
 
 ## Output Format
 ```
@@ -19,23 +24,27 @@ Action: ...
 
 ## Action Space
 
-click(start_box='<|box_start|>(x1,y1)<|box_end|>')
-left_double(start_box='<|box_start|>(x1,y1)<|box_end|>')
-right_single(start_box='<|box_start|>(x1,y1)<|box_end|>')
-drag(start_box='<|box_start|>(x1,y1)<|box_end|>', end_box='<|box_start|>(x3,y3)<|box_end|>')
-hotkey(key='')
-type(content='xxx') # Use escape characters \\', \\", and \\n in content part to ensure we can parse the content in normal python string format. If you want to submit your input, use \\n at the end of content.
-scroll(start_box='<|box_start|>(x1,y1)<|box_end|>', direction='down or up or right or left')
+click(point='<point>x1 y1</point>')
+left_double(point='<point>x1 y1</point>')
+right_single(point='<point>x1 y1</point>')
+drag(start_point='<point>x1 y1</point>', end_point='<point>x2 y2</point>')
+hotkey(key='ctrl c') # Split keys with a space and use lowercase. Also, do not use more than 3 keys in one hotkey action.
+type(content='xxx') # Use escape characters \\', \\\", and \\n in content part to ensure we can parse the content in normal python string format. If you want to submit your input, use \\n at the end of content. 
+scroll(point='<point>x1 y1</point>', direction='down or up or right or left') # Show more information on the `direction` side.
 wait() #Sleep for 5s and take a screenshot to check for any changes.
 finished(content='xxx') # Use escape characters \\', \\", and \\n in content part to ensure we can parse the content in normal python string format.
 
+
 ## Note
-- Use English in both the Thought and Action parts.
-- In the Thought part, write a brief plan and end with one sentence that clearly summarizes your next action and its target element.
+- Use {language} in `Thought` part.
+- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part.
 
 ## User Instruction
 {instruction}
 """
+# Its {language} slot as UI-TARS's agents fill it for English tasks (OSWorld's uitars15_v1 agent and ByteDance's
+# examples call COMPUTER_USE_DOUBAO.format(language="English", instruction=...)).
+UITARS_LANGUAGE = "English"
 
 # A short variant for CPU recipes, where every prompt token costs training time.
 COMPACT_PROMPT = ("You are a GUI agent. Reply with\nThought: ...\nAction: ...\n"
@@ -43,6 +52,20 @@ COMPACT_PROMPT = ("You are a GUI agent. Reply with\nThought: ...\nAction: ...\n"
                   "drag(start_box='(x1,y1)', end_box='(x2,y2)'), type(content=''), hotkey(key=''), "
                   "scroll(start_box='(x,y)', direction='down'), finished(content=''), FAIL\n"
                   "Task: {instruction}\n")
+
+# The templates `rollout.prompt` names; each leaves one slot, {instruction}, for build_messages.
+PROMPTS = {
+    "uitars_official": UITARS_COMPUTER_USE.format(language=UITARS_LANGUAGE, instruction="{instruction}"),
+    "compact": COMPACT_PROMPT,
+}
+SYSTEM_PROMPT = PROMPTS["uitars_official"]
+
+
+def prompt_template(name: str) -> str:
+    """The template a recipe's `rollout.prompt` names."""
+    if name not in PROMPTS:
+        raise ValueError(f"rollout.prompt={name!r} is not one of {', '.join(PROMPTS)}")
+    return PROMPTS[name]
 
 
 def plan_conditioned_instruction(instruction: str, plan: Sequence[str]) -> str:

@@ -18,7 +18,7 @@ class Status(str, enum.Enum):
     DONE = "done"  # the agent emitted finished()/DONE
     FAIL = "fail"  # the agent declared the task infeasible (FAIL)
     STEP_LIMIT = "step_limit"  # ran out of steps
-    PARSE_ERROR = "parse_error"  # unparsable response: format penalty, episode ended
+    PARSE_ERROR = "parse_error"  # unparsable response: episode ended, evaluated, format penalty added
     ENV_ERROR = "env_error"  # the environment failed; dropped from its group, never scored as a failure
 
 
@@ -53,7 +53,10 @@ class Trajectory:
 
     @property
     def success(self) -> bool:
-        return self.status != Status.ENV_ERROR and self.reward > 0.5
+        """Solved, and ended by the agent's own parsable actions: an episode whose last response was
+        unparsable is never a success, even when its evaluated score (part of its reward) says the task was
+        already solved, since success-fed learners (BEPA's cache, offline RFT) would imitate that response."""
+        return self.status not in (Status.ENV_ERROR, Status.PARSE_ERROR) and self.reward > 0.5
 
     @property
     def num_tokens(self) -> int:

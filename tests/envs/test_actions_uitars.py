@@ -7,6 +7,7 @@ Where the reference is wrong, a test below shows what it does and what guijax do
 from __future__ import annotations
 
 import ast
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -263,6 +264,57 @@ def test_finished_ends_the_step_even_before_other_actions():
 
 
 # ------------------------------------------------------------------------------------- guijax itself
+def _action_space(prompt: str) -> list[tuple[str, str]]:
+    """(name, call) for each action a ByteDance prompt lists, its placeholders filled: <point>xN yN</point> with
+    pixels, one call per scroll direction; trailing comments dropped (no listed call nests parentheses)."""
+    section = prompt.split("## Action Space", 1)[1].split("## ", 1)[0]
+    out = []
+    for line in filter(None, map(str.strip, section.splitlines())):
+        call = re.sub(r"<point>x(\d) y(\d)</point>", lambda m: f"<point>{int(m[1]) * 100} {int(m[2]) * 60}</point>",
+                      line[:line.index(")") + 1])
+        name = call[:call.index("(")]
+        for d in ("down", "up", "right", "left"):
+            out.append((name, call.replace("'down or up or right or left'", f"'{d}'")))
+    return list(dict.fromkeys(out))
+
+
+def test_every_action_of_the_official_computer_use_prompt_parses_and_runs():
+    """UI-TARS-1.5's prompt (guijax.rollout.prompt.UITARS_COMPUTER_USE is this text verbatim) lists nine actions in
+    its <point> spelling: each parses to the action it names and renders as pyautogui code or a control word."""
+    from ui_tars.prompt import COMPUTER_USE_DOUBAO
+
+    listed = _action_space(COMPUTER_USE_DOUBAO)
+    assert {name for name, _ in listed} == {"click", "left_double", "right_single", "drag", "hotkey", "type",
+                                            "scroll", "wait", "finished"}
+    for name, call in listed:
+        (action,) = parse_uitars(f"Thought: go\nAction: {call}", image_hw=IMAGE, screen_hw=SCREEN)
+        assert action.kind.value == name, call
+        assert to_pyautogui([action]), call
+    (drag,) = parse_uitars("Thought: go\nAction: " + dict(listed)["drag"], image_hw=IMAGE, screen_hw=SCREEN)
+    assert (drag.point, drag.end_point) == ((round(100 / RESIZED_W * 1920), round(60 / RESIZED_H * 1080)),
+                                            (round(200 / RESIZED_W * 1920), round(120 / RESIZED_H * 1080)))
+    (hotkey,) = parse_uitars("Thought: go\nAction: " + dict(listed)["hotkey"], image_hw=IMAGE, screen_hw=SCREEN)
+    assert calls(to_pyautogui([hotkey])) == [("hotkey", ["ctrl", "c"], {})]
+
+
+def test_mobile_prompt_actions_map_to_the_desktop_or_fail_naming_themselves():
+    """ByteDance's mobile prompt (MOBILE_USE_DOUBAO), which the same model also learned: long_press holds the
+    left button for a second; press_home, press_back and open_app have no desktop counterpart and fail with
+    their name, which the rollout engine reports as the step's parse error."""
+    from ui_tars.prompt import MOBILE_USE_DOUBAO
+
+    listed = dict(_action_space(MOBILE_USE_DOUBAO))
+    assert set(listed) == {"click", "long_press", "type", "scroll", "open_app", "drag", "press_home", "press_back",
+                           "finished"}
+    (hold,) = parse_uitars("Thought: go\nAction: " + listed["long_press"], image_hw=IMAGE, screen_hw=SCREEN)
+    assert [c[0] for c in calls(to_pyautogui([hold]))] == ["mouseDown", "mouseUp"]
+    for name in ("press_home", "press_back"):
+        with pytest.raises(ValueError, match=f"action '{name}' has no desktop pyautogui equivalent"):
+            to_pyautogui(parse_uitars("Thought: go\nAction: " + listed[name], image_hw=IMAGE, screen_hw=SCREEN))
+    with pytest.raises(ActionParseError, match="unknown action 'open_app'"):
+        parse_uitars("Thought: go\nAction: " + listed["open_app"], image_hw=IMAGE, screen_hw=SCREEN)
+
+
 def test_multiple_actions_reflection_and_control_words():
     text = ("Reflection: the menu is open\nAction_Summary: pick Save\n"
             "Action: click(start_box='(10,20)')\n\nhotkey(key='ctrl s')")

@@ -9,6 +9,7 @@ import numpy as np
 from envs.api import Observation, StepResult, Task
 from envs.pool import Result
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
+from guijax.rollout.prompt import COMPACT_PROMPT
 from guijax.rollout.trajectory import Status
 
 SHOT = np.zeros((28, 28, 3), np.uint8)
@@ -147,7 +148,74 @@ def test_length_buckets_must_leave_room_for_a_prompt():
     from guijax.trainer import rollout_config
 
     config = launch.resolve("grpo_cpu", [])
-    assert rollout_config(config, None).max_prompt_tokens == max(config.pipeline.length_buckets) - 64
+    assert rollout_config(config, COMPACT_PROMPT).max_prompt_tokens == max(config.pipeline.length_buckets) - 64
     config.pipeline.length_buckets = (32, 64)
     with pytest.raises(ValueError, match="rollout.max_new_tokens=64"):
-        rollout_config(config, None)
+        rollout_config(config, COMPACT_PROMPT)
+
+
+class ByteTokenizer(FakeTokenizer):
+    """Token ids are the characters of the response (ScriptedSampler writes them so)."""
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(map(chr, tokens))
+
+
+class ScriptedSampler:
+    """Row r of the k-th call writes responses[k][r]."""
+
+    def __init__(self, responses: list[list[str]]):
+        self.responses, self.calls = responses, 0
+
+    def generate(self, params, rng, **inputs):
+        texts = self.responses[self.calls]
+        self.calls += 1
+        assert len(texts) == inputs["rows"]
+        tokens = np.zeros((len(texts), max(map(len, texts))), np.int32)
+        for row, text in enumerate(texts):
+            tokens[row, :len(text)] = [ord(c) for c in text]
+        return Out(tokens, np.full(tokens.shape, -0.1, np.float32), np.asarray([len(t) for t in texts]))
+
+
+def test_unparsable_response_still_scores_the_environment_minus_the_format_penalty():
+    """ARPO's code evaluates an environment whose episode ended on an unparsable response and adds
+    0.5 * (-1) to that score. On the desk, episode 0 clicks the task's button (solving it) and episode 1
+    waits; then both write an unknown action: 1 - 0.5 and 0 - 0.5."""
+    from envs.actions.uitars import render_uitars
+    from envs.desk import DeskEnv, ScriptedExpert, run_expert
+    from envs.pool import DeskFactory, EnvPool
+    from envs.tasks import generate_desk_tasks
+
+    screen = (280, 280)
+    (task,) = generate_desk_tasks(1, seed=0, families=["click_button"], screen_hw=screen)
+    expert = run_expert(DeskEnv(screen, popups=False), task, ScriptedExpert())
+    assert len(expert.steps) == 2 and expert.reward == 1.0  # the click solves it, finished() follows
+    click = render_uitars(expert.steps[0].actions, image_hw=screen, screen_hw=screen, thought="Click it.")
+    garbage = "Thought: that should do.\nAction: teleport(start_box='(1,2)')"
+    sampler = ScriptedSampler([[click, "Thought: not yet.\nAction: wait()"], [garbage, garbage]])
+    processor = FakeProcessor()
+    processor.tokenizer = ByteTokenizer()
+    with EnvPool(DeskFactory(screen, popups=False), 2, timeout_s=60) as pool:
+        engine = RolloutEngine(pool, sampler, processor,
+                               RolloutConfig(format_reward=-1.0, format_weight=0.5, show_progress=False))
+        (solved, unsolved), _ = engine.run(None, [task], 2, jax.random.PRNGKey(0))
+    for traj in (solved, unsolved):
+        assert traj.status == Status.PARSE_ERROR and len(traj.steps) == 2
+        assert "step 2: unknown action 'teleport'" in traj.error and traj.steps[-1].error
+    assert solved.reward == 0.5 and unsolved.reward == -0.5
+    assert not solved.success  # solved, but ended on garbage: nothing to imitate
+
+
+def test_unparsable_episode_whose_evaluation_fails_is_dropped_with_both_reasons():
+    class EvalFailsPool(FlakyPool):
+        def evaluate(self, slots, timeout_s=None):
+            return {s: Result(False, error="evaluator crashed") for s in slots}
+
+    processor = FakeProcessor()
+    processor.tokenizer = ByteTokenizer()
+    engine = RolloutEngine(EvalFailsPool(), ScriptedSampler([["Action: teleport()"]]), processor,
+                           RolloutConfig(show_progress=False))
+    (traj,), _ = engine.run(None, [Task(id="t", instruction="a")], 1, jax.random.PRNGKey(0))
+    assert traj.status == Status.ENV_ERROR
+    assert traj.error.startswith("step 1: unknown action 'teleport'")
+    assert traj.error.endswith("; then evaluation failed: evaluator crashed")
