@@ -8,7 +8,7 @@ import pytest
 from guijax import launch, preflight
 from guijax.rollout.prompt import (COMPACT_PROMPT, PROMPTS, UITARS_COMPUTER_USE, build_messages,
                                    plan_conditioned_instruction, prompt_template)
-from guijax.stages import Run
+from guijax.pipeline.run import Run
 
 SHOT = np.zeros((28, 28, 3), np.uint8)
 
