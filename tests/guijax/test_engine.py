@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 from envs.api import Observation, StepResult, Task
 from envs.pool import Result
@@ -142,8 +143,6 @@ def test_episode_whose_prompt_outgrows_the_limit_ends_as_at_the_step_limit():
 
 
 def test_length_buckets_must_leave_room_for_a_prompt():
-    import pytest
-
     from guijax import launch
     from guijax.trainer import rollout_config
 
@@ -219,3 +218,36 @@ def test_unparsable_episode_whose_evaluation_fails_is_dropped_with_both_reasons(
     assert traj.status == Status.ENV_ERROR
     assert traj.error.startswith("step 1: unknown action 'teleport'")
     assert traj.error.endswith("; then evaluation failed: evaluator crashed")
+
+
+class RecordingPool(FlakyPool):
+    """Every step finishes its episode; the verifier scores 0.8 and records which tasks it scored."""
+
+    def __init__(self):
+        super().__init__()
+        self.scored: list[str] = []
+
+    def evaluate(self, slots, timeout_s=None):
+        self.scored += [self.tasks[s].id for s in slots]
+        return {s: Result(True, 0.8) for s in slots}
+
+
+@pytest.mark.parametrize("config", [RolloutConfig(show_progress=False),
+                                    RolloutConfig(format_reward=-2.0, format_weight=0.4, show_progress=False),
+                                    RolloutConfig(format_weight=0.0, show_progress=False)],
+                         ids=["arpo_default", "custom", "weight_zero"])
+def test_unparsable_response_adds_the_weighted_format_reward(config):
+    """The format term is format_weight * format_reward from the config (not ARPO's -0.5 built in), added to
+    the verifier's score when the episode is scored; a parsable episode gets exactly the verifier's score."""
+    pool = RecordingPool()
+    sampler = ScriptedSampler([["Thought: done.\nAction: finished(content='ok')", "I am not sure what to do here."]])
+    processor = FakeProcessor()
+    processor.tokenizer = ByteTokenizer()
+    engine = RolloutEngine(pool, sampler, processor, config)
+    tasks = [Task(id="clean", instruction="a"), Task(id="garbled", instruction="b")]
+    (clean, garbled), _ = engine.run(None, tasks, 1, jax.random.PRNGKey(0))
+    assert clean.status == Status.DONE and clean.reward == pytest.approx(0.8) and clean.steps[0].error is None
+    penalty = config.format_weight * config.format_reward
+    score = 0.8 if "garbled" in pool.scored else 0.0
+    assert garbled.reward == pytest.approx(score + penalty)
+    assert garbled.steps[0].error and not garbled.steps[0].actions  # the parse error is on the step it came from

@@ -1,37 +1,62 @@
-"""Losses against loop-by-loop numpy references (float64): values, gradients (jax.grad vs central finite
-differences of the reference), metrics, padding robustness, jit, and sharding on an 8-device mesh."""
+"""Losses against loop-by-loop numpy references (float64) on seeded random inputs: values, gradients (jax.grad
+vs central finite differences of the reference), each jitted and not (chex.variants), metrics, padding
+robustness, no retracing across same-shape calls (chex.assert_max_traces), and sharding on an 8-device mesh."""
 from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from guijax import losses
 
-RS = np.random.RandomState(0)
 B, S = 8, 12
-LOGP = np.log(RS.uniform(0.05, 1.0, (B, S))).astype(np.float32)
-OLD = (LOGP + RS.normal(0, 0.4, (B, S))).astype(np.float32)
-REF = (LOGP + RS.normal(0, 0.3, (B, S))).astype(np.float32)
-ADV = RS.normal(0, 1, B).astype(np.float32)
-MASK = (RS.uniform(size=(B, S)) > 0.25).astype(np.float32)
-MASK[:, 0] = 1
-MASK[5] = 0  # an empty row (all padding) must not count as a sequence
-ENT = RS.uniform(0.1, 3.0, (B, S)).astype(np.float32)
-OFF = np.array([True, False, True, False, False, False, False, True])
+SEEDS = (0, 1, 2)
+NORMS = ("token", "sequence")
+
+
+def make_inputs(seed: int, b: int = B, s: int = S) -> dict[str, np.ndarray]:
+    """Random per-token inputs. π_old is spread wide (σ 0.8 in log space) so that both clip sides occur, and
+    row 0 (A < 0) starts with ratios over 3, which the dual clip caps; rows have different lengths, so token
+    and sequence normalisation differ, and one row is empty (all padding)."""
+    rs = np.random.RandomState(seed)
+    logp = np.log(rs.uniform(0.05, 1.0, (b, s))).astype(np.float32)
+    mask = (rs.uniform(size=(b, s)) > 0.25).astype(np.float32)
+    mask[:, 0] = 1
+    mask[b // 2 + 1] = 0
+    old = logp + rs.normal(0, 0.8, (b, s))
+    adv = rs.normal(0, 1, b)
+    adv[0], adv[1] = -abs(adv[0]) - 0.1, abs(adv[1]) + 0.1
+    old[0, :3] = logp[0, :3] - rs.uniform(1.3, 3.0, 3)  # ratio e^1.3..e^3 > 3 with A < 0: dual-clipped
+    return {"logp": logp, "old": old.astype(np.float32),
+            "ref": (logp + rs.normal(0, 0.5, (b, s))).astype(np.float32),
+            "adv": adv.astype(np.float32),
+            "adv_token": rs.normal(0, 1, (b, s)).astype(np.float32),
+            "mask": mask,
+            "ent": rs.uniform(0.1, 3.0, (b, s)).astype(np.float32),
+            "off": np.arange(b) % 3 == 0}
+
+
+X0 = make_inputs(0)
+LOGP, OLD, REF, ADV, MASK, ENT, OFF = (X0[k] for k in ("logp", "old", "ref", "adv", "mask", "ent", "off"))
+RS = np.random.RandomState(100)
 
 
 # ---------------------------------------------------------------- numpy references (element loops, float64)
 
 def ref_surrogate(logp, old, adv, eps_low=0.2, eps_high=0.3, dual=0.0):
-    """−objective per token, written piecewise: A ≥ 0 → min(r, 1+ε_h)·A; A < 0 → max(r, 1−ε_l)·A, dual: max(·, c·A)."""
+    """−objective per token, written piecewise: A ≥ 0 → min(r, 1+ε_h)·A; A < 0 → max(r, 1−ε_l)·A,
+    dual: max(·, c·A). adv: [b] per trajectory or [b, s] per token."""
+    adv = np.asarray(adv, np.float64)
     out = np.zeros(logp.shape)
     for i, j in np.ndindex(logp.shape):
-        r, a = math.exp(float(logp[i, j]) - float(old[i, j])), float(adv[i])
+        r = math.exp(float(logp[i, j]) - float(old[i, j]))
+        a = float(adv[i] if adv.ndim == 1 else adv[i, j])
         obj = min(r, 1 + eps_high) * a if a >= 0 else max(r, 1 - eps_low) * a
         if dual and a < 0:
             obj = max(obj, dual * a)
@@ -46,25 +71,34 @@ def ref_aggregate(per, mask, norm="token"):
     return float(np.mean(rows))
 
 
+def ref_weights(mask, norm="token"):
+    """d aggregate / d per-token loss: 1/Z on every response token (token), 1/(|τ_i|·#rows) (sequence)."""
+    mask = np.asarray(mask, np.float64)
+    if norm == "token":
+        return mask / mask.sum()
+    lengths = mask.sum(1, keepdims=True)
+    return np.where(lengths > 0, mask / np.maximum(lengths, 1), 0.0) / (lengths > 0).sum()
+
+
 def ref_k3(logp, ref):
     d = np.asarray(ref, np.float64) - logp
     return np.exp(d) - d - 1
 
 
-def ref_clipped(logp, old=OLD, adv=ADV, mask=MASK, norm="token", dual=0.0, kl=0.0, ref=None):
-    per = ref_surrogate(logp, old, adv, dual=dual)
+def ref_clipped(logp, x=X0, norm="token", dual=0.0, kl=0.0, adv=None):
+    per = ref_surrogate(logp, x["old"], x["adv"] if adv is None else adv, dual=dual)
     if kl:
-        per = per + kl * ref_k3(logp, ref)
-    return ref_aggregate(per, mask, norm)
+        per = per + kl * ref_k3(logp, x["ref"])
+    return ref_aggregate(per, x["mask"], norm)
 
 
-def ref_luffy(logp, old=OLD, adv=ADV, mask=MASK, off=OFF, gamma=0.1):
-    per = ref_surrogate(logp, old, adv)
+def ref_luffy(logp, x=X0, gamma=0.1, shaped=True):
+    per = ref_surrogate(logp, x["old"], x["adv"])
     for i, j in np.ndindex(logp.shape):
-        if off[i]:
+        if x["off"][i]:
             p = math.exp(float(logp[i, j]))
-            per[i, j] = -(p / (p + gamma)) * float(adv[i])
-    return ref_aggregate(per, mask)
+            per[i, j] = -(p / (p + gamma) if shaped else p) * float(x["adv"][i])
+    return ref_aggregate(per, x["mask"])
 
 
 def fd_grad(f, x, h=1e-6):
@@ -83,19 +117,211 @@ def sig(x):
     return 1 / (1 + np.exp(-x))
 
 
-# ---------------------------------------------------------------- clipped GRPO/PPO surrogate
+def ref_dpo(cw, cl, rw, rl, beta):
+    m = beta * ((cw - rw) - (cl - rl))
+    return float(np.mean(np.log1p(np.exp(-m))))
 
-@pytest.mark.parametrize("norm", ["token", "sequence"])
-@pytest.mark.parametrize("dual", [0.0, 3.0])
-def test_clipped_loss_value_and_gradient(norm, dual):
-    cfg = losses.ClipConfig(dual_clip=dual, normalization=norm)
-    f = jax.jit(jax.value_and_grad(lambda l: losses.clipped_policy_loss(l, OLD, ADV, MASK, cfg)[0]))
-    loss, grad = f(LOGP)
-    ref = lambda l: ref_clipped(l, norm=norm, dual=dual)  # noqa: E731
-    np.testing.assert_allclose(loss, ref(LOGP), rtol=1e-5)
-    np.testing.assert_allclose(grad, fd_grad(ref, LOGP), atol=2e-6)
-    assert np.all(np.asarray(grad)[MASK == 0] == 0)
 
+def ref_kto(pol, ref, des, z0, beta, wd, wu):
+    r = pol - ref
+    return float(np.mean(np.where(des, wd * (1 - sig(beta * (r - z0))), wu * (1 - sig(beta * (z0 - r))))))
+
+
+def check_boundary(loss, grads, metrics, grad_shapes):
+    """What every loss hands back: a float32 scalar, gradients shaped like their inputs, scalar metrics."""
+    chex.assert_shape(loss, ())
+    chex.assert_type(loss, jnp.float32)
+    chex.assert_shape(grads, grad_shapes)
+    chex.assert_type(grads, jnp.float32)
+    chex.assert_rank(list(metrics.values()), 0)
+
+
+# ---------------------------------------------------------------- every loss against its reference, jitted and not
+
+class LossesAgainstReferencesTest(chex.TestCase):
+    """Values and gradients against the float64 references on random inputs; `self.variant` runs each check
+    once under jax.jit and once without, so the two must agree (with each other, through the reference)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(seed=SEEDS, norm=NORMS, dual=(0.0, 3.0))
+    def test_clipped_value_and_gradient(self, seed, norm, dual):
+        x = make_inputs(seed)
+        cfg = losses.ClipConfig(dual_clip=dual, normalization=norm)
+        f = self.variant(jax.value_and_grad(lambda l: losses.clipped_policy_loss(l, x["old"], x["adv"], x["mask"], cfg),
+                                            has_aux=True))
+        (loss, m), grad = f(x["logp"])
+        check_boundary(loss, grad, m, (B, S))
+        ref = lambda l: ref_clipped(l, x, norm=norm, dual=dual)  # noqa: E731
+        np.testing.assert_allclose(loss, ref(x["logp"]), rtol=1e-5)
+        np.testing.assert_allclose(grad, fd_grad(ref, x["logp"]), rtol=1e-4, atol=1e-6)
+        assert not np.asarray(grad)[x["mask"] == 0].any()
+        # the inputs can tell the two normalisations apart, and exercise the dual clip when it is on
+        other = "sequence" if norm == "token" else "token"
+        assert abs(ref_clipped(x["logp"], x, norm=other, dual=dual) - float(loss)) > 1e-3
+        if dual:
+            assert float(m["dual_clip_frac"]) > 0
+            assert abs(ref_clipped(x["logp"], x, norm=norm) - float(loss)) > 1e-3
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(seed=SEEDS, norm=NORMS)
+    def test_per_token_advantages(self, seed, norm):
+        """[b, s] advantages (EvoCUA STEP0 Eq. 4) are used token by token, not broadcast from a row."""
+        x = make_inputs(seed)
+        cfg = losses.ClipConfig(dual_clip=3.0, normalization=norm)
+        f = self.variant(jax.value_and_grad(
+            lambda l: losses.clipped_policy_loss(l, x["old"], x["adv_token"], x["mask"], cfg)[0]))
+        loss, grad = f(x["logp"])
+        ref = lambda l: ref_clipped(l, x, norm=norm, dual=3.0, adv=x["adv_token"])  # noqa: E731
+        np.testing.assert_allclose(loss, ref(x["logp"]), rtol=1e-5)
+        np.testing.assert_allclose(grad, fd_grad(ref, x["logp"]), rtol=1e-4, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(seed=SEEDS, norm=NORMS)
+    def test_k3_kl_term_changes_loss_and_gradient(self, seed, norm):
+        """kl_coef β > 0 adds β·k3(logp, ref_logp) per token: the loss moves by β·aggregate(k3) and each token's
+        gradient by β·(1 − e^(ref − logp)) times its normalisation weight; β = 0 only measures it."""
+        x, beta = make_inputs(seed), 0.1
+        logp, mask = x["logp"], x["mask"]
+
+        def run(cfg):
+            f = lambda l: losses.clipped_policy_loss(l, x["old"], x["adv"], mask, cfg, ref_logp=x["ref"],  # noqa: E731
+                                                     entropy=x["ent"])
+            return self.variant(jax.value_and_grad(f, has_aux=True))(logp)
+
+        (loss, m), grad = run(losses.ClipConfig(kl_coef=beta, normalization=norm))
+        (loss0, m0), grad0 = run(losses.ClipConfig(normalization=norm))
+        check_boundary(loss, grad, m, (B, S))
+        ref = lambda l: ref_clipped(l, x, norm=norm, kl=beta)  # noqa: E731
+        np.testing.assert_allclose(loss, ref(logp), rtol=1e-5)
+        np.testing.assert_allclose(grad, fd_grad(ref, logp), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(loss0, ref_clipped(logp, x, norm=norm), rtol=1e-5)
+        k3 = ref_k3(logp, x["ref"])
+        kl_part = beta * ref_aggregate(k3, mask, norm)
+        assert kl_part > 1e-3
+        np.testing.assert_allclose(float(loss) - float(loss0), kl_part, rtol=1e-3)
+        kl_grad = beta * (1 - np.exp(x["ref"].astype(np.float64) - logp)) * ref_weights(mask, norm)
+        np.testing.assert_allclose(np.asarray(grad) - np.asarray(grad0), kl_grad, rtol=1e-3, atol=1e-7)
+        on = mask > 0
+        for metrics in (m, m0):
+            np.testing.assert_allclose(metrics["ref_kl"], k3[on].mean(), rtol=1e-5)
+            np.testing.assert_allclose(metrics["entropy"], x["ent"][on].astype(np.float64).mean(), rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(seed=SEEDS, gamma=(0.1, 0.5))
+    def test_luffy_value_gradient_and_shaping(self, seed, gamma):
+        x = make_inputs(seed)
+        f = self.variant(jax.value_and_grad(
+            lambda l: losses.luffy_loss(l, x["old"], x["adv"], x["mask"], x["off"], gamma=gamma), has_aux=True))
+        (loss, m), grad = f(x["logp"])
+        check_boundary(loss, grad, m, (B, S))
+        ref = lambda l: ref_luffy(l, x, gamma)  # noqa: E731
+        np.testing.assert_allclose(loss, ref(x["logp"]), rtol=1e-5)
+        np.testing.assert_allclose(grad, fd_grad(ref, x["logp"]), rtol=1e-4, atol=1e-6)
+        # off-policy tokens in closed form: d/dlogp [−(p/(p+γ))·A] = −A·γp/(p+γ)², over Z
+        off = x["off"][:, None] & (x["mask"] > 0)
+        p = np.exp(x["logp"].astype(np.float64))
+        closed = -x["adv"][:, None] * gamma * p / (p + gamma) ** 2 / x["mask"].sum()
+        np.testing.assert_allclose(np.asarray(grad)[off], np.broadcast_to(closed, p.shape)[off], rtol=1e-4)
+        assert abs(ref_luffy(x["logp"], x, gamma, shaped=False) - float(loss)) > 1e-3  # shaping matters here
+        assert float(m["off_policy_tokens"]) == off.sum()
+        np.testing.assert_allclose(m["off_policy_prob"], p[off].mean(), rtol=1e-5)
+        np.testing.assert_allclose(m["off_policy_shaped_weight"], (p / (p + gamma))[off].mean(), rtol=1e-5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(seed=SEEDS, norm=NORMS)
+    def test_sft_value_and_gradient(self, seed, norm):
+        x = make_inputs(seed)
+        f = self.variant(jax.value_and_grad(lambda l: losses.sft_loss(l, x["mask"], normalization=norm), has_aux=True))
+        (loss, m), grad = f(x["logp"])
+        check_boundary(loss, grad, m, (B, S))
+        ref = lambda l: ref_aggregate(-np.asarray(l, np.float64), x["mask"], norm)  # noqa: E731
+        np.testing.assert_allclose(loss, ref(x["logp"]), rtol=1e-5)
+        np.testing.assert_allclose(m["nll"], loss)
+        np.testing.assert_allclose(grad, fd_grad(ref, x["logp"]), rtol=1e-4, atol=1e-7)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(seed=SEEDS, beta=(0.1, 0.5))
+    def test_dpo_value_and_gradient(self, seed, beta):
+        rs = np.random.RandomState(seed)
+        cw, cl = rs.normal(-20, 3, 6), rs.normal(-22, 3, 6)
+        rw, rl = cw - rs.uniform(-1, 2, 6), cl + rs.uniform(-1, 1, 6)
+        f = self.variant(jax.value_and_grad(lambda a, b: losses.dpo_loss(a, b, rw, rl, beta=beta), argnums=(0, 1),
+                                            has_aux=True))
+        (loss, m), grads = f(cw.astype(np.float32), cl.astype(np.float32))
+        check_boundary(loss, grads, m, [(6,), (6,)])
+        np.testing.assert_allclose(loss, ref_dpo(cw, cl, rw, rl, beta), rtol=1e-5)
+        np.testing.assert_allclose(grads[0], fd_grad(lambda v: ref_dpo(v, cl, rw, rl, beta), cw), atol=1e-6)
+        np.testing.assert_allclose(grads[1], fd_grad(lambda v: ref_dpo(cw, v, rw, rl, beta), cl), atol=1e-6)
+        margin = beta * ((cw - rw) - (cl - rl))
+        np.testing.assert_allclose(m["dpo_margin"], margin.mean(), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(m["dpo_accuracy"], (margin > 0).mean())
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(seed=SEEDS, z0_from=("pairs", "batch", "given"))
+    def test_kto_value_and_gradient(self, seed, z0_from):
+        """z0 from mismatched pairs (the paper), from the batch's mean r (fallback) or given; never differentiated."""
+        rs = np.random.RandomState(seed)
+        pol = rs.normal(-20, 3, 8)
+        ref = pol - rs.uniform(0.0, 1.0, 8)  # r > 0: the batch fallback's z0 is not clamped to 0
+        des = rs.uniform(size=8) < 0.5
+        des[:2] = True, False
+        kl_pol = rs.normal(-30, 2, 8)
+        kl_ref = kl_pol - rs.uniform(0.0, 0.6, 8)
+        kwargs = {"pairs": {"kl_policy_logp": kl_pol, "kl_ref_logp": kl_ref}, "batch": {},
+                  "given": {"z0": np.float32(0.7)}}[z0_from]
+        z0 = {"pairs": max(0.0, float(np.mean(kl_pol - kl_ref))), "batch": max(0.0, float(np.mean(pol - ref))),
+              "given": float(np.float32(0.7))}[z0_from]
+        f = self.variant(jax.value_and_grad(lambda p: losses.kto_loss(p, ref, des, beta=0.5, undesirable_weight=1.33,
+                                                                      **kwargs), has_aux=True))
+        (loss, m), grad = f(pol.astype(np.float32))
+        check_boundary(loss, grad, m, (8,))
+        assert z0 > 0.1  # a clamped z0 would hide a z0 that carries gradient
+        np.testing.assert_allclose(m["kto_z0"], z0, rtol=1e-5, atol=1e-6)
+        ref_fn = lambda p: ref_kto(p, ref, des, z0, 0.5, 1.0, 1.33)  # noqa: E731
+        np.testing.assert_allclose(loss, ref_fn(pol), rtol=1e-5)
+        np.testing.assert_allclose(grad, fd_grad(ref_fn, pol), atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(seed=SEEDS, masked=(False, True))
+    def test_failure_step_value_and_gradient(self, seed, masked):
+        rs = np.random.RandomState(seed)
+        seq = rs.normal(-10, 2, 6)
+        ref = seq + rs.normal(0, 1, 6)
+        valid = np.array([1, 1, 1, 0, 0, 1], bool) if masked else np.ones(6, bool)
+        # γ·(−log σ(−(s − ref))) averaged over the valid steps
+        ref_fn = lambda s: 0.2 * float(np.mean(np.log1p(np.exp(s - ref))[valid]))  # noqa: E731
+        f = self.variant(jax.value_and_grad(
+            lambda s: losses.failure_step_loss(s, ref, 0.2, valid=valid if masked else None), has_aux=True))
+        (loss, m), grad = f(seq.astype(np.float32))
+        check_boundary(loss, grad, m, (6,))
+        np.testing.assert_allclose(loss, ref_fn(seq), rtol=1e-5)
+        np.testing.assert_allclose(grad, fd_grad(ref_fn, seq), atol=1e-6)
+        assert np.all(np.asarray(grad)[valid] > 0) and not np.asarray(grad)[~valid].any()  # descent lowers log π(a_F)
+
+
+def test_jitted_loss_does_not_retrace_for_same_shapes():
+    """A train step calls the loss with new values, a new (equal) ClipConfig and a new global normaliser every
+    minibatch: one trace serves them all; only a new shape traces again."""
+    chex.clear_trace_counter()
+
+    @chex.assert_max_traces(n=1)
+    def step(logp, old, adv, mask, ref, normalizer, cfg):
+        return jax.value_and_grad(lambda l: losses.clipped_policy_loss(l, old, adv, mask, cfg, ref_logp=ref,
+                                                                       normalizer=normalizer)[0])(logp)
+
+    jitted = jax.jit(step, static_argnums=6)
+    for seed in SEEDS:
+        x = make_inputs(seed)
+        cfg = losses.ClipConfig(kl_coef=0.05, dual_clip=3.0)  # a fresh, equal config each call
+        loss, _ = jitted(x["logp"], x["old"], x["adv"], x["mask"], x["ref"], np.float32(x["mask"].sum()), cfg)
+        np.testing.assert_allclose(loss, ref_clipped(x["logp"], x, dual=3.0, kl=0.05), rtol=1e-5)
+    small = make_inputs(0, b=4)
+    with pytest.raises(AssertionError, match="retrac|trace"):
+        jitted(small["logp"], small["old"], small["adv"], small["mask"], small["ref"], np.float32(1.0),
+               losses.ClipConfig(kl_coef=0.05, dual_clip=3.0))
+
+
+# ---------------------------------------------------------------- clipped surrogate: boundaries, metrics, robustness
 
 def test_defaults_are_the_papers():
     cfg = losses.ClipConfig()
@@ -122,13 +348,7 @@ def test_dual_clip_bounds_negative_advantage_loss():
     assert float(jax.grad(lambda l: losses.clipped_policy_loss(l, old, neg, one, losses.ClipConfig(dual_clip=3.0))[0])(logp)[0, 0]) == 0.0
 
 
-def test_per_token_advantages_equal_broadcast():
-    a, _ = losses.clipped_policy_loss(LOGP, OLD, ADV, MASK)
-    b, _ = losses.clipped_policy_loss(LOGP, OLD, np.repeat(ADV[:, None], S, 1), MASK)
-    assert float(a) == pytest.approx(float(b), rel=1e-6)
-
-
-@pytest.mark.parametrize("norm", ["token", "sequence"])
+@pytest.mark.parametrize("norm", NORMS)
 def test_normalizer_for_accumulation(norm):
     """Micro-batches with the global denominator (token count / sequence count) sum to the full-batch loss."""
     z = MASK.sum() if norm == "token" else float((MASK.sum(1) > 0).sum())
@@ -136,21 +356,6 @@ def test_normalizer_for_accumulation(norm):
     halves = sum(float(losses.clipped_policy_loss(LOGP[s], OLD[s], ADV[s], MASK[s], cfg, normalizer=z)[0])
                  for s in (slice(0, 3), slice(3, 8)))
     assert halves == pytest.approx(float(losses.clipped_policy_loss(LOGP, OLD, ADV, MASK, cfg)[0]), rel=1e-5)
-
-
-def test_kl_term_value_gradient_and_metrics():
-    cfg = losses.ClipConfig(kl_coef=0.05)
-    f = lambda l: losses.clipped_policy_loss(l, OLD, ADV, MASK, cfg, ref_logp=REF, entropy=ENT)  # noqa: E731
-    (loss, m), grad = jax.value_and_grad(f, has_aux=True)(LOGP)
-    ref = lambda l: ref_clipped(l, kl=0.05, ref=REF)  # noqa: E731
-    np.testing.assert_allclose(loss, ref(LOGP), rtol=1e-5)
-    np.testing.assert_allclose(grad, fd_grad(ref, LOGP), atol=2e-6)
-    on = MASK > 0
-    assert float(m["ref_kl"]) == pytest.approx(ref_k3(LOGP, REF)[on].mean(), rel=1e-5)
-    assert float(m["entropy"]) == pytest.approx(ENT[on].mean(), rel=1e-6)
-    # kl_coef 0 (default): a passed ref_logp is only measured, never added
-    no_kl, m0 = losses.clipped_policy_loss(LOGP, OLD, ADV, MASK, ref_logp=REF)
-    assert float(no_kl) == pytest.approx(ref_clipped(LOGP), rel=1e-5) and "ref_kl" in m0
 
 
 def test_metrics_match_numpy():
@@ -196,18 +401,6 @@ def test_bad_inputs_name_the_problem():
 
 # ---------------------------------------------------------------- LUFFY
 
-def test_luffy_value_gradient_and_shaping():
-    (loss, m), grad = jax.value_and_grad(lambda l: losses.luffy_loss(l, OLD, ADV, MASK, OFF, gamma=0.1),
-                                         has_aux=True)(LOGP)
-    np.testing.assert_allclose(loss, ref_luffy(LOGP), rtol=1e-5)
-    np.testing.assert_allclose(grad, fd_grad(ref_luffy, LOGP), atol=2e-6)
-    # off-policy token gradient in closed form: d/dlogp [−(p/(p+γ))·A] = −A·γp/(p+γ)², /Z
-    p = np.exp(LOGP[0, 0].astype(np.float64))
-    assert float(grad[0, 0]) == pytest.approx(-ADV[0] * 0.1 * p / (p + 0.1) ** 2 / MASK.sum(), rel=1e-4)
-    assert float(m["off_policy_tokens"]) == MASK[OFF].sum()
-    assert float(m["off_policy_prob"]) == pytest.approx(np.exp(LOGP.astype(np.float64))[OFF][MASK[OFF] > 0].mean(), rel=1e-5)
-
-
 def test_luffy_off_policy_branch_is_not_clipped_and_ignores_old_logp():
     """A huge π_θ/π_old on an off-policy row would be clipped on-policy; off-policy it is not even looked at."""
     old = OLD.copy()
@@ -225,80 +418,30 @@ def test_luffy_all_on_policy_equals_clipped():
         float(losses.clipped_policy_loss(LOGP, OLD, ADV, MASK)[0]), rel=1e-6)
 
 
-# ---------------------------------------------------------------- SFT, DPO, KTO, failure-step
+# ---------------------------------------------------------------- DPO at step level, KTO reference point
 
-def test_sft_value_and_gradient():
-    ref = lambda l: -sum(l[i, j] for i, j in np.ndindex(l.shape) if MASK[i, j]) / MASK.sum()  # noqa: E731
-    (loss, m), grad = jax.value_and_grad(losses.sft_loss, has_aux=True)(LOGP, MASK)
-    assert float(loss) == pytest.approx(ref(LOGP), rel=1e-6) and float(m["nll"]) == float(loss)
-    np.testing.assert_allclose(grad, fd_grad(ref, LOGP), atol=1e-6)
-    per_seq = losses.sft_loss(LOGP, MASK, normalization="sequence")[0]
-    assert float(per_seq) == pytest.approx(ref_aggregate(-LOGP.astype(np.float64), MASK, "sequence"), rel=1e-5)
-
-
-def _ref_dpo(cw, cl, rw, rl, beta):
-    m = beta * ((cw - rw) - (cl - rl))
-    return float(np.mean(np.log1p(np.exp(-m))))
-
-
-def test_dpo_value_gradient_and_step_level_sum():
+def test_dpo_from_token_logprobs_gives_every_token_its_steps_gradient():
+    """EvoCUA Eq. 2 at step level: sequence_logp sums each row's response tokens, and every token of a step
+    gets that step's gradient."""
     seq = np.asarray(losses.sequence_logp(LOGP, MASK), np.float64)
     np.testing.assert_allclose(seq, [sum(LOGP[i, j] for j in range(S) if MASK[i, j]) for i in range(B)], rtol=1e-5)
     cw, cl = seq[:4], seq[4:]
     rw, rl = cw - RS.uniform(0, 2, 4), cl + RS.uniform(-1, 1, 4)
-    (loss, m), grads = jax.value_and_grad(lambda a, b: losses.dpo_loss(a, b, rw, rl, beta=0.1), argnums=(0, 1),
-                                          has_aux=True)(cw.astype(np.float32), cl.astype(np.float32))
-    assert float(loss) == pytest.approx(_ref_dpo(cw, cl, rw, rl, 0.1), rel=1e-5)
-    np.testing.assert_allclose(grads[0], fd_grad(lambda x: _ref_dpo(x, cl, rw, rl, 0.1), cw), atol=1e-6)
-    np.testing.assert_allclose(grads[1], fd_grad(lambda x: _ref_dpo(cw, x, rw, rl, 0.1), cl), atol=1e-6)
-    margin = 0.1 * ((cw - rw) - (cl - rl))
-    assert float(m["dpo_accuracy"]) == pytest.approx((margin > 0).mean())
-    # EvoCUA Eq. 2 at step level: from per-token log-probs, every token of a step gets its step's gradient
+    step_grad = jax.grad(lambda a: losses.dpo_loss(a, cl.astype(np.float32), rw, rl, beta=0.1)[0])(
+        cw.astype(np.float32))
     tok = jax.grad(lambda l: losses.dpo_loss(losses.sequence_logp(l[:4], MASK[:4]), losses.sequence_logp(l[4:], MASK[4:]),
                                              rw, rl, beta=0.1)[0])(LOGP)
     for i in range(4):
-        np.testing.assert_allclose(np.asarray(tok)[i][MASK[i] > 0], float(grads[0][i]), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(tok)[i][MASK[i] > 0], float(step_grad[i]), rtol=1e-5)
+        assert not np.asarray(tok)[i][MASK[i] == 0].any()
 
 
-def _ref_kto(pol, ref, des, z0, beta, wd, wu):
-    r = pol - ref
-    return float(np.mean(np.where(des, wd * (1 - sig(beta * (r - z0))), wu * (1 - sig(beta * (z0 - r))))))
-
-
-def test_kto_reference_point_value_and_gradient():
-    pol = RS.normal(-20, 3, 8)
-    ref = pol + RS.normal(0, 0.5, 8)
-    des = np.array([1, 0, 1, 1, 0, 0, 1, 0], bool)
-    kl_pol, kl_ref = RS.normal(-30, 2, 8), RS.normal(-30.3, 2, 8)
-    z0 = max(0.0, float(np.mean(kl_pol - kl_ref)))
-    f = lambda p: losses.kto_loss(p, ref, des, beta=0.5, desirable_weight=1.0, undesirable_weight=1.33,  # noqa: E731
-                                  kl_policy_logp=kl_pol, kl_ref_logp=kl_ref)
-    (loss, m), grad = jax.value_and_grad(f, has_aux=True)(pol)
-    assert float(m["kto_z0"]) == pytest.approx(z0, rel=1e-5, abs=1e-6)
-    ref_fn = lambda p: _ref_kto(p, ref, des, z0, 0.5, 1.0, 1.33)  # noqa: E731
-    assert float(loss) == pytest.approx(ref_fn(pol), rel=1e-5)
-    np.testing.assert_allclose(grad, fd_grad(ref_fn, pol), atol=1e-6)
-    # z0 is clamped at 0 and carries no gradient
+def test_kto_reference_point_is_clamped_and_carries_no_gradient():
     assert float(losses.kto_reference_point(np.full(3, -5.0), np.zeros(3))) == 0.0
+    assert float(losses.kto_reference_point(np.full(3, 2.0), np.zeros(3))) == 2.0
     assert float(jax.grad(lambda a: losses.kto_reference_point(a, np.zeros(3)))(np.ones(3))[0]) == 0.0
-    # fallback without mismatched pairs: batch mean of r, clamped
-    _, m2 = losses.kto_loss(pol, ref, des, beta=0.5)
-    assert float(m2["kto_z0"]) == pytest.approx(max(0.0, float(np.mean(pol - ref))), rel=1e-5, abs=1e-6)
     with pytest.raises(ValueError, match="mismatched pairs"):
-        losses.kto_loss(pol, ref, des, kl_policy_logp=kl_pol)
-
-
-def test_failure_step_loss_value_gradient_direction():
-    seq = RS.normal(-10, 2, 6)
-    ref = seq + RS.normal(0, 1, 6)
-    ref_fn = lambda s: 0.2 * float(np.mean(np.log1p(np.exp(s - ref))))  # γ·(−log σ(−(s − ref)))  # noqa: E731
-    (loss, _), grad = jax.value_and_grad(losses.failure_step_loss, has_aux=True)(seq, ref, 0.2)
-    assert float(loss) == pytest.approx(ref_fn(seq), rel=1e-5)
-    np.testing.assert_allclose(grad, fd_grad(ref_fn, seq), atol=1e-6)
-    assert np.all(np.asarray(grad) > 0)  # descent lowers log π(a_F)
-    valid = np.array([1, 1, 1, 0, 0, 1], bool)
-    lv, _ = losses.failure_step_loss(seq, ref, 0.2, valid=valid)
-    assert float(lv) == pytest.approx(0.2 * float(np.mean(np.log1p(np.exp(seq - ref))[valid])), rel=1e-5)
+        losses.kto_loss(np.zeros(3), np.zeros(3), np.ones(3, bool), kl_policy_logp=np.zeros(3))
 
 
 # ---------------------------------------------------------------- sharding

@@ -14,7 +14,6 @@ from guijax.data.pipeline import (Collate, EncodeStep, PipelineConfig, ResponseB
                                   make_dataset, response_positions, step_refs)
 from guijax.data.store import TrajectoryStore
 from guijax.models import policy as policy_lib
-from guijax.rollout.prompt import Turn, build_messages
 from guijax.rollout.trajectory import Source, Step, Trajectory
 
 SYSTEM = "Task: {instruction}\n"
@@ -73,36 +72,102 @@ def test_step_refs(proc):
         step_refs(trajs, {7: 1.0})
 
 
-def test_example_prompt_and_response_tokens(proc):
+def expected_prompt(instruction: str, plan_lines: str, responses: list[str], pads: list[int | None]) -> str:
+    """The Qwen2.5-VL chat layout written out by hand (not through build_messages or the chat template): the
+    default system turn, the user's task text, then per earlier step an image turn when that screenshot is
+    still shown (`pads[i]` image-pad tokens, None when it is text only) and the assistant's response, then the
+    current screenshot (`pads[-1]`) and the opened assistant turn."""
+    def image(n):
+        return f"<|im_start|>user\n<|vision_start|>{'<|image_pad|>' * n}<|vision_end|><|im_end|>\n"
+
+    text = (f"<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+            f"<|im_start|>user\nTask: {instruction}{plan_lines}\n<|im_end|>\n")
+    for response, n in zip(responses, pads):
+        text += (image(n) if n is not None else "") + f"<|im_start|>assistant\n{response}<|im_end|>\n"
+    return text + image(pads[-1]) + "<|im_start|>assistant\n"
+
+
+def merged_tokens(screenshot: np.ndarray) -> int:
+    """Image-pad tokens of one screenshot: one per 28x28 block (14 px patches merged 2x2); the test sizes
+    are multiples of 28 within the resize bounds, so no resizing happens."""
+    h, w = screenshot.shape[:2]
+    assert h % 28 == 0 and w % 28 == 0
+    return (h // 28) * (w // 28)
+
+
+def image_pad_runs(ids: np.ndarray, image_token_id: int) -> list[int]:
+    """Lengths of the runs of consecutive image-pad tokens, in order."""
+    runs, n = [], 0
+    for hit in np.append(ids == image_token_id, False):
+        if hit:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
+def test_example_token_layout(proc, cfg):
+    """Each example decodes to the hand-written chat layout (instruction, plan lines, history turns as text,
+    the last max_images=2 screenshots as image-pad runs of patches / merge² tokens); loss_mask covers exactly
+    the response tokens, <|im_end|> included."""
     trajs = make_trajectories(proc)
     encode = EncodeStep(trajs, proc, CONFIG)
-    im_end = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tok = proc.tokenizer
     for ref in step_refs(trajs, [0.5, -1.0, 2.0, 0.25]):
         ex = encode.map(ref)
         traj, step = trajs[ref.trajectory], trajs[ref.trajectory].steps[ref.step]
         ids, mask = ex["input_ids"], ex["loss_mask"]
-        n_prompt = int((mask == 0).sum())
-        assert mask[n_prompt:].all() and not mask[:n_prompt].any()  # mask is exactly the trailing response
-        messages, images = build_messages(traj.instruction, [Turn(s.screenshot, s.response) for s in traj.steps[:ref.step]],
-                                          step.screenshot, max_images=2, plan=traj.plan, system_prompt=SYSTEM)
-        assert len(images) == min(2, ref.step + 1) == len(ex["image_grid_thw"])
-        prompt_text = proc.apply_chat_template(messages, add_generation_prompt=True)
-        assert prompt_text.endswith("<|im_start|>assistant\n") and ("1. open menu" in prompt_text) == (ref.trajectory == 1)
-        reference = proc(text=[prompt_text], images=[images])
-        np.testing.assert_array_equal(ids[:n_prompt], reference["input_ids"][0])
-        np.testing.assert_array_equal(ex["pixel_values"], reference["pixel_values"])
+        steps = traj.steps[:ref.step + 1]
+        shown = [merged_tokens(s.screenshot) for s in steps]
+        pads = [n if i >= ref.step - 1 else None for i, n in enumerate(shown)]  # the current one and the one before
+        plan_lines = "\n\n1. open menu\n2. click file" if ref.trajectory == 1 else ""
+        prompt = expected_prompt(traj.instruction, plan_lines, [s.response for s in steps[:-1]], pads)
+        prompt_ids = np.asarray(tok(prompt, add_special_tokens=False)["input_ids"])
+        n_prompt = len(prompt_ids)
+        np.testing.assert_array_equal(ids[:n_prompt], prompt_ids)
+        assert tok.decode(ids[:n_prompt], skip_special_tokens=False) == prompt
+        np.testing.assert_array_equal(mask, np.arange(len(ids)) >= n_prompt)
+        assert image_pad_runs(ids, cfg.image_token_id) == [n for n in pads if n is not None]
+        grids = ex["image_grid_thw"]
+        np.testing.assert_array_equal(grids, [[1, s.screenshot.shape[0] // 14, s.screenshot.shape[1] // 14]
+                                              for s in steps[-2:]])
+        assert [int(g.prod()) // cfg.vision.spatial_merge_size ** 2 for g in grids] == image_pad_runs(
+            ids, cfg.image_token_id)
+        assert len(ex["pixel_values"]) == int(np.prod(grids, axis=1).sum())
         response = ids[n_prompt:]
+        assert tok.decode(response, skip_special_tokens=False) == step.response + "<|im_end|>"
         if traj.source is Source.ON_POLICY:  # the exact sampled ids and their log-probs
             np.testing.assert_array_equal(response, step.response_tokens)
             np.testing.assert_array_equal(ex["behaviour_logprobs"][n_prompt:], step.behaviour_logprobs)
-        else:  # off-policy text: tokenised and closed with <|im_end|>; no behaviour log-probs
-            assert response[-1] == im_end
-            assert proc.tokenizer.decode(response) == step.response + "<|im_end|>"
+        else:  # off-policy text: no behaviour log-probs
             assert not ex["behaviour_logprobs"].any()
         assert not ex["behaviour_logprobs"][:n_prompt].any()
         np.testing.assert_array_equal(ex["advantages"], mask * np.float32(ref.advantage))
         assert (ex["trajectory"], ex["step"], ex["task_id"], ex["source"]) == (
             ref.trajectory, ref.step, traj.task_id, traj.source.value)
+
+
+@pytest.mark.parametrize("max_images", [1, 3, 6])
+def test_encoded_rows_keep_the_last_max_images_screenshots(proc, cfg, max_images):
+    """A 5-step trajectory whose screenshots all differ in size: each row's image-pad runs are those of the
+    last max_images screenshots up to its step, in order, and the older steps are there as text only."""
+    sizes = [(56, 56), (56, 84), (84, 84), (56, 112), (112, 112)]  # 4, 6, 9, 8, 16 merged tokens
+    rs = np.random.RandomState(1)
+    steps = [Step(rs.randint(0, 256, (*hw, 3), dtype=np.uint8), f"Thought: step {j}\nAction: wait()",
+                  np.zeros(0, np.int32), np.zeros(0, np.float32)) for j, hw in enumerate(sizes)]
+    trajs = [Trajectory("long", "scroll down", steps, source=Source.EXPERT)]
+    encode = EncodeStep(trajs, proc, dataclasses.replace(CONFIG, max_images=max_images))
+    tokens = [merged_tokens(s.screenshot) for s in steps]
+    for j in range(len(steps)):
+        ex = encode.map(StepRef(0, j, 1.0))
+        runs = image_pad_runs(ex["input_ids"], cfg.image_token_id)
+        assert runs == tokens[max(0, j + 1 - max_images):j + 1]
+        text = proc.tokenizer.decode(ex["input_ids"], skip_special_tokens=False)
+        assert all(f"Thought: step {i}\n" in text for i in range(j + 1))  # every step's text, images or not
+        pads = [n if i > j - max_images else None for i, n in enumerate(tokens[:j + 1])]
+        prompt = expected_prompt("scroll down", "", [s.response for s in steps[:j]], pads)
+        assert text == prompt + steps[j].response + "<|im_end|>"
 
 
 def test_batches_shift_targets_and_masks(proc, cfg):
@@ -125,6 +190,9 @@ def test_batches_shift_targets_and_masks(proc, cfg):
             np.testing.assert_array_equal(batch["targets"][row, :n - 1], ids[row, 1:n])  # t predicts t+1
             response = ex["input_ids"][ex["loss_mask"] > 0]
             np.testing.assert_array_equal(batch["targets"][row][lm[row] > 0], response)
+            step = trajs[ref.trajectory].steps[ref.step]
+            assert proc.tokenizer.decode(batch["targets"][row][lm[row] > 0],
+                                         skip_special_tokens=False) == step.response + "<|im_end|>"
             assert lm[row].sum() == len(response) and lm[row, n - 1:].sum() == 0
             np.testing.assert_array_equal(batch["behaviour_logprobs"][row][lm[row] > 0],
                                           ex["behaviour_logprobs"][ex["loss_mask"] > 0])

@@ -1,13 +1,15 @@
 """System prompts: UI-TARS-1.5's official computer-use prompt verbatim and filled as ByteDance fills it, the
-7B recipes on it and the CPU recipes on the compact one, and an unknown `rollout.prompt` named at start."""
+7B recipes on it and the CPU recipes on the compact one, and an unknown `rollout.prompt` named at start.
+build_messages: the plan-conditioned instruction and the history cut to max_images screenshots (the current
+one included), older turns kept as text only."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from guijax import launch, preflight
-from guijax.rollout.prompt import (COMPACT_PROMPT, PROMPTS, UITARS_COMPUTER_USE, build_messages,
-                                   plan_conditioned_instruction, prompt_template)
+from guijax.rollout.prompt import (COMPACT_PROMPT, PROMPTS, SYSTEM_PROMPT, UITARS_COMPUTER_USE, Turn,
+                                   build_messages, plan_conditioned_instruction, prompt_template)
 from guijax.pipeline.run import Run
 
 SHOT = np.zeros((28, 28, 3), np.uint8)
@@ -46,3 +48,50 @@ def test_unknown_prompt_name_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match=message):
         Run(config, tmp_path).system_prompt
     assert message in preflight.problems(config)
+
+
+SHOTS = [np.full((28, 28, 3), i, np.uint8) for i in range(6)]  # five history screenshots and the current one
+HISTORY = [Turn(SHOTS[i], f"Thought: t{i}\nAction: wait()") for i in range(5)]
+
+
+def layout(messages):
+    """(role, kind) of every content item in order, with the text for text items."""
+    return [(m["role"], c["type"] if c["type"] != "text" else c["text"]) for m in messages for c in m["content"]]
+
+
+@pytest.mark.parametrize("max_images, imaged", [
+    (1, []),  # the current screenshot only
+    (2, [4]),
+    (3, [3, 4]),
+    (5, [1, 2, 3, 4]),
+    (6, [0, 1, 2, 3, 4]),  # the full history (ARPO)
+    (10, [0, 1, 2, 3, 4]),
+])
+def test_history_keeps_the_last_max_images_screenshots(max_images, imaged):
+    messages, images = build_messages("Open the menu.", HISTORY, SHOTS[5], max_images=max_images,
+                                      system_prompt="Task: {instruction}")
+    assert len(images) == len(imaged) + 1
+    assert all(got is want for got, want in zip(images, [SHOTS[i] for i in imaged] + [SHOTS[5]]))
+    expected = [("user", "Task: Open the menu.")]
+    for i, turn in enumerate(HISTORY):
+        expected += [("user", "image")] * (i in imaged) + [("assistant", turn.response)]
+    assert layout(messages) == expected + [("user", "image")]
+
+
+def test_no_history_and_the_default_system_prompt():
+    messages, images = build_messages("Open the menu.", [], SHOTS[0])
+    assert len(images) == 1 and images[0] is SHOTS[0]
+    assert layout(messages) == [("user", SYSTEM_PROMPT.format(instruction="Open the menu.")), ("user", "image")]
+    assert messages[0]["content"][0]["text"].endswith("## User Instruction\nOpen the menu.\n")
+
+
+def test_plan_is_appended_as_a_numbered_list():
+    messages, _ = build_messages("Open the menu.  ", [], SHOTS[0], plan=("click File", "click Open"),
+                                 system_prompt="Task: {instruction}")
+    assert messages[0]["content"][0]["text"] == "Task: Open the menu.\n\n1. click File\n2. click Open"
+    assert plan_conditioned_instruction("Open the menu.  ", ()) == "Open the menu.  "
+
+
+def test_max_images_below_one_is_refused():
+    with pytest.raises(ValueError, match="max_images must be >= 1, got 0"):
+        build_messages("x", HISTORY, SHOTS[5], max_images=0)

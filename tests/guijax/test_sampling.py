@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,17 @@ def test_greedy_equals_transformers_generate(checkpoint):
     assert out.lengths.tolist() == [new, new] and not out.stopped.any()
 
 
+def _teacher_forced_logits(policy, inputs, tokens):
+    """Logits of one full forward pass over prompt + sampled response, at the positions that predict the
+    response tokens ([b, new, vocab], a writable copy)."""
+    full_ids = np.concatenate([inputs["input_ids"], tokens], axis=1)
+    full_mask = np.concatenate([inputs["attention_mask"], np.ones_like(tokens)], axis=1)
+    logits = np.asarray(policy.logits(input_ids=full_ids, attention_mask=full_mask,
+                                      pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]))
+    prompt_len = inputs["input_ids"].shape[1]
+    return np.array(logits[:, prompt_len - 1:-1])  # position t predicts token t + 1
+
+
 @pytest.mark.parametrize("suppress", [False, True])
 def test_cached_logprobs_equal_full_forward(checkpoint, suppress):
     """Behaviour log-probs from the decode loop equal a fresh full forward over prompt + response (with the
@@ -89,12 +101,7 @@ def test_cached_logprobs_equal_full_forward(checkpoint, suppress):
                                                                       stop_token_ids=(-5,), patch_bucket=128,
                                                                       suppress_vision_tokens=suppress))
     out = sampler.generate(policy.params, jax.random.PRNGKey(7), **inputs)
-    full_ids = np.concatenate([inputs["input_ids"], out.tokens], axis=1)
-    full_mask = np.concatenate([inputs["attention_mask"], np.ones_like(out.tokens)], axis=1)
-    logits = np.asarray(policy.logits(input_ids=full_ids, attention_mask=full_mask,
-                                      pixel_values=inputs["pixel_values"], image_grid_thw=GRIDS))
-    prompt_len = inputs["input_ids"].shape[1]
-    logits = np.array(logits[:, prompt_len - 1:-1])
+    logits = _teacher_forced_logits(policy, inputs, out.tokens)
     placeholders = [cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id]
     if suppress:
         logits[..., placeholders] = -np.inf
@@ -102,6 +109,34 @@ def test_cached_logprobs_equal_full_forward(checkpoint, suppress):
     logp = jax.nn.log_softmax(logits, axis=-1)
     expected = np.take_along_axis(np.asarray(logp), out.tokens[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(out.logprobs, expected, atol=2e-5)
+
+
+def test_behaviour_logprobs_at_temperature_are_the_tempered_softmax(checkpoint):
+    """At T = 0.7 (neither 1, where a missing 1/T goes unseen, nor greedy) each recorded behaviour log-prob is
+    log_softmax(logits / T) of the sampled token under a teacher-forced forward pass over prompt + sampled
+    response (float32 throughout), as the PPO ratio's denominator must be."""
+    path, _ = checkpoint
+    policy = policy_lib.from_pretrained(path)
+    cfg = policy.module.cfg
+    temperature, new = 0.7, 8
+    inputs = _prompts(2)
+    sampler = sampling.Sampler(policy.module, sampling.SamplingConfig(temperature=temperature, max_new_tokens=new,
+                                                                      stop_token_ids=(-5,), patch_bucket=64))
+    out = sampler.generate(policy.params, jax.random.PRNGKey(11), **inputs)
+    chex.assert_shape([out.tokens, out.logprobs], (2, new))
+    chex.assert_type([out.tokens, out.logprobs], [np.int32, np.float32])
+    assert out.lengths.tolist() == [new, new]
+    logits = _teacher_forced_logits(policy, inputs, out.tokens)
+    chex.assert_type(logits, np.float32)
+    logits[..., [cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id]] = -np.inf
+
+    def chosen(scaled):
+        logp = np.asarray(jax.nn.log_softmax(jnp.asarray(scaled), axis=-1))
+        return np.take_along_axis(logp, out.tokens[..., None], axis=-1)[..., 0]
+
+    np.testing.assert_allclose(out.logprobs, chosen(logits / temperature), atol=1e-4)
+    assert np.abs(out.logprobs - chosen(logits)).max() > 1e-2  # the untempered log-probs are far off here
+    assert (out.tokens != logits.argmax(-1)).any()  # sampled, not greedy
 
 
 def test_vision_placeholders_are_never_sampled_even_when_most_likely(checkpoint):

@@ -15,8 +15,8 @@ from guijax.rollout.trajectory import Source, Status, Step, Trajectory
 TASK = Task(id="t1", instruction="Click OK.")
 
 
-def traj(reward: float, steps: int = 1, plan: tuple[str, ...] = (), tag: int = 0) -> Trajectory:
-    shot = np.full((8, 8, 3), tag, np.uint8)
+def traj(reward: float, steps: int = 1, plan: tuple[str, ...] = (), tag: int = 0, size: int = 8) -> Trajectory:
+    shot = np.full((size, size, 3), tag, np.uint8)
     s = [Step(shot, f"Thought: {tag}\nAction: click(start_box='(1,1)')", np.arange(3, dtype=np.int32) + tag,
               np.full(3, -0.5, np.float32)) for _ in range(steps)]
     return Trajectory("t1", TASK.instruction, s, reward, Status.DONE if reward > 0.5 else Status.STEP_LIMIT,
@@ -43,6 +43,63 @@ def test_bepa_injects_cache_into_first_failure_without_plan_and_refreshes_on_suc
     m = bepa.metrics()
     assert m["cache_updates"] == 1 and m["cache_injections"] == 1 and m["cache_update_frequency"] == 0.5
     assert bepa.metrics()["cache_updates"] == 0  # counters are per iteration
+
+
+def test_bepa_level2_injects_only_on_total_failure_into_the_first_slot():
+    """Algorithm 2: no success in the group (partial credit <= 0.5 and environment errors are not successes)
+    -> τ_{x,1} becomes the cached trajectory without its plan; one success anywhere -> the group as it was."""
+    bepa = CacheHook()
+    seed = traj(1.0, plan=("click OK", "close the dialog"), tag=9)
+    bepa.seed_cache([seed])
+    one_success = [traj(0.0, tag=i) for i in range(7)] + [traj(1.0, tag=7)]  # the success is last
+    got = bepa.assemble(TASK, one_success)
+    assert all(a is b for a, b in zip(got, one_success)) and len(got) == 8
+    assert bepa.metrics()["cache_injections"] == 0
+    errored = traj(1.0, tag=13)
+    errored.status = Status.ENV_ERROR
+    failures = [traj(0.3, tag=10), traj(0.5, tag=11), traj(0.0, tag=12), errored]
+    got = bepa.assemble(TASK, failures)
+    assert tags(got) == [9, 11, 12, 13] and all(a is b for a, b in zip(got[1:], failures[1:]))
+    injected = got[0]
+    assert injected.source == Source.CACHE and injected.plan == () and injected.instruction == TASK.instruction
+    assert injected.steps is seed.steps and injected.reward == seed.reward  # the same steps, re-encoded
+    assert seed.plan == ("click OK", "close the dialog") and seed.source == Source.ON_POLICY  # cache untouched
+    assert bepa.metrics()["cache_injections"] == 1
+
+
+def test_bepa_injected_trajectory_is_encoded_under_the_plain_instruction(proc):
+    """The pipeline encodes the injected row without the plan (BEPA §4.2: the policy learns to act without
+    it), while the LEVEL-1 roll it came from was prompted with the plan."""
+    from guijax.data.pipeline import EncodeStep, PipelineConfig, StepRef
+
+    bepa = CacheHook()
+    seed = traj(1.0, plan=("open the dialog", "press OK"), tag=9, size=56)
+    bepa.seed_cache([seed])
+    group = bepa.assemble(TASK, [traj(0.0, tag=i, size=56) for i in range(2)])
+    config = PipelineConfig(max_images=1, length_buckets=(512,), system_prompt="Task: {instruction}\n")
+
+    def prompt(trajectories, i):
+        ex = EncodeStep(trajectories, proc, config).map(StepRef(i, 0, 1.0))
+        return proc.tokenizer.decode(ex["input_ids"][ex["loss_mask"] == 0], skip_special_tokens=False)
+
+    assert "Task: Click OK.\n\n1. open the dialog\n2. press OK\n" in prompt([seed], 0)
+    injected = prompt(group, 0)
+    assert "Task: Click OK.\n<|im_end|>" in injected and "open the dialog" not in injected
+
+
+def test_bepa_static_cache_keeps_the_level1_seed():
+    """refresh=False (the static LEVEL-1 ablation): successes never replace a seeded entry (it is what gets
+    injected), and a task without a seed gets none. refresh=True follows the latest successful group."""
+    static, fresh = CacheHook(refresh=False), CacheHook(refresh=True)
+    for b in (static, fresh):
+        b.seed_cache([traj(1.0, plan=("p",), tag=5)])
+        b.observe(TASK, [traj(1.0, tag=6), traj(0.0, tag=0)])
+        b.observe(TASK, [traj(1.0, tag=7)])
+    assert static.cache["t1"].meta["tag"] == 5 and fresh.cache["t1"].meta["tag"] == 7
+    assert tags(static.assemble(TASK, [traj(0.0, tag=1), traj(0.0, tag=2)])) == [5, 2]
+    other = Task(id="t2", instruction="x")
+    static.observe(other, [traj(1.0, tag=20)])
+    assert "t2" not in static.cache and static.assemble(other, [traj(0.0, tag=21)])[0].meta["tag"] == 21
 
 
 def test_bepa_update_rules():
@@ -95,6 +152,33 @@ def test_arpo_replays_a_buffered_success_into_an_all_failure_group(tmp_path):
     again = ReplayHook(buffer_size=2, store=TrajectoryStore(tmp_path))
     again.load_state_dict(state)
     assert tags(again.buffers["t1"]) == tags(arpo.buffers["t1"]) and again.draws == arpo.draws
+
+
+@pytest.mark.parametrize("rewards, replaced", [
+    ([1.0] + [0.0] * 7, False),  # 1 of 8: mean 0.125 < 0.2, but std 0.33 >= 0.05: has a learning signal
+    ([1.0] * 8, False),  # all success: std 0, mean 1
+    ([0.3] * 8, False),  # std 0, but mean 0.3 >= 0.2
+    ([0.0] * 8, True),  # all failure
+    ([0.1] * 8, True),  # std 0 and mean 0.1 < 0.2: all failure, though no reward is 0
+], ids=["one_of_eight", "all_success", "flat_0.3", "all_failure", "flat_0.1"])
+def test_arpo_replaces_only_when_std_and_mean_are_both_low(rewards, replaced):
+    """ARPO's all-failure check: a group is left alone when its reward std >= 0.05 OR its mean >= 0.2; otherwise one
+    failed rollout (reward <= 0.1) is replaced by a buffered success, marked REPLAY."""
+    arpo = ReplayHook(buffer_size=4)
+    arpo.observe(TASK, [traj(1.0, tag=100), traj(0.9, tag=101), traj(0.0, tag=102)])
+    assert tags(arpo.buffers["t1"]) == [100, 101]
+    group = [traj(r, tag=i) for i, r in enumerate(rewards)]
+    got = arpo.assemble(TASK, group)
+    assert len(got) == len(group)
+    changed = [i for i, (a, b) in enumerate(zip(got, group)) if a is not b]
+    assert arpo.metrics()["replay_injections"] == float(replaced)
+    if not replaced:
+        assert changed == []
+        return
+    assert len(changed) == 1 and group[changed[0]].reward <= 0.1
+    new = got[changed[0]]
+    assert new.source == Source.REPLAY and new.meta["tag"] in (100, 101)
+    assert all(t.source == Source.ON_POLICY for t in arpo.buffers["t1"])  # the buffer keeps the originals
 
 
 def test_expert_mixing_baselines():
