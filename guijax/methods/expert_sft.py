@@ -29,7 +29,7 @@ class SFT(Method):
     rl = False
 
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
-        from guijax.trainer import sft_steps
+        from guijax.sft import sft_steps
 
         train_ids = {t.id for t in ctx.train_tasks}
         traces = [t for t in ctx.expert_traces().values() if t.task_id in train_ids]

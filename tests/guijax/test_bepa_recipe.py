@@ -252,8 +252,8 @@ def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path):
     assert [(w.task_id, l.reward) for w, l in dpo_pairs(rollouts)] == [(w.task_id, 0.0) for w in wins]
     policy = run.load_policy(run.base_model_dir)
     config.unlock()
-    config.offline.learning_rate = 3e-3
-    _, history = preference_train(policy, "dpo", rollouts, config, pipeline_config(config, run.system_prompt), 6, 4)
+    _, history = preference_train(policy, "dpo", rollouts, config, pipeline_config(config, run.system_prompt), 6, 4,
+                                  learning_rate=3e-3)
     assert history[0] == pytest.approx(np.log(2), abs=1e-4)  # policy == reference: margin 0
     assert history[-1] < history[0] - 0.05
     with pytest.raises(ValueError, match="no task has both"):
