@@ -81,8 +81,10 @@ def main(argv: list[str]) -> None:
     from guijax.methods import REGISTRY
 
     seeds = [int(s) for s in FLAGS.seeds.split(",") if s.strip()]
-    methods = sorted(m for m, cls in REGISTRY.items() if not cls.requires or "select" not in cls.requires) \
-        if FLAGS.methods == "all" else [m.strip() for m in FLAGS.methods.split(",") if m.strip()]
+    if FLAGS.methods == "all":
+        methods = sorted(m for m, cls in REGISTRY.items() if "select" not in cls.requires)
+    else:
+        methods = [m.strip() for m in FLAGS.methods.split(",") if m.strip()]
     workdir = pathlib.Path(FLAGS.workdir or f"runs/compare_{FLAGS.config}")
     workdir.mkdir(parents=True, exist_ok=True)
     logging.set_verbosity(logging.WARNING)

@@ -25,15 +25,17 @@ def device_batch(batch: dict[str, Any]) -> dict[str, Any]:
 def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processor: Any,
               config: ml_collections.ConfigDict, pipeline: PipelineConfig, steps: int, batch_size: int, seed: int,
               log: Any = None, checkpoint_dir: str | pathlib.Path | None = None,
-              checkpoint_every: int = 50, desc: str = "sft") -> tuple[Any, list[float]]:
+              checkpoint_every: int = 50, desc: str = "sft",
+              learning_rate: float | None = None) -> tuple[Any, list[float]]:
     """Supervised warm start on (converted expert) trajectories: token cross-entropy on the responses.
 
     `trajectories` may be a list or a TrajectoryStore. With `checkpoint_dir`, parameters, optimiser state,
     the losses so far and the grain iterator's position are saved every `checkpoint_every` steps, and a
     rerun continues from the newest save with the same batches an uninterrupted run would have seen.
+    `learning_rate` overrides `sft.learning_rate` (the fresh model's warm-start rate) for fine-tuning runs.
     """
     sft_optim = ml_collections.ConfigDict(config.optim.to_dict())
-    sft_optim.learning_rate = config.sft.learning_rate
+    sft_optim.learning_rate = config.sft.learning_rate if learning_rate is None else learning_rate
     sft_optim.total_steps = max(steps, sft_optim.warmup_steps + 1)
     tx, _ = optim.make_optimizer(sft_optim)
     step_fn = train_step.make_train_step(policy.module, tx, train_step.StepConfig(objectives.CrossEntropyLoss(),

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import ml_collections
-
 from guijax.methods.base import Context, Method
 from guijax.metrics import MetricsWriter
 from guijax.schema import ranged
@@ -29,21 +27,19 @@ class SFT(Method):
     rl = False
 
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
-        from guijax.sft import sft_steps
+        from guijax.sft import sft_steps  # here, not at the top: recipes import every method to read its section
 
         train_ids = {t.id for t in ctx.train_tasks}
         traces = [t for t in ctx.expert_traces().values() if t.task_id in train_ids]
         if not traces:
             raise ValueError(f"{self.name}: no converted expert trace of a training task to fine-tune on")
-        config = ml_collections.ConfigDict(self.config.to_dict())
-        config.sft.learning_rate = self.options.learning_rate  # fine-tuning, not the fresh model's warm start
-        steps = max(1, self.options.epochs * sum(len(t.steps) for t in traces) // config.sft.batch_size)
+        batch_size = self.config.sft.batch_size
+        steps = max(1, self.options.epochs * sum(len(t.steps) for t in traces) // batch_size)
         writer = MetricsWriter(ctx.workdir, "sft_metrics.jsonl", console=False)
-        policy.params, _ = sft_steps(policy, traces, policy.processor, config,
-                                     dataclasses.replace(pipeline, seed=ctx.streams.seed_for("sft", "data")), steps,
-                                     config.sft.batch_size, seed=ctx.streams.seed_for("sft", "data"),
-                                     log=writer.write, checkpoint_dir=ctx.workdir / "sft_checkpoints",
-                                     desc=f"{self.name} sft")
+        policy.params, _ = sft_steps(policy, traces, policy.processor, self.config, pipeline, steps, batch_size,
+                                     seed=ctx.streams.seed_for("sft", "data"), log=writer.write,
+                                     checkpoint_dir=ctx.workdir / "sft_checkpoints", desc=f"{self.name} sft",
+                                     learning_rate=self.options.learning_rate)  # fine-tuning, not the warm start
         writer.close()
 
     def describe(self) -> str:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import ml_collections
-
 from guijax.data.store import TrajectoryStore
 from guijax.methods.base import Context, Method
 from guijax.metrics import MetricsWriter
@@ -48,7 +46,7 @@ class _Offline(Method):
         echo(f"  {self.name}: loss {history[0]:.4f} -> {history[-1]:.4f} over {len(history)} steps")
 
     def train(self, ctx: Context, policy: Any, pipeline: Any, rollouts: list, log: Any) -> tuple[Any, list[float]]:
-        from guijax.offline import preference_train
+        from guijax.offline import preference_train  # here, not at the top: recipes import every method
 
         o = self.options
         return preference_train(policy, self.name, rollouts, self.config, pipeline, o.steps, o.batch_trajectories,
@@ -64,16 +62,14 @@ class RFT(_Offline):
     summary = "RFT (rejection-sampling fine-tuning) on the successful rollouts"
 
     def train(self, ctx: Context, policy: Any, pipeline: Any, rollouts: list, log: Any) -> tuple[Any, list[float]]:
-        from guijax.sft import sft_steps
+        from guijax.sft import sft_steps  # here, not at the top: recipes import every method to read its section
 
         wins = [t for t in rollouts if t.success]
         if not wins:
             raise ValueError("rft: the select stage's rollouts hold no success to fine-tune on")
-        config = ml_collections.ConfigDict(self.config.to_dict())
-        config.sft.learning_rate = self.options.learning_rate
-        seed = ctx.streams.seed_for(self.name, "data")
-        return sft_steps(policy, wins, policy.processor, config, dataclasses.replace(pipeline, seed=seed),
-                         self.options.steps, config.sft.batch_size, seed=seed, log=log, desc=self.name)
+        return sft_steps(policy, wins, policy.processor, self.config, pipeline, self.options.steps,
+                         self.config.sft.batch_size, seed=ctx.streams.seed_for(self.name, "data"), log=log,
+                         desc=self.name, learning_rate=self.options.learning_rate)
 
 
 class DPO(_Offline):

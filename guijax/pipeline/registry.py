@@ -7,6 +7,7 @@ the recipe's loss and normalisation, and finds the stages it reads listed before
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 import time
 
@@ -41,7 +42,7 @@ def check_recipe(config: ml_collections.ConfigDict, stages: dict[str, Stage] | N
     for trainer_stage, key in TRAINING_STAGES.items():
         if trainer_stage not in names:
             continue
-        value = config[key] if "." not in key else config[key.split(".")[0]][key.split(".")[1]]
+        value = functools.reduce(lambda node, part: node[part], key.split("."), config)
         for name in ([value] if isinstance(value, str) else list(value)):
             method = get_method(name, config, key=key)
             before = names[:names.index(trainer_stage)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -38,9 +39,9 @@ def _trainer(workdir: pathlib.Path, overrides: list[str]) -> Trainer:
     return Trainer(config, workdir / "trainer", parts)
 
 
-def _rows(trajectories, advantages):
-    """One (advantage, None) per step row, as the pipeline lays them out."""
-    return [(a, None) for t, a in zip(trajectories, advantages) for _ in t.steps]
+def _row_advantages(trajectories, advantages) -> np.ndarray:
+    """Each step row's advantage (its trajectory's), as the pipeline lays the rows out."""
+    return np.asarray([a for t, a in zip(trajectories, advantages) for _ in t.steps])
 
 
 def test_sequence_and_token_normalisation_divide_by_rows_and_tokens(prepared):
@@ -53,7 +54,7 @@ def test_sequence_and_token_normalisation_divide_by_rows_and_tokens(prepared):
                                      "optim.learning_rate=1e-9"])
         losses[normalization] = trainer._update(trajectories, advantages, keep)
         trainer.close()
-    rows = np.asarray([a for a, _ in _rows(trajectories, advantages)])
+    rows = _row_advantages(trajectories, advantages)
     # at the first epoch the ratio is 1, so the surrogate of a row's token is -A: "sequence" averages rows
     assert losses["sequence"]["loss"] == pytest.approx(-rows.mean(), rel=1e-4, abs=1e-5)
     # dividing the row sum by the token count instead (the old normaliser) would shrink it by the mean length
@@ -71,7 +72,7 @@ def test_kl_coefficient_scores_the_initial_policy_and_changes_the_update(prepare
     m_plain = plain._update(trajectories, advantages, keep)
     m_kl = with_kl._update(trajectories, advantages, keep)
     assert "ref_kl" not in m_plain and m_kl["ref_kl"] > 0  # later epochs move away from the reference
-    leaves = lambda t: np.concatenate([np.ravel(np.asarray(x)) for x in __import__("jax").tree.leaves(t.state.params)])  # noqa: E731
+    leaves = lambda t: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(t.state.params)])  # noqa: E731
     assert not np.allclose(leaves(plain), leaves(with_kl))  # the KL gradient changed the parameters
     for t in (plain, with_kl):
         t.close()
