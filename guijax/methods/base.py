@@ -98,6 +98,11 @@ class Method:
         self.config = config
 
     @property
+    def reads(self) -> tuple[str, ...]:
+        """Config sections its results depend on beyond the generic training ones (its own section)."""
+        return (self.section,) if self.section else ()
+
+    @property
     def options(self) -> Any:
         """The method's own config section."""
         if self.section is None:

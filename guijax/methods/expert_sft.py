@@ -35,10 +35,10 @@ class SFT(Method):
             raise ValueError(f"{self.name}: no converted expert trace of a training task to fine-tune on")
         batch_size = self.config.sft.batch_size
         steps = max(1, self.options.epochs * sum(len(t.steps) for t in traces) // batch_size)
-        writer = MetricsWriter(ctx.workdir, "sft_metrics.jsonl", console=False)
+        writer = MetricsWriter(ctx.workdir, "expert_sft_metrics.jsonl", console=False)
         policy.params, _ = sft_steps(policy, traces, policy.processor, self.config, pipeline, steps, batch_size,
                                      seed=ctx.streams.seed_for("sft", "data"), log=writer.write,
-                                     checkpoint_dir=ctx.workdir / "sft_checkpoints", desc=f"{self.name} sft",
+                                     checkpoint_dir=ctx.workdir / "expert_sft_checkpoints", desc=f"{self.name} sft",
                                      learning_rate=self.options.learning_rate)  # fine-tuning, not the warm start
         writer.close()
 

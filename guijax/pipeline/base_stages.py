@@ -21,6 +21,16 @@ from envs.atomic import write_text_atomic
 from guijax.pipeline.run import Run
 from guijax.pipeline.stage import output_exists, stage
 
+# What results depend on (guijax.pipeline.records): config read by stages that run the policy, train it or
+# evaluate it, and the stages whose files they read (the splits, the base policy).
+ROLLOUT_READS = ("seed", "model", "env", "rollout", "pipeline")
+TRAIN_READS = ROLLOUT_READS + ("train", "optim", "sft")
+EVAL_READS = ROLLOUT_READS + ("eval",)
+SPLITS = ("tasks", "bepa_splits", "level1")  # each rewrites splits.json
+BASE_POLICY = ("base_model", "sft")
+RL_OUTPUTS = ("trained_model", "checkpoints", "metrics.jsonl", "trajectories", "algorithm_trajectories",
+              "expert_sft_checkpoints", "expert_sft_metrics.jsonl", "offline_metrics.jsonl")
+
 
 def _describe_base_model(run: Run) -> str:
     if run.config.model.path:
@@ -29,7 +39,8 @@ def _describe_base_model(run: Run) -> str:
 
 
 @stage("base_model", _describe_base_model,
-       done=lambda run: not run.config.model.path and (run.base_model_dir / "config.json").exists())
+       done=lambda run: not run.config.model.path and (run.base_model_dir / "config.json").exists(),
+       reads=("seed", "model.path", "model.preset", "model.tokenizer_vocab"), outputs=("base_model",))
 def base_model(run: Run) -> str:
     from guijax.models.fresh import create_checkpoint
 
@@ -50,7 +61,8 @@ def _describe_tasks(run: Run) -> str:
     return f"generate {e.num_tasks} synthetic-desk tasks ({families}) and split them train / held-out"
 
 
-@stage("tasks", _describe_tasks, done=output_exists("splits.json"))
+@stage("tasks", _describe_tasks, done=output_exists("splits.json"), reads=("seed", "env"),
+       outputs=("tasks.json", "splits.json", "splits_initial.json"))
 def tasks(run: Run) -> str:
     from envs.tasks import generate_desk_tasks, save_tasks, split_tasks
 
@@ -126,7 +138,10 @@ def _describe_sft(run: Run) -> str:
 
 
 @stage("sft", _describe_sft,
-       done=lambda run: run.config.sft.steps == 0 or (run.workdir / "sft_model" / "config.json").exists())
+       done=lambda run: run.config.sft.steps == 0 or (run.workdir / "sft_model" / "config.json").exists(),
+       reads=("seed", "model", "env", "sft", "optim", "pipeline", "rollout.prompt", "rollout.max_images",
+              "train.minibatch_size", "train.logprob_impl"),
+       needs=("base_model", "tasks", "bepa_splits"), outputs=("sft_model", "sft_metrics.jsonl", "sft_checkpoints"))
 def sft(run: Run) -> str:
     from guijax.metrics import MetricsWriter
     from guijax.models.policy import save_pretrained
@@ -177,7 +192,8 @@ def describe_eval(run: Run) -> str:
             + ", ".join(f"{k} ({n} tasks)" for k, n in sizes.items()))
 
 
-@stage("eval_base", describe_eval, done=output_exists("eval_base.json"))
+@stage("eval_base", describe_eval, done=output_exists("eval_base.json"), reads=EVAL_READS,
+       needs=BASE_POLICY + SPLITS, outputs=("eval_base.json",))
 def eval_base(run: Run) -> str:
     return evaluate_into(run, policy_dir(run), run.workdir / "eval_base.json")
 
@@ -217,7 +233,8 @@ def _describe_rl(run: Run) -> str:
     return get_method(run.config.method, run.config).describe()
 
 
-@stage("rl", _describe_rl, done=output_exists("trained_model/config.json"))
+@stage("rl", _describe_rl, done=output_exists("trained_model/config.json"), reads=TRAIN_READS,
+       needs=BASE_POLICY + ("tasks", "bepa_splits"), outputs=RL_OUTPUTS, trains="method")
 def rl(run: Run) -> str:
     from guijax.methods import get_method
     from guijax.models.policy import save_pretrained
@@ -236,7 +253,8 @@ def rl_headline(history: list[dict[str, Any]]) -> str:
             f"{100 * last['success_rate']:.1f}% (iteration {last['iteration']})")
 
 
-@stage("eval_final", describe_eval, done=output_exists("eval_final.json"))
+@stage("eval_final", describe_eval, done=output_exists("eval_final.json"), reads=EVAL_READS,
+       needs=("rl",) + SPLITS, outputs=("eval_final.json",))
 def eval_final(run: Run) -> str:
     return evaluate_into(run, run.workdir / "trained_model", run.workdir / "eval_final.json")
 

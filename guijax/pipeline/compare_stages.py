@@ -14,7 +14,7 @@ from typing import Any
 
 from envs.atomic import write_text_atomic
 from guijax import progress
-from guijax.pipeline.base_stages import evaluate_into, train_with
+from guijax.pipeline.base_stages import BASE_POLICY, EVAL_READS, SPLITS, TRAIN_READS, evaluate_into, train_with
 from guijax.pipeline.run import Run
 from guijax.pipeline.stage import stage
 
@@ -40,24 +40,57 @@ def train_method(run: Run, method: Any) -> pathlib.Path:
     return final
 
 
-def _method_done(run: Run, name: str) -> bool:
-    return (run.workdir / "methods" / name / "eval.json").exists()
+def _verdict(run: Run, key: str, path: str) -> tuple[bool, str]:
+    """(reuse, why) of a method's training or evaluation: its file exists and (when the run keeps records)
+    was made from the current config."""
+    complete = (run.workdir / path).exists()
+    return run.records.verdict(key, complete) if run.records is not None else (complete, "")
+
+
+def _trained(run: Run, name: str) -> tuple[bool, str]:
+    return _verdict(run, f"methods/{name}", f"methods/{name}/trained_model/config.json")
+
+
+def _evaluated(run: Run, name: str) -> tuple[bool, str]:
+    return _verdict(run, f"methods/{name}/eval", f"methods/{name}/eval.json")
+
+
+def _begin(run: Run, tag: str, key: str, outputs: tuple[str, ...], why: str, action: str) -> None:
+    if run.records is None:
+        return
+    moved = run.records.begin(key, outputs)
+    if why:
+        progress.echo(f"{tag}: {why}; {action} again" + (" (old outputs moved to stale/)" if moved else ""))
+    elif moved:
+        progress.echo(f"{tag}: an unfinished run under another config left {', '.join(moved)}; moved to stale/")
 
 
 @stage("methods", lambda run: f"train and evaluate {', '.join(run.config.compare.methods)} from the same base policy",
-       done=lambda run: all(_method_done(run, m) for m in run.config.compare.methods))
+       done=lambda run: all(_trained(run, m)[0] and _evaluated(run, m)[0] for m in run.config.compare.methods),
+       reads=TRAIN_READS, needs=BASE_POLICY + ("tasks", "bepa_splits"), trains="compare.methods",
+       eval_reads=EVAL_READS, eval_needs=SPLITS)
 def methods(run: Run) -> str:
     chosen = compared_methods(run)
     results = {}
     for i, method in enumerate(chosen, 1):
         tag = f"  method {i}/{len(chosen)} {method.name}"
-        if _method_done(run, method.name):
+        key = f"methods/{method.name}"
+        (trained, why_trained), (evaluated, why_evaluated) = _trained(run, method.name), _evaluated(run, method.name)
+        if trained and evaluated:
             progress.echo(f"{tag}: already done, skipped")
             continue
+        if not trained:
+            _begin(run, tag, key, (key,), why_trained, "training it")
+        _begin(run, tag, f"{key}/eval", (f"{key}/eval.json",), why_evaluated if trained else "", "evaluating it")
         progress.echo(f"{tag}: {method.describe()}; then evaluation")
         start = time.perf_counter()
         report_path = run.workdir / "methods" / method.name / "eval.json"
-        results[method.name] = evaluate_into(run, train_method(run, method), report_path)
+        model = train_method(run, method)
+        if run.records is not None:
+            run.records.end(key)
+        results[method.name] = evaluate_into(run, model, report_path)
+        if run.records is not None:
+            run.records.end(f"{key}/eval")
         progress.echo(f"{tag}: done in {progress.format_duration(time.perf_counter() - start)}; {results[method.name]}")
     return f"{len(results)} trained" + (f" ({', '.join(results)})" if results else "")
 

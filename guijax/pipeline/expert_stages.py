@@ -20,7 +20,7 @@ from typing import Any
 
 from envs.atomic import write_text_atomic
 from guijax import progress
-from guijax.pipeline.base_stages import policy_dir
+from guijax.pipeline.base_stages import BASE_POLICY, ROLLOUT_READS, SPLITS, policy_dir
 from guijax.pipeline.run import Run
 from guijax.pipeline.stage import output_exists, stage
 
@@ -50,7 +50,9 @@ def _describe_expert(run: Run) -> str:
             f"{b.conversion_thoughts} thoughts")
 
 
-@stage("expert", _describe_expert, done=output_exists("expert.json"))
+@stage("expert", _describe_expert, done=output_exists("expert.json"),
+       reads=("seed", "env", "bepa.expert_dir", "bepa.expert_noise", "bepa.plan_extractor", "bepa.plan_url",
+              "bepa.plan_model", "bepa.conversion_thoughts"), needs=("tasks",), outputs=("expert.json", "expert_traces"))
 def expert(run: Run) -> str:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
     from guijax.plans import make_extractor
@@ -116,7 +118,9 @@ def _successes_by_task(rollouts) -> dict[str, int]:
 
 
 @stage("bepa_splits", lambda run: f"base pass@{run.config.bepa.base_pass_k} on every task; BEPA's train / held-out "
-       "split of the solvable pool", done=output_exists("bepa_splits.json"))
+       "split of the solvable pool", done=output_exists("bepa_splits.json"),
+       reads=ROLLOUT_READS + ("bepa.base_pass_k", "bepa.train_fraction", "bepa.extra_train_tasks"),
+       needs=BASE_POLICY + ("tasks", "expert"), outputs=("bepa_splits.json",))
 def bepa_splits(run: Run) -> str:
     """BEPA §5.1's splits: the pool of tasks solved by the expert or by the base policy (pass@k over
     `bepa.base_pass_k` rollouts); train = `bepa.train_fraction` of the pool plus `bepa.extra_train_tasks`
@@ -154,7 +158,10 @@ def _describe_level1(run: Run) -> str:
             "task: pass@k, D_self and the expert-only split")
 
 
-@stage("level1", _describe_level1, done=output_exists("level1.json"))
+@stage("level1", _describe_level1, done=output_exists("level1.json"),
+       reads=ROLLOUT_READS + ("bepa.base_pass_k", "bepa.level1_rollouts"),
+       needs=BASE_POLICY + ("tasks", "bepa_splits", "expert"),
+       outputs=("level1.json", "level1_base_rollouts", "level1_trajectories"))
 def level1(run: Run) -> str:
     out = run.workdir / "level1.json"
     b = run.config.bepa
@@ -186,7 +193,8 @@ def level1(run: Run) -> str:
 
 
 @stage("select", lambda run: f"{run.config.arpo.selection_rollouts} base-policy rollouts per training task: ARPO's "
-       "valuable tasks", done=output_exists("valuable_tasks.json"))
+       "valuable tasks", done=output_exists("valuable_tasks.json"), reads=ROLLOUT_READS + ("arpo.selection_rollouts",),
+       needs=BASE_POLICY + ("tasks", "bepa_splits"), outputs=("valuable_tasks.json", "selection_rollouts"))
 def select(run: Run) -> str:
     """ARPO §3.4: keep the training tasks the base policy solves at least once in k rollouts."""
     out = run.workdir / "valuable_tasks.json"
@@ -204,7 +212,10 @@ def select(run: Run) -> str:
 
 
 @stage("diagnostics", lambda run: "token-probability histograms, tail mass and JS divergence of D_conv, D_self and "
-       "on-policy traces; the methods' training curves", done=output_exists("diagnostics.json"))
+       "on-policy traces; the methods' training curves", done=output_exists("diagnostics.json"),
+       reads=ROLLOUT_READS + ("train.logprob_impl", "compare.methods"),
+       needs=BASE_POLICY + SPLITS + ("expert", "methods"),
+       outputs=("diagnostics.json", "diagnostics.png", "curves_methods.png"))
 def diagnostics(run: Run) -> str:
     """BEPA §5.4 under the base policy: token-probability histograms, tail mass Pr(p < 0.2) and JS divergence
     to the on-policy reference for D_conv, D_self and the base policy's own rollouts (diagnostics.json/.png),

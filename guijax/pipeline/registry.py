@@ -1,5 +1,6 @@
 """The stage registry, built explicitly from the stage modules, and `run_stages`, which runs a recipe's
-stages in order, skipping those whose result is already in the workdir.
+stages in order, reusing those whose result is already in the workdir and was made from the current config
+(`guijax.pipeline.records`); a stage whose config or upstream changed runs again, and says why.
 
 Before any stage runs, the recipe is checked as a whole: every stage name exists, and every method the
 recipe trains (`method` for the `rl` stage, `compare.methods` for the `methods` stage) is registered, accepts
@@ -16,6 +17,7 @@ import ml_collections
 
 from guijax import progress
 from guijax.pipeline import base_stages, compare_stages, expert_stages
+from guijax.pipeline.records import Fingerprint, StageRecords, config_values
 from guijax.pipeline.run import Run
 from guijax.pipeline.stage import Stage
 
@@ -24,8 +26,51 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     expert_stages.level1, expert_stages.select, base_stages.eval_base, base_stages.rl, compare_stages.methods,
     base_stages.eval_final, compare_stages.table, expert_stages.diagnostics, base_stages.report)}
 
-# which stage trains which methods (config key naming them)
-TRAINING_STAGES = {"rl": "method", "methods": "compare.methods"}
+
+
+def _lookup(config: ml_collections.ConfigDict, key: str):
+    return functools.reduce(lambda node, part: node[part], key.split("."), config)
+
+
+def trained_methods(config: ml_collections.ConfigDict, stage: Stage) -> list[str]:
+    """The method names a training stage trains: one for `method`, several for `compare.methods`."""
+    value = _lookup(config, stage.trains)
+    return [value] if isinstance(value, str) else list(value)
+
+
+def fingerprints(config: ml_collections.ConfigDict, stages: dict[str, Stage] | None = None) -> dict[str, Fingerprint]:
+    """Every stage's fingerprint under `config`, in recipe order: the config it reads and the fingerprints of
+    the earlier stages it reads from. A stage training several methods has one per method, keyed
+    'STAGE/METHOD' (and 'STAGE/METHOD/eval' for its evaluation), and its own is made of theirs."""
+    from guijax.methods import get_method
+
+    stages = STAGES if stages is None else stages
+    names = list(config.stages)
+    out: dict[str, Fingerprint] = {}
+    for i, name in enumerate(names):
+        spec = stages[name]
+
+        def upstream(needs: tuple[str, ...]) -> dict[str, str]:
+            return {n: out[n].hash for n in names[:i] if n in needs}
+
+        if spec.trains is None:
+            out[name] = Fingerprint(config_values(config, spec.reads), upstream(spec.needs))
+            continue
+        units = {}
+        for method_name in trained_methods(config, spec):
+            method = get_method(method_name, config, key=spec.trains)
+            values = config_values(config, spec.reads + method.reads) | {"method": method_name}
+            units[method_name] = Fingerprint(values, upstream(spec.needs + method.requires))
+        if isinstance(_lookup(config, spec.trains), str):
+            out[name] = next(iter(units.values()))
+            continue
+        for m, fp in units.items():
+            out[f"{name}/{m}"] = fp
+            if spec.eval_reads:
+                out[f"{name}/{m}/eval"] = Fingerprint(config_values(config, spec.eval_reads),
+                                                      upstream(spec.eval_needs) | {f"{name}/{m}": fp.hash})
+        out[name] = Fingerprint({"units": {k: fp.hash for k, fp in out.items() if k.startswith(f"{name}/")}}, {})
+    return out
 
 
 def check_recipe(config: ml_collections.ConfigDict, stages: dict[str, Stage] | None = None) -> None:
@@ -39,11 +84,11 @@ def check_recipe(config: ml_collections.ConfigDict, stages: dict[str, Stage] | N
     unknown = [s for s in names if s not in stages]
     if unknown:
         raise ValueError(f"unknown stages {unknown} in config.stages; available: {list(stages)}")
-    for trainer_stage, key in TRAINING_STAGES.items():
-        if trainer_stage not in names:
+    for trainer_stage in names:
+        key = stages[trainer_stage].trains
+        if key is None:
             continue
-        value = functools.reduce(lambda node, part: node[part], key.split("."), config)
-        for name in ([value] if isinstance(value, str) else list(value)):
+        for name in trained_methods(config, stages[trainer_stage]):
             method = get_method(name, config, key=key)
             before = names[:names.index(trainer_stage)]
             missing = [r for r in method.requires if r not in before]
@@ -59,21 +104,37 @@ def run_stages(config: ml_collections.ConfigDict, workdir: pathlib.Path,
     stages = STAGES if stages is None else stages
     check_recipe(config, stages)
     compilation_cache.enable(config.compilation_cache_dir)
-    run = Run(config, pathlib.Path(workdir))
+    records = StageRecords(pathlib.Path(workdir), fingerprints(config, stages))
+    run = Run(config, pathlib.Path(workdir), records=records)
     names = list(config.stages)
-    found = [n for n in names if stages[n].done(run)]
+    verdicts = {n: records.verdict(n, stages[n].done(run)) for n in names if stages[n].done is not None}
+    found = [n for n, (reuse, _) in verdicts.items() if reuse]
+    changed = [n for n, (reuse, why) in verdicts.items() if not reuse and why]
     if found:
         progress.echo(f"{config.name}: resuming in {workdir}; found done: {', '.join(found)}")
+    if changed:
+        progress.echo(f"{config.name}: made from another config, so run again: {', '.join(changed)}")
     try:
         for i, name in enumerate(names, 1):
             spec = stages[name]
             tag = f"[{i}/{len(names)}] {name}"
-            if name in found:
-                progress.echo(f"{tag}: already done, skipped")
+            reuse, why = verdicts.get(name, (False, ""))
+            if reuse:
+                progress.echo(f"{tag}: already done, skipped" + (f" ({why})" if why else ""))
                 continue
+            if spec.done is not None:
+                moved = records.begin(name, spec.outputs)
+                if why:
+                    progress.echo(f"{tag}: {why}; running it again"
+                                  + (f" (old {', '.join(moved)} moved to {workdir}/stale/)" if moved else ""))
+                elif moved:
+                    progress.echo(f"{tag}: an unfinished run under another config left {', '.join(moved)}; "
+                                  f"moved to {workdir}/stale/, starting afresh")
             progress.echo(f"{tag}: {spec.describe(run)}")
             start = time.perf_counter()
             headline = spec.fn(run)
+            if spec.done is not None:
+                records.end(name)
             progress.echo(f"{tag}: done in {progress.format_duration(time.perf_counter() - start)}"
                           + (f"; {headline}" if headline else ""))
     finally:

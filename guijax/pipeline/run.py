@@ -9,6 +9,7 @@ from typing import Any
 
 import ml_collections
 
+from guijax.pipeline.records import StageRecords
 from guijax.rng import Streams
 from guijax.rollout.prompt import prompt_template
 
@@ -17,6 +18,7 @@ from guijax.rollout.prompt import prompt_template
 class Run:
     config: ml_collections.ConfigDict
     workdir: pathlib.Path
+    records: StageRecords | None = None  # what each stage was made from (None: stages run on their own)
     _cache: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import textwrap
 
 import numpy as np
 import pytest
@@ -16,92 +15,124 @@ from guijax.pipeline.run import Run
 from guijax.data.store import TrajectoryStore
 from guijax.plans import RulePlanExtractor, parse_numbered_plan
 
-RECIPE = textwrap.dedent("""
-    from configs._common import base
-
-    def get_config():
-        c = base("tiny_bepa")
-        c.stages = ("base_model", "tasks", "expert", "sft", "level1", "eval_base", "select", "methods",
-                    "table", "diagnostics")
-        c.model.preset = "tiny"
-        c.model.tokenizer_vocab = 1024
-        c.model.image_max_pixels = 112 * 112
-        c.env.families = ("click_button", "toggle_checkbox")
-        c.env.num_tasks = 4
-        c.env.num_workers = 4
-        c.env.step_limit = 2
-        c.env.popups = False
-        c.rollout.prompt = "compact"
-        c.rollout.max_images = 1
-        c.rollout.group_size = 2
-        c.rollout.tasks_per_iteration = 2
-        c.rollout.max_new_tokens = 16
-        c.pipeline.length_buckets = (192, 256, 384)
-        c.pipeline.patch_bucket = 64
-        c.train.iterations = 1
-        c.sft.steps = 2
-        c.sft.batch_size = 4
-        c.sft.plan_fraction = 0.5
-        c.bepa.base_pass_k = 1
-        c.bepa.level1_rollouts = 1
-        c.arpo.selection_rollouts = 2
-        c.offline.steps = 2
-        c.offline.batch_trajectories = 4
-        c.compare.methods = {methods}
-        c.expert_sft.learning_rate = 0.0  # the SFT baseline must fine-tune at this rate, not sft.learning_rate
-        c.eval.splits = ("expert_only", "train", "held_out")
-        c.eval.episodes_per_task = 1
-        return c
-""")
+BEPA = ("stages=('base_model', 'tasks', 'expert', 'sft', 'level1', 'eval_base', 'select', 'methods', 'table', "
+        "'diagnostics')", "sft.plan_fraction=0.5", "bepa.base_pass_k=1", "bepa.level1_rollouts=1",
+        "arpo.selection_rollouts=2", "offline.steps=2", "offline.batch_trajectories=4", "sft.traces_per_task=1",
+        "expert_sft.learning_rate=0.0",  # the SFT baseline must fine-tune at this rate, not sft.learning_rate
+        "eval.splits=('expert_only', 'train', 'held_out')")
+RL_METHODS = ("level2_only", "rl_sft", "luffy")
 
 
-def _config(tmp_path: pathlib.Path, methods: tuple[str, ...]):
-    path = tmp_path / "tiny_bepa.py"
-    path.write_text(RECIPE.format(methods=repr(methods)))
-    return launch.resolve(str(path), [])
+@pytest.fixture(scope="module")
+def make_config(tiny_config):
+    def make(methods: tuple[str, ...], *overrides: str):
+        return tiny_config("grpo_cpu", *BEPA, f"compare.methods={methods!r}", *overrides)
+
+    return make
 
 
-def test_expert_guided_recipe_end_to_end(tmp_path):
-    config = _config(tmp_path, ("level2_only", "rl_sft", "luffy", "sft", "kto"))
-    workdir = tmp_path / "run"
+def _iterations(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if '"iteration"' in line]
+
+
+@pytest.fixture(scope="module")
+def expert_run(make_config, tmp_path_factory):
+    """The tiny expert-guided recipe run once: three RL methods that bring expert data into their groups,
+    the SFT baseline and KTO, all from one base policy."""
+    config = make_config(RL_METHODS + ("sft", "kto"))
+    workdir = tmp_path_factory.mktemp("bepa") / "run"
     run_stages(config, workdir)
+    return config, workdir
+
+
+def test_expert_stage_solves_converts_and_plans_every_task(expert_run):
+    _, workdir = expert_run
     expert = json.loads((workdir / "expert.json").read_text())["tasks"]
     assert len(expert) == 4 and all(v["success"] and v["plan"] for v in expert.values())
-    assert len(TrajectoryStore(workdir / "expert_traces")) == 4
+    converted = list(TrajectoryStore(workdir / "expert_traces"))
+    assert sorted(t.task_id for t in converted) == sorted(expert)
+    assert all(len(t.steps) == expert[t.task_id]["steps"] and t.reward == 1.0 for t in converted)
+
+
+def test_level1_expert_only_split_is_plan_solved_minus_base_solved(expert_run):
+    _, workdir = expert_run
     level1 = json.loads((workdir / "level1.json").read_text())
     splits = json.loads((workdir / "splits.json").read_text())
     assert set(splits) == {"train", "held_out", "expert_only"} and level1["expert_only"] == splits["expert_only"]
-    for name in ("level2_only", "rl_sft", "luffy"):
-        records = [json.loads(line) for line in (workdir / "methods" / name / "metrics.jsonl").read_text().splitlines()
-                   if '"iteration"' in line]
-        assert len(records) == 1, name
-        assert (workdir / "methods" / name / "eval.json").exists()
+    expected = sorted(k for k, n in level1["plan_conditioned_successes"].items()
+                      if n > 0 and level1["base_successes"].get(k, 0) == 0)
+    assert splits["expert_only"] == expected
+    assert level1["d_self"] == len(TrajectoryStore(workdir / "level1_trajectories"))
+    assert level1["d_self"] == sum(level1["plan_conditioned_successes"].values())
+
+
+def test_expert_mixing_methods_train_one_iteration_with_their_expert_data(expert_run):
+    _, workdir = expert_run
+    for name in RL_METHODS:
+        records = _iterations(workdir / "methods" / name / "metrics.jsonl")
+        assert [r["iteration"] for r in records] == [0], name
     # a random tiny policy fails everything: level2_only's cache (seeded with D_conv) must be injected
-    l2 = [json.loads(line) for line in (workdir / "methods/level2_only/metrics.jsonl").read_text().splitlines()
-          if '"iteration"' in line][0]
-    assert l2["cache_injections"] >= 1 and l2["injected"] >= 1 and "loss" in l2
-    table = (workdir / "table.md").read_text()
-    assert "| base policy |" in table and "| luffy |" in table and "expert_only (" in table
+    l2 = _iterations(workdir / "methods/level2_only/metrics.jsonl")[0]
+    assert l2["cache_injections"] >= 1 and l2["injected"] == l2["cache_injections"]
+    assert l2["logp_injected"] < 0
+    luffy = _iterations(workdir / "methods/luffy/metrics.jsonl")[0]
+    assert luffy["injected"] == 2  # LUFFY adds the converted expert trace to every group (2 tasks)
+
+
+def test_table_rows_are_the_evaluations(expert_run):
+    config, workdir = expert_run
     data = json.loads((workdir / "table.json").read_text())
-    assert set(data["rl_sft"]) == {"expert_only", "train", "held_out", "overall"}
-    assert json.loads((workdir / "valuable_tasks.json").read_text())["rollouts_per_task"] == 2
+    assert list(data) == ["base policy", *config.compare.methods]
+    splits = json.loads((workdir / "splits.json").read_text())
+    for name in config.compare.methods:
+        report = json.loads((workdir / "methods" / name / "eval.json").read_text())["splits"]
+        for split in ("train", "held_out"):  # a split without tasks has no rate
+            expected = report[split]["success_rate"] if report[split]["tasks"] else None
+            assert data[name][split] == pytest.approx(expected), (name, split)
+        weights = {s: len(splits[s]) for s in ("train", "held_out") if report[s]["tasks"]}
+        overall = sum(report[s]["success_rate"] * w for s, w in weights.items()) / sum(weights.values())
+        assert data[name]["overall"] == pytest.approx(overall)
+    table = (workdir / "table.md").read_text()
+    assert all(f"| {name} |" in table for name in data) and "expert_only (" in table
+
+
+def test_offline_and_sft_baselines(expert_run):
+    _, workdir = expert_run
     kto = [json.loads(line) for line in (workdir / "methods/kto/offline_metrics.jsonl").read_text().splitlines()]
-    assert len(kto) == 2 and "kto_z0" in kto[0] and "| kto |" in table
-    sft = (workdir / "methods/sft/sft_metrics.jsonl").read_text().splitlines()  # SFT baseline: 3 epochs, no RL
-    assert len(sft) >= 3 and not (workdir / "methods/sft/metrics.jsonl").exists() and "| sft |" in table
+    assert len(kto) == 2 and "kto_z0" in kto[0]
+    sft = (workdir / "methods/sft/expert_sft_metrics.jsonl").read_text().splitlines()  # SFT baseline: 3 epochs, no RL
+    assert len(sft) >= 3 and not (workdir / "methods/sft/metrics.jsonl").exists()
     from safetensors.numpy import load_file
     base, tuned = load_file(workdir / "sft_model/model.safetensors"), load_file(workdir / "methods/sft/trained_model/model.safetensors")
-    assert base.keys() == tuned.keys() and all(np.array_equal(base[k], tuned[k]) for k in base)
+    assert base.keys() == tuned.keys() and all(np.array_equal(base[k], tuned[k]) for k in base)  # lr 0
+
+
+def test_diagnostics_compare_token_probabilities_to_the_base_policy(expert_run):
+    _, workdir = expert_run
     diag = json.loads((workdir / "diagnostics.json").read_text())
     assert diag["D_conv"]["tokens"] > 0 and 0.0 <= diag["D_conv"]["tail_mass_p_lt_0.2"] <= 1.0
     assert diag["on_policy"]["js_to_on_policy"] == pytest.approx(0.0, abs=1e-12)
     during = diag["_expert_only_on_policy_during_training"]
-    assert set(during) == {"level2_only", "rl_sft", "luffy"}  # the RL methods; sft has no rollouts
+    assert set(during) == set(RL_METHODS)  # the RL methods; sft and kto have no rollouts
     assert all(0 <= n["successes"] <= n["episodes"] for n in during.values())
     same = diag["_D_self_vs_D_conv"]
     assert 0 <= same["same_as_reference"] <= same["trajectories"] <= len(TrajectoryStore(workdir / "level1_trajectories"))
     assert (workdir / "diagnostics.png").exists() and (workdir / "curves_methods.png").exists()
-    assert "logp_injected" in l2 and l2["logp_injected"] < 0
+
+
+def test_changed_evaluation_re_evaluates_without_retraining(expert_run, make_config, capsys):
+    config, workdir = expert_run
+    model = workdir / "methods/luffy/trained_model/model.safetensors"
+    trained_at = model.stat().st_mtime_ns
+    old_eval = (workdir / "methods/luffy/eval.json").read_text()
+    capsys.readouterr()
+    run_stages(make_config(config.compare.methods, "eval.episodes_per_task=2"), workdir)
+    out = capsys.readouterr().out
+    assert "eval.episodes_per_task 1 -> 2" in out and "training it again" not in out
+    assert model.stat().st_mtime_ns == trained_at  # the trained policy is reused
+    assert json.loads((workdir / "methods/luffy/eval.json").read_text())["episodes_per_task"] == 2
+    stale = sorted((workdir / "stale").glob("methods_luffy_eval-*/methods/luffy/eval.json"))
+    assert len(stale) == 1 and stale[0].read_text() == old_eval
 
 
 def test_divergence_and_tail_mass():
@@ -137,12 +168,12 @@ def test_same_responses_and_on_policy_successes():
     assert diag.on_policy_successes([won, lost, injected, other], {"a", "b"}) == {"episodes": 2, "successes": 1}
 
 
-def test_recipe_errors_name_the_key_before_any_work(tmp_path):
+def test_recipe_errors_name_the_key_before_any_work(tmp_path, make_config):
     from guijax.pipeline.registry import check_recipe
 
     with pytest.raises(ValueError, match=r"unknown method 'bepa3' in compare.methods; did you mean bepa"):
-        check_recipe(_config(tmp_path, ("grpo", "bepa3")))
-    config = _config(tmp_path, ("luffy",))
+        check_recipe(make_config(("grpo", "bepa3")))
+    config = make_config(("luffy",))
     config.unlock()
     config.train.loss = "grpo"  # LUFFY's groups with the GRPO loss: refused, not silently trained
     with pytest.raises(ValueError, match=r"'luffy' cannot train with train.loss='grpo'"):
@@ -172,10 +203,10 @@ def test_rule_plan_extractor_drops_dynamic_ui_and_keeps_effective_steps():
     assert parse_numbered_plan("Task: x\n1. Click A\n2) Type \"b\"\nnot a step") == ["Click A", 'Type "b"']
 
 
-def test_expert_stage_reads_recorded_traces(tmp_path):
+def test_expert_stage_reads_recorded_traces(tmp_path, make_config):
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
 
-    config = _config(tmp_path, ("grpo",))
+    config = make_config(("grpo",))
     run = Run(config, tmp_path / "run")
     stages.tasks.fn(run)
     from guijax.pipeline.expert_stages import expert
@@ -235,13 +266,13 @@ def test_compare_cli_names_unknown_methods(tmp_path):
     assert proc.returncode == 2 and "bepa9" in proc.stderr
 
 
-def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path):
+def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path, make_config):
     import dataclasses as dc
 
     from guijax.offline import dpo_pairs, preference_train
     from guijax.trainer import pipeline_config
 
-    config = _config(tmp_path, ("grpo",))
+    config = make_config(("grpo",))
     run = Run(config, tmp_path / "run")
     stages.base_model.fn(run)
     stages.tasks.fn(run)
@@ -261,8 +292,8 @@ def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path):
     run.close()
 
 
-def test_bepa_splits_train_on_the_solvable_pool(tmp_path):
-    config = _config(tmp_path, ("grpo",))
+def test_bepa_splits_train_on_the_solvable_pool(tmp_path, make_config):
+    config = make_config(("grpo",))
     config.unlock()
     config.env.num_tasks = 6
     config.bepa.train_fraction = 0.5
@@ -281,12 +312,12 @@ def test_bepa_splits_train_on_the_solvable_pool(tmp_path):
     run.close()
 
 
-def test_trajectory_scores_are_mean_token_logprobs(tmp_path):
+def test_trajectory_scores_are_mean_token_logprobs(tmp_path, make_config):
     from guijax import diagnostics as diag
     from guijax.train_step import make_logprob_fn
     from guijax.trainer import pipeline_config
 
-    config = _config(tmp_path, ("grpo",))
+    config = make_config(("grpo",))
     run = Run(config, tmp_path / "run")
     stages.base_model.fn(run)
     stages.tasks.fn(run)

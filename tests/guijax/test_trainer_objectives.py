@@ -8,29 +8,29 @@ import jax
 import numpy as np
 import pytest
 
-from guijax import launch, objectives
+from guijax import objectives
 from guijax.methods import get_method
 from guijax.pipeline import base_stages
 from guijax.pipeline.run import Run
 from guijax.trainer import Components, Trainer
 
-TINY = ["model.preset=tiny", "model.tokenizer_vocab=1024", "env.families=('click_button',)", "env.num_tasks=2",
-        "env.step_limit=3", "rollout.max_new_tokens=24", "pipeline.length_buckets=(192, 256, 384)",
-        "pipeline.patch_bucket=64", "sft.traces_per_task=1", "optim.learning_rate=1e-3"]
+OBJECTIVES = ("env.families=('click_button',)", "env.num_tasks=2", "env.step_limit=3", "rollout.max_new_tokens=24",
+              "sft.traces_per_task=1", "optim.learning_rate=1e-3")
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """A tiny base model, two tasks and their converted expert traces (text responses of 1-3 steps)."""
+def prepared(tmp_path_factory, tiny_config):
+    """A tiny base model, two tasks and their converted expert traces (text responses of 1-3 steps), and
+    a function making a trainer of that model with extra overrides."""
     workdir = tmp_path_factory.mktemp("run")
-    run = Run(launch.resolve("grpo_cpu", TINY), workdir)
+    run = Run(tiny_config("grpo_cpu", *OBJECTIVES), workdir)
     base_stages.base_model.fn(run)
     base_stages.tasks.fn(run)
-    return workdir, base_stages.expert_trajectories(run, run.all_tasks())
+    return workdir, base_stages.expert_trajectories(run, run.all_tasks()), lambda *o: tiny_config("grpo_cpu", *OBJECTIVES, *o)
 
 
-def _trainer(workdir: pathlib.Path, overrides: list[str]) -> Trainer:
-    config = launch.resolve("grpo_cpu", TINY + overrides)
+def _trainer(workdir: pathlib.Path, make_config, overrides: list[str]) -> Trainer:
+    config = make_config(*overrides)
     run = Run(config, workdir)
     policy = run.load_policy(run.base_model_dir)
     method = get_method("grpo", config)
@@ -45,12 +45,12 @@ def _row_advantages(trajectories, advantages) -> np.ndarray:
 
 
 def test_sequence_and_token_normalisation_divide_by_rows_and_tokens(prepared):
-    workdir, trajectories = prepared
+    workdir, trajectories, make_config = prepared
     advantages = np.asarray([1.5, -0.5][:len(trajectories)] + [0.25] * max(0, len(trajectories) - 2), np.float32)
     keep = list(range(len(trajectories)))
     losses = {}
     for normalization in ("token", "sequence"):
-        trainer = _trainer(workdir, [f"train.normalization={normalization}", "train.minibatch_size=32",
+        trainer = _trainer(workdir, make_config, [f"train.normalization={normalization}", "train.minibatch_size=32",
                                      "optim.learning_rate=1e-9"])
         losses[normalization] = trainer._update(trajectories, advantages, keep)
         trainer.close()
@@ -63,11 +63,11 @@ def test_sequence_and_token_normalisation_divide_by_rows_and_tokens(prepared):
 
 
 def test_kl_coefficient_scores_the_initial_policy_and_changes_the_update(prepared):
-    workdir, trajectories = prepared
+    workdir, trajectories, make_config = prepared
     advantages = np.linspace(1.0, -1.0, len(trajectories)).astype(np.float32)
     keep = list(range(len(trajectories)))
-    plain = _trainer(workdir, ["train.ppo_epochs=3"])
-    with_kl = _trainer(workdir, ["train.ppo_epochs=3", "train.kl_coef=0.5"])
+    plain = _trainer(workdir, make_config, ["train.ppo_epochs=3"])
+    with_kl = _trainer(workdir, make_config, ["train.ppo_epochs=3", "train.kl_coef=0.5"])
     assert plain.ref_params is None and with_kl.objective.reference_kl
     m_plain = plain._update(trajectories, advantages, keep)
     m_kl = with_kl._update(trajectories, advantages, keep)

@@ -1,0 +1,147 @@
+"""Every registered method trained through the real trainer for one iteration on the tiny recipe, each
+checked for its own effect: the trace it injects, the rows it adds, the tasks it keeps, the fine-tuning it
+does before (or instead of) RL.
+
+The tiny base policy fails every task, so the stages that would record its successes (LEVEL-1's D_self,
+ARPO's selection rollouts) are written here from the scripted expert's converted traces, as if the base
+policy had rolled them. ARPO's replay of its own successes needs an on-policy success, which this policy
+never samples; the replay itself is tested on the hook (test_hooks.py)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from guijax import compilation_cache
+from guijax.data.store import TrajectoryStore
+from guijax.methods import get_method, method_names
+from guijax.pipeline import base_stages, expert_stages
+from guijax.pipeline.run import Run
+
+EVERY = ("stages=('base_model', 'tasks', 'expert', 'sft')", "env.num_tasks=6",
+         "offline.steps=2", "offline.batch_trajectories=4", "expert_sft.epochs=1", "expert_sft.learning_rate=1e-3",
+         "offline.learning_rate=1e-3")
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_config, tmp_path_factory):
+    """A tiny run with the base policy and D_conv, plus the level1 and select outputs the methods read."""
+    workdir = tmp_path_factory.mktemp("every") / "run"
+    compilation_cache.enable(str(workdir.parent / "xla"))  # the methods share their compiled programs
+    config = tiny_config("grpo_cpu", *EVERY)
+    run = Run(config, workdir)
+    for step in (base_stages.base_model, base_stages.tasks, expert_stages.expert, base_stages.sft):
+        step.fn(run)
+    train = run.tasks()["train"]
+    d_conv = run.expert_traces()
+    d_self = [dataclasses.replace(d_conv[t.id], plan=("follow the plan",)) for t in train[:2]]
+    expert_stages._write_shard(workdir / "level1_trajectories", "d_self", d_self)
+    splits = json.loads((workdir / "splits.json").read_text())
+    (workdir / "splits.json").write_text(json.dumps(splits | {"expert_only": []}))
+    fails = [dataclasses.replace(t, reward=0.0, steps=[dataclasses.replace(s, response="Thought: no.\nAction: wait()")
+                                                       for s in t.steps]) for t in d_conv.values()]
+    expert_stages._write_shard(workdir / "selection_rollouts", "rollouts", list(d_conv.values()) + fails)
+    valuable = [train[0].id]
+    (workdir / "valuable_tasks.json").write_text(json.dumps({"rollouts_per_task": 1, "valuable": valuable}))
+    run.forget_tasks()
+    yield config, run, {"d_self": {t.task_id for t in d_self}, "valuable": set(valuable)}
+    run.close()
+
+
+def _train(prepared, name: str):
+    config, run, planted = prepared
+    method = get_method(name, config)
+    workdir = run.workdir / "methods" / name
+    workdir.mkdir(parents=True, exist_ok=True)
+    policy, history = base_stages.train_with(run, method, workdir, name)
+    return run, workdir, policy, history, planted
+
+
+def _episodes(workdir: pathlib.Path) -> list:
+    return list(TrajectoryStore(workdir / "trajectories"))
+
+
+def _moved(run: Run, policy) -> float:
+    """Largest parameter change from the base policy."""
+    base = run.load_policy(base_stages.policy_dir(run)).params
+    return max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+               for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(policy.params)))
+
+
+def test_every_registered_method_is_covered_here():
+    assert set(method_names()) == set(EFFECTS)
+
+
+def _no_expert_data(run, workdir, policy, history, planted):
+    (r,) = history
+    assert r["injected"] == 0 and r["episodes"] == 4
+    assert all(t.source.value == "on_policy" for t in _episodes(workdir))
+
+
+def _arpo(run, workdir, policy, history, planted):
+    (r,) = history
+    assert {t.task_id for t in _episodes(workdir)} == planted["valuable"]  # trains on the valuable task only
+    assert r["replay_injections"] == 0 and r["replay_buffered"] == 0  # no success yet to replay
+
+
+def _cache(seeded: str):
+    def check(run, workdir, policy, history, planted):
+        (r,) = history
+        sampled = {t.task_id for t in _episodes(workdir)}
+        seeds = planted["d_self"] if seeded == "d_self" else set(run.expert_traces())
+        # every group fails, so each sampled task with a cache entry gets its cached trace in slot 0
+        assert r["cache_injections"] == len(sampled & seeds) >= 1 and r["injected"] == r["cache_injections"]
+        assert r["cache_size"] == len(seeds)
+    return check
+
+
+def _expert(count_per_task: int, extra_rows: bool):
+    def check(run, workdir, policy, history, planted):
+        (r,) = history
+        assert r["expert_injections"] == 2 * count_per_task  # two tasks per iteration, every one has D_conv
+        assert r["injected"] == 2 * count_per_task
+        if extra_rows:  # RL+SFT: cross-entropy rows beside the groups, with their own loss term
+            assert r["sft_ce"] > 0
+    return check
+
+
+def _fine_tuned(metrics_file: str, rl: bool):
+    def check(run, workdir, policy, history, planted):
+        lines = [json.loads(x) for x in (workdir / metrics_file).read_text().splitlines()]
+        assert lines and _moved(run, policy) > 0
+        assert len(history) == (1 if rl else 0) and (workdir / "trajectories").exists() == rl
+    return check
+
+
+def _preference(loss_key: str):
+    def check(run, workdir, policy, history, planted):
+        lines = [json.loads(x) for x in (workdir / "offline_metrics.jsonl").read_text().splitlines()]
+        assert len(lines) == 2 and loss_key in lines[0] and history == []
+        assert _moved(run, policy) > 0
+    return check
+
+
+EFFECTS = {
+    "grpo": _no_expert_data,
+    "arpo": _arpo,
+    "bepa": _cache("d_self"),
+    "level1_only": _cache("d_self"),
+    "level2_only": _cache("d_conv"),
+    "trace_replacement": _expert(1, extra_rows=False),
+    "luffy": _expert(1, extra_rows=False),
+    "rl_sft": _expert(1, extra_rows=True),
+    "sft": _fine_tuned("expert_sft_metrics.jsonl", rl=False),
+    "sft_rl": _fine_tuned("expert_sft_metrics.jsonl", rl=True),
+    "rft": _fine_tuned("offline_metrics.jsonl", rl=False),
+    "dpo": _preference("dpo_loss"),
+    "kto": _preference("kto_z0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EFFECTS))
+def test_method_trains_with_its_own_effect(prepared, name):
+    EFFECTS[name](*_train(prepared, name))
