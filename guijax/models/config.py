@@ -1,4 +1,8 @@
-"""Qwen2.5-VL architecture hyperparameters, presets, and the Hugging Face config.json mapping.
+"""Qwen2.5-VL and Qwen2-VL architecture hyperparameters, presets, and the Hugging Face config.json mapping.
+
+The two families share the Qwen2 decoder with M-RoPE; their vision towers differ in norm (RMSNorm / LayerNorm),
+block MLP (gated SiLU / fc1-fc2 QuickGELU) and attention (windows with a few full blocks / full everywhere),
+which `VisionConfig.norm`, `.mlp` and `.fullatt_block_indexes` describe.
 
 One dataclass describes the checkpoint (what `config.json` says); runtime choices (dtype, remat) live in
 the run config, not here, so a saved checkpoint never depends on how it was trained.
@@ -27,6 +31,8 @@ class VisionConfig:
     tokens_per_second: int = 2
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
+    norm: str = "rms"  # "rms" (Qwen2.5-VL) or "layer" (Qwen2-VL)
+    mlp: str = "gated"  # "gated" (gate/up/down, Qwen2.5-VL) or "plain" (fc1/fc2, Qwen2-VL)
 
     @property
     def head_dim(self) -> int:
@@ -39,7 +45,7 @@ class VisionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Language-model fields follow Qwen2 names; `vision` is the vision tower."""
+    """Language-model fields follow Qwen2 names; `vision` is the vision tower; `model_type` the family."""
 
     vocab_size: int = 152064
     hidden_size: int = 3584
@@ -61,12 +67,20 @@ class ModelConfig:
     eos_token_id: int | None = 151645
     pad_token_id: int | None = None
     vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
+    model_type: str = "qwen2_5_vl"
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not one of {MODEL_TYPES}")
+        if self.model_type == "qwen2_vl" and (self.vision.norm, self.vision.mlp) != ("layer", "plain"):
+            raise ValueError("a qwen2_vl vision tower has LayerNorm and fc1/fc2 blocks: build it with qwen2_vl_vision()")
+        if self.model_type == "qwen2_vl" and self.vision.intermediate_size % self.vision.hidden_size:
+            raise ValueError(f"qwen2_vl: vision intermediate_size {self.vision.intermediate_size} must be a multiple of "
+                             f"its hidden_size {self.vision.hidden_size} (config.json stores their ratio, mlp_ratio)")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} not divisible by num_attention_heads {self.num_attention_heads}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -79,6 +93,8 @@ class ModelConfig:
     # ------------------------------------------------------------------ Hugging Face config.json
     def to_hf_dict(self) -> dict[str, Any]:
         """The transformers 5 layout (text_config / vision_config); transformers 4.x reads it too."""
+        if self.model_type == "qwen2_vl":
+            return self._qwen2_vl_hf_dict()
         v = self.vision
         return {
             "architectures": ["Qwen2_5_VLForConditionalGeneration"],
@@ -88,25 +104,7 @@ class ModelConfig:
             "vision_start_token_id": self.vision_start_token_id,
             "vision_end_token_id": self.vision_end_token_id,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "text_config": {
-                "model_type": "qwen2_5_vl_text",
-                "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.num_hidden_layers,
-                "num_attention_heads": self.num_attention_heads,
-                "num_key_value_heads": self.num_key_value_heads,
-                "rms_norm_eps": self.rms_norm_eps,
-                "hidden_act": self.hidden_act,
-                "max_position_embeddings": self.max_position_embeddings,
-                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                    "mrope_section": list(self.mrope_section)},
-                "tie_word_embeddings": self.tie_word_embeddings,
-                "bos_token_id": self.bos_token_id,
-                "eos_token_id": self.eos_token_id,
-                "pad_token_id": self.pad_token_id,
-                "use_sliding_window": False,
-            },
+            "text_config": self._text_hf_dict("qwen2_5_vl_text"),
             "vision_config": {
                 "model_type": "qwen2_5_vl_vision",
                 "depth": v.depth,
@@ -126,13 +124,62 @@ class ModelConfig:
             },
         }
 
+    def _text_hf_dict(self, model_type: str) -> dict[str, Any]:
+        return {
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": self.hidden_act,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "mrope_section": list(self.mrope_section)},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "use_sliding_window": False,
+        }
+
+    def _qwen2_vl_hf_dict(self) -> dict[str, Any]:
+        """Qwen2-VL names its vision width `embed_dim` and its output width `hidden_size`."""
+        v = self.vision
+        return {
+            "architectures": ["Qwen2VLForConditionalGeneration"],
+            "model_type": "qwen2_vl",
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": self._text_hf_dict("qwen2_vl_text"),
+            "vision_config": {
+                "model_type": "qwen2_vl",
+                "depth": v.depth,
+                "embed_dim": v.hidden_size,
+                "hidden_size": v.out_hidden_size,
+                "hidden_act": v.hidden_act,
+                "mlp_ratio": v.intermediate_size // v.hidden_size,
+                "num_heads": v.num_heads,
+                "in_channels": v.in_channels,
+                "patch_size": v.patch_size,
+                "spatial_merge_size": v.spatial_merge_size,
+                "temporal_patch_size": v.temporal_patch_size,
+                "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+            },
+        }
+
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
         """Reads both layouts: transformers 5 (`text_config`) and the flat 4.x layout of the released
-        UI-TARS-1.5 / OpenCUA / Qwen2.5-VL checkpoints (`rope_scaling: {type: mrope, ...}`)."""
-        model_type = data.get("model_type")
-        if model_type not in ("qwen2_5_vl", None):
-            raise ValueError(f"{source}: model_type {model_type!r} is not 'qwen2_5_vl'; guijax runs the Qwen2.5-VL architecture")
+        UI-TARS-1.5 / OpenCUA / Qwen2.5-VL and UI-TARS / Qwen2-VL checkpoints (`rope_scaling: {type: mrope, ...}`)."""
+        model_type = data.get("model_type") or "qwen2_5_vl"
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"{source}: model_type {model_type!r} is not one of {MODEL_TYPES}, the families guijax runs")
         text = dict(data.get("text_config") or {})
         for key, value in data.items():  # flat 4.x layout: text fields at the top level
             if key not in ("text_config", "vision_config"):
@@ -148,16 +195,25 @@ class ModelConfig:
             raise ValueError(f"{source}: missing 'mrope_section' in rope_parameters / rope_scaling")
         vd = data["vision_config"]
         vision_rope = vd.get("rope_parameters") or {}
-        vision = VisionConfig(
-            depth=vd.get("depth", 32), hidden_size=vd.get("hidden_size", 1280),
-            intermediate_size=vd.get("intermediate_size", 3420), num_heads=vd.get("num_heads", 16),
-            in_channels=vd.get("in_channels", vd.get("in_chans", 3)), patch_size=vd.get("patch_size", 14),
-            spatial_merge_size=vd.get("spatial_merge_size", 2), temporal_patch_size=vd.get("temporal_patch_size", 2),
-            window_size=vd.get("window_size", 112), out_hidden_size=vd.get("out_hidden_size", text["hidden_size"]),
-            fullatt_block_indexes=tuple(vd.get("fullatt_block_indexes", (7, 15, 23, 31))),
-            tokens_per_second=vd.get("tokens_per_second", 2), hidden_act=vd.get("hidden_act", "silu"),
-            rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
-        )
+        if model_type == "qwen2_vl":
+            embed = vd.get("embed_dim", 1280)
+            vision = qwen2_vl_vision(
+                vd.get("hidden_size", text["hidden_size"]), depth=vd.get("depth", 32), hidden_size=embed,
+                intermediate_size=int(embed * vd.get("mlp_ratio", 4)), num_heads=vd.get("num_heads", 16),
+                in_channels=vd.get("in_channels", vd.get("in_chans", 3)), patch_size=vd.get("patch_size", 14),
+                spatial_merge_size=vd.get("spatial_merge_size", 2), temporal_patch_size=vd.get("temporal_patch_size", 2),
+                hidden_act=vd.get("hidden_act", "quick_gelu"), rope_theta=float(vision_rope.get("rope_theta", 10000.0)))
+        else:
+            vision = VisionConfig(
+                depth=vd.get("depth", 32), hidden_size=vd.get("hidden_size", 1280),
+                intermediate_size=vd.get("intermediate_size", 3420), num_heads=vd.get("num_heads", 16),
+                in_channels=vd.get("in_channels", vd.get("in_chans", 3)), patch_size=vd.get("patch_size", 14),
+                spatial_merge_size=vd.get("spatial_merge_size", 2), temporal_patch_size=vd.get("temporal_patch_size", 2),
+                window_size=vd.get("window_size", 112), out_hidden_size=vd.get("out_hidden_size", text["hidden_size"]),
+                fullatt_block_indexes=tuple(vd.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                tokens_per_second=vd.get("tokens_per_second", 2), hidden_act=vd.get("hidden_act", "silu"),
+                rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
+            )
         eos = text.get("eos_token_id", 151645)
         return cls(
             vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
@@ -174,7 +230,7 @@ class ModelConfig:
             vision_start_token_id=data.get("vision_start_token_id", 151652),
             vision_end_token_id=data.get("vision_end_token_id", 151653),
             bos_token_id=text.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
-            pad_token_id=text.get("pad_token_id"), vision=vision,
+            pad_token_id=text.get("pad_token_id"), vision=vision, model_type=model_type,
         )
 
     @classmethod
@@ -188,8 +244,18 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+
+
 def _vision(out: int, **kw: Any) -> VisionConfig:
     return VisionConfig(out_hidden_size=out, **kw)
+
+
+def qwen2_vl_vision(out: int, depth: int = 32, **kw: Any) -> VisionConfig:
+    """A Qwen2-VL vision tower: LayerNorm + fc1/fc2 QuickGELU blocks, full attention in every block."""
+    kw = {"hidden_size": 1280, "intermediate_size": 5120, "hidden_act": "quick_gelu", **kw}
+    return VisionConfig(out_hidden_size=out, depth=depth, fullatt_block_indexes=tuple(range(depth)), norm="layer",
+                        mlp="plain", **kw)
 
 
 def _small_vocab_ids(vocab: int) -> dict[str, int]:
@@ -214,6 +280,18 @@ PRESETS: dict[str, ModelConfig] = {
         **_small_vocab_ids(4096),
         vision=_vision(384, depth=4, hidden_size=192, intermediate_size=512, num_heads=3, window_size=112,
                        fullatt_block_indexes=(1, 3)),
+    ),
+    "tiny_qwen2_vl": ModelConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, mrope_section=(2, 3, 3), max_position_embeddings=4096, tie_word_embeddings=False,
+        **_small_vocab_ids(1024), model_type="qwen2_vl",
+        vision=qwen2_vl_vision(64, depth=2, hidden_size=32, intermediate_size=128, num_heads=2),
+    ),
+    # Qwen/Qwen2-VL-7B-Instruct's config.json: the architecture of UI-TARS-7B-DPO (SEAgent's policy)
+    "qwen2_vl_7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=False, model_type="qwen2_vl",
+        vision=qwen2_vl_vision(3584),
     ),
     "qwen2_5_vl_3b": ModelConfig(
         vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,

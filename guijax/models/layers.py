@@ -15,13 +15,15 @@ import jax.numpy as jnp
 Dtype = Any
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, the result cast back before the weight multiply (as Qwen2 does)."""
-
+class _Norm(nn.Module):
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     axis_name: str = "norm"
+
+
+class RMSNorm(_Norm):
+    """RMSNorm computed in float32, the result cast back before the weight multiply (as Qwen2 does)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -30,6 +32,31 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return weight.astype(self.dtype) * normed.astype(self.dtype)
+
+
+class LayerNorm(_Norm):
+    """LayerNorm with weight and bias, computed in float32 (the Qwen2-VL vision tower's norm)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        axes = (self.axis_name,)
+        weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, axes), (x.shape[-1],),
+                            self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, axes), (x.shape[-1],),
+                          self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        normed = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (normed * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+def norm_layer(kind: str) -> type[nn.Module]:
+    """The norm a config names: "rms" (Qwen2/2.5) or "layer" (the Qwen2-VL vision tower)."""
+    kinds = {"rms": RMSNorm, "layer": LayerNorm}
+    if kind not in kinds:
+        raise ValueError(f"unsupported norm {kind!r}; supported: {sorted(kinds)}")
+    return kinds[kind]
 
 
 class Linear(nn.Module):
@@ -87,6 +114,16 @@ class GatedMLP(nn.Module):
         up = Linear(self.intermediate_size, (self.embed_axis, self.mlp_axis), name="up_proj", **kw)(x)
         return Linear(x.shape[-1], (self.mlp_axis, self.embed_axis), name="down_proj", **kw)(
             activation(self.hidden_act)(gate) * up)
+
+
+class PlainMLP(GatedMLP):
+    """fc2(act(fc1(x))): the Qwen2-VL vision blocks' MLP (same fields as the gated one, no gate)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        h = Linear(self.intermediate_size, (self.embed_axis, self.mlp_axis), name="fc1", **kw)(x)
+        return Linear(x.shape[-1], (self.mlp_axis, self.embed_axis), name="fc2", **kw)(activation(self.hidden_act)(h))
 
 
 def rotate_half(x: jax.Array) -> jax.Array:

@@ -1,5 +1,7 @@
-"""Qwen2.5-VL vision tower: 3-D patch embedding, 2-D rotary attention in windows (full attention in the
-blocks listed by `fullatt_block_indexes`), RMSNorm + gated MLP blocks, and the 2x2 patch merger.
+"""Qwen2.5-VL and Qwen2-VL vision towers: 3-D patch embedding, 2-D rotary attention in windows (full
+attention in the blocks listed by `fullatt_block_indexes`: every block for Qwen2-VL), RMSNorm + gated MLP
+blocks (Qwen2.5-VL) or LayerNorm + fc1/fc2 MLP blocks (Qwen2-VL, `cfg.norm` / `cfg.mlp`), and the 2x2 patch
+merger.
 
 Image-size-dependent indices (window permutation, segments, window gathers) come precomputed from
 `guijax.models.positions.vision_layout`, so this module is shape-static under jit.
@@ -21,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from guijax.models.config import VisionConfig
 from guijax.models.attention import attention
-from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary
+from guijax.models.layers import GatedMLP, Linear, PlainMLP, apply_rotary, norm_layer
 from guijax.models.scan import ATTENTION_OUT, MLP_IN, maybe_remat, scanned_layers
 
 Dtype = Any
@@ -94,13 +96,18 @@ class VisionBlock(nn.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array, window_tokens: jax.Array,
                  window_slots: jax.Array) -> tuple[jax.Array, None]:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        norm = norm_layer(self.cfg.norm)
         x = nn.with_logical_constraint(x, ("vision_tokens", None))  # patches split over the data-parallel devices
         x = x + VisionAttention(self.cfg, name="attn", windowed=self.windowed, attention_impl=self.attention_impl,
-                                **kw)(RMSNorm(1e-6, name="norm1", axis_name="vision_norm", **kw)(x), cos, sin,
+                                **kw)(norm(1e-6, name="norm1", axis_name="vision_norm", **kw)(x), cos, sin,
                                       segments, window_tokens, window_slots)
-        h = checkpoint_name(RMSNorm(1e-6, name="norm2", axis_name="vision_norm", **kw)(x), MLP_IN)
-        return x + GatedMLP(self.cfg.intermediate_size, self.cfg.hidden_act, use_bias=True, embed_axis="vision_embed",
-                            mlp_axis="vision_mlp", name="mlp", **kw)(h), None
+        h = checkpoint_name(norm(1e-6, name="norm2", axis_name="vision_norm", **kw)(x), MLP_IN)
+        mlp_axes = dict(embed_axis="vision_embed", mlp_axis="vision_mlp", name="mlp", **kw)
+        if self.cfg.mlp == "gated":
+            mlp = GatedMLP(self.cfg.intermediate_size, self.cfg.hidden_act, use_bias=True, **mlp_axes)
+        else:
+            mlp = PlainMLP(self.cfg.intermediate_size, self.cfg.hidden_act, use_bias=True, **mlp_axes)
+        return x + mlp(h), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +169,7 @@ class VisionPeriod(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """RMSNorm, then each 2x2 group of neighbouring patches (adjacent rows after the processor's block
+    """The tower's norm, then each 2x2 group of neighbouring patches (adjacent rows after the processor's block
     ordering) is concatenated and projected to the language model width by a GELU MLP."""
 
     cfg: VisionConfig
@@ -174,7 +181,7 @@ class PatchMerger(nn.Module):
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         unit = self.cfg.spatial_merge_size ** 2
         width = self.cfg.hidden_size * unit
-        x = RMSNorm(1e-6, name="ln_q", axis_name="vision_norm", **kw)(x).reshape(-1, width)
+        x = norm_layer(self.cfg.norm)(1e-6, name="ln_q", axis_name="vision_norm", **kw)(x).reshape(-1, width)
         x = Linear(width, ("vision_merge", "vision_mlp"), use_bias=True, name="mlp_0", **kw)(x)
         x = jax.nn.gelu(x, approximate=False)
         return Linear(self.cfg.out_hidden_size, ("vision_mlp", "embed"), use_bias=True, name="mlp_2", **kw)(x)

@@ -1,4 +1,5 @@
-"""Golden-logit parity of the Flax Qwen2.5-VL against transformers, sharding, and checkpoint round trips."""
+"""Golden-logit parity of the Flax models against transformers, for each family (Qwen2.5-VL, Qwen2-VL),
+sharding, and checkpoint round trips."""
 from __future__ import annotations
 
 import json
@@ -17,14 +18,19 @@ from guijax.models import policy as policy_lib  # noqa: E402
 from guijax.models.config import PRESETS, ModelConfig  # noqa: E402
 from guijax.models.safetensors_io import CheckpointError, SafetensorsReader  # noqa: E402
 
-CFG = PRESETS["tiny"]
+FAMILIES = {"tiny": "Qwen2_5_VL", "tiny_qwen2_vl": "Qwen2VL"}  # preset -> transformers class prefix
 GRIDS = np.array([[1, 4, 6], [1, 8, 8]])  # two images of different sizes; 8x8 spans several windows
 
 
+def _hf_class(cfg: ModelConfig):
+    prefix = {"qwen2_5_vl": "Qwen2_5_VL", "qwen2_vl": "Qwen2VL"}[cfg.model_type]
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForConditionalGeneration")
+
+
 def _hf_model(cfg: ModelConfig, seed: int = 0):
-    hf_cfg = transformers.Qwen2_5_VLConfig(**cfg.to_hf_dict())
+    config_class, model_class = _hf_class(cfg)
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(hf_cfg).eval()
+    model = model_class(config_class(**cfg.to_hf_dict())).eval()
     with torch.no_grad():  # non-trivial norms and biases, and weights large enough to make logits spread
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -36,12 +42,14 @@ def _hf_model(cfg: ModelConfig, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="module")
-def hf_checkpoint(tmp_path_factory) -> tuple[pathlib.Path, object]:
-    path = tmp_path_factory.mktemp("hf_tiny")
-    model = _hf_model(CFG)
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def hf_checkpoint(request, tmp_path_factory) -> tuple[pathlib.Path, object, ModelConfig]:
+    """A tiny random transformers model of each family, saved as a checkpoint."""
+    cfg = PRESETS[request.param]
+    path = tmp_path_factory.mktemp(f"hf_{request.param}")
+    model = _hf_model(cfg)
     model.save_pretrained(path)
-    return path, model
+    return path, model, cfg
 
 
 def _batch(cfg: ModelConfig, grids: np.ndarray | None, seed: int = 1):
@@ -68,10 +76,10 @@ def _batch(cfg: ModelConfig, grids: np.ndarray | None, seed: int = 1):
     return inputs
 
 
-def _hf_logits(model, inputs) -> np.ndarray:
+def _hf_logits(model, inputs, cfg: ModelConfig) -> np.ndarray:
     kwargs = {k: torch.tensor(v) for k, v in inputs.items()}
     if "pixel_values" in inputs:
-        kwargs["mm_token_type_ids"] = torch.tensor((inputs["input_ids"] == CFG.image_token_id).astype(np.int64))
+        kwargs["mm_token_type_ids"] = torch.tensor((inputs["input_ids"] == cfg.image_token_id).astype(np.int64))
     with torch.no_grad():
         return model(**kwargs).logits.numpy()
 
@@ -81,44 +89,44 @@ def _max_diff(a, b, mask) -> float:
 
 
 def test_golden_logits_with_two_images(hf_checkpoint):
-    path, model = hf_checkpoint
-    inputs = _batch(CFG, GRIDS)
-    ref = _hf_logits(model, inputs)
+    path, model, cfg = hf_checkpoint
+    inputs = _batch(cfg, GRIDS)
+    ref = _hf_logits(model, inputs, cfg)
     policy = policy_lib.from_pretrained(path)
     ours = policy.logits(**inputs)
-    assert ours.shape == ref.shape == (2, inputs["input_ids"].shape[1], CFG.vocab_size)
+    assert ours.shape == ref.shape == (2, inputs["input_ids"].shape[1], cfg.vocab_size)
     assert np.abs(ref).max() > 1.0  # logits are not trivially small
     assert _max_diff(ours, ref, inputs["attention_mask"]) <= 1e-4
 
 
 def test_golden_logits_text_only(hf_checkpoint):
-    path, model = hf_checkpoint
-    inputs = _batch(CFG, None)
-    ref = _hf_logits(model, inputs)
+    path, model, cfg = hf_checkpoint
+    inputs = _batch(cfg, None)
+    ref = _hf_logits(model, inputs, cfg)
     ours = policy_lib.from_pretrained(path).logits(**inputs)
     assert _max_diff(ours, ref, inputs["attention_mask"]) <= 1e-4
 
 
 def test_images_change_logits(hf_checkpoint):
     """Guards against a vision tower whose output is silently dropped."""
-    path, _ = hf_checkpoint
+    path, _, cfg = hf_checkpoint
     policy = policy_lib.from_pretrained(path)
-    inputs = _batch(CFG, GRIDS)
+    inputs = _batch(cfg, GRIDS)
     other = dict(inputs, pixel_values=inputs["pixel_values"] + 1.0)
     assert _max_diff(policy.logits(**inputs), policy.logits(**other), inputs["attention_mask"]) > 1e-3
 
 
 def test_hidden_states_times_head_equal_logits(hf_checkpoint):
-    path, _ = hf_checkpoint
+    path, _, cfg = hf_checkpoint
     policy = policy_lib.from_pretrained(path)
-    inputs = _batch(CFG, GRIDS)
+    inputs = _batch(cfg, GRIDS)
     hidden = policy.hidden_states(**inputs)
-    assert hidden.shape == (*inputs["input_ids"].shape, CFG.hidden_size)
+    assert hidden.shape == (*inputs["input_ids"].shape, cfg.hidden_size)
     np.testing.assert_allclose(np.asarray(hidden @ policy.lm_head()), np.asarray(policy.logits(**inputs)), atol=1e-5)
 
 
 def test_sharded_forward_equals_single_device(hf_checkpoint):
-    path, _ = hf_checkpoint
+    path, _, cfg = hf_checkpoint
     assert jax.device_count() == 8
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=4, tensor=2))
     sharded = policy_lib.from_pretrained(path, mesh=mesh)
@@ -126,39 +134,40 @@ def test_sharded_forward_equals_single_device(hf_checkpoint):
     q = sharded.params["layers"]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     assert len({str(s.index) for s in q.addressable_shards}) == 8  # really split, not replicated
-    inputs = _batch(CFG, GRIDS)
+    inputs = _batch(cfg, GRIDS)
     assert _max_diff(sharded.logits(**inputs), single.logits(**inputs), inputs["attention_mask"]) <= 1e-5
 
 
 def test_save_pretrained_round_trip_through_transformers(hf_checkpoint, tmp_path):
-    path, _ = hf_checkpoint
+    path, _, cfg = hf_checkpoint
     policy = policy_lib.from_pretrained(path)
     out = policy_lib.save_pretrained(policy, tmp_path / "saved")
-    reloaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
-    inputs = _batch(CFG, GRIDS)
-    assert _max_diff(_hf_logits(reloaded, inputs), policy.logits(**inputs), inputs["attention_mask"]) <= 1e-4
-    assert json.loads((out / "config.json").read_text())["vision_config"]["fullatt_block_indexes"] == [1]
+    reloaded = _hf_class(cfg)[1].from_pretrained(out).eval()
+    inputs = _batch(cfg, GRIDS)
+    assert _max_diff(_hf_logits(reloaded, inputs, cfg), policy.logits(**inputs), inputs["attention_mask"]) <= 1e-4
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model_type"] == cfg.model_type and ModelConfig.from_hf_dict(saved) == cfg
 
 
 def test_bfloat16_load_and_save(hf_checkpoint, tmp_path):
-    path, _ = hf_checkpoint
+    path, _, cfg = hf_checkpoint
     policy = policy_lib.from_pretrained(path, dtype="bfloat16")
     assert policy.params["embed_tokens"].dtype == jnp.bfloat16
     out = policy_lib.save_pretrained(policy, tmp_path / "bf16")
     reader = SafetensorsReader(out)
     assert reader.get("model.embed_tokens.weight").dtype.name == "bfloat16"
-    inputs = _batch(CFG, GRIDS)
+    inputs = _batch(cfg, GRIDS)
     full = policy_lib.from_pretrained(path).logits(**inputs)
     half = policy_lib.from_pretrained(out, dtype="bfloat16").logits(**inputs)
     assert _max_diff(half, full, inputs["attention_mask"]) < 0.25  # bf16 rounding only
 
 
 def test_sharded_checkpoint_with_index(hf_checkpoint, tmp_path):
-    path, _ = hf_checkpoint
+    path, _, cfg = hf_checkpoint
     policy = policy_lib.from_pretrained(path)
     from guijax.models import weights
 
-    files = weights.save_params(str(tmp_path), policy.params, CFG)
+    files = weights.save_params(str(tmp_path), policy.params, cfg)
     assert len(files) == 1
     # force several shards
     from guijax.models import safetensors_io
@@ -169,13 +178,13 @@ def test_sharded_checkpoint_with_index(hf_checkpoint, tmp_path):
     names = safetensors_io.write_safetensors(multi, entries, max_shard_bytes=200_000)
     assert len(names) > 1 and (multi / "model.safetensors.index.json").exists()
     (multi / "config.json").write_text((path / "config.json").read_text())
-    inputs = _batch(CFG, GRIDS)
+    inputs = _batch(cfg, GRIDS)
     assert _max_diff(policy_lib.from_pretrained(multi).logits(**inputs), policy.logits(**inputs),
                      inputs["attention_mask"]) == 0.0
 
 
 def test_load_errors_name_the_problem(hf_checkpoint, tmp_path):
-    path, _ = hf_checkpoint
+    path, _, cfg = hf_checkpoint
     with pytest.raises(CheckpointError, match="checkpoint directory not found"):
         policy_lib.from_pretrained(tmp_path / "nope")
     # a config with one more layer than the weights: the missing keys are listed by name
@@ -199,12 +208,12 @@ def test_load_errors_name_the_problem(hf_checkpoint, tmp_path):
 
 
 def test_mismatched_image_tokens_fail_clearly(hf_checkpoint):
-    path, _ = hf_checkpoint
+    path, _, cfg = hf_checkpoint
     policy = policy_lib.from_pretrained(path)
-    inputs = _batch(CFG, GRIDS)
+    inputs = _batch(cfg, GRIDS)
     with pytest.raises(ValueError, match=r"do not match: 30 features .* 22 image-pad tokens"):
         policy.logits(**dict(inputs, image_grid_thw=np.array([[1, 4, 6], [1, 8, 12]]),
-                             pixel_values=np.zeros((24 + 96, CFG.vision.patch_dim), np.float32)))
+                             pixel_values=np.zeros((24 + 96, cfg.vision.patch_dim), np.float32)))
 
 
 def test_flat_transformers4_config_layout_is_read():
@@ -217,3 +226,35 @@ def test_flat_transformers4_config_layout_is_read():
                               "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112,
                               "in_chans": 3, "spatial_patch_size": 14, "tokens_per_second": 2}}
     assert ModelConfig.from_hf_dict(flat) == PRESETS["qwen2_5_vl_7b"]
+
+
+def test_flat_transformers4_qwen2_vl_config_is_read():
+    """UI-TARS-7B-DPO / Qwen2-VL-7B-Instruct's config.json: flat 4.x layout, vision width as embed_dim."""
+    flat = {"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"], "vocab_size": 152064,
+            "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "tie_word_embeddings": False,
+            "image_token_id": 151655, "video_token_id": 151656, "bos_token_id": 151643, "eos_token_id": 151645,
+            "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                              "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                              "spatial_patch_size": 14, "temporal_patch_size": 2}}
+    cfg = ModelConfig.from_hf_dict(flat)
+    assert cfg == PRESETS["qwen2_vl_7b"]
+    assert (cfg.vision.norm, cfg.vision.mlp, cfg.vision.hidden_act) == ("layer", "plain", "quick_gelu")
+    assert cfg.vision.fullatt_block_indexes == tuple(range(32))  # no windows in Qwen2-VL
+
+
+def test_qwen2_vl_7b_parameter_count_matches_transformers():
+    from guijax import launch
+
+    config = launch.resolve("grpo_gpu", ["model.preset=qwen2_vl_7b", "model.path="])
+    ours = launch.dry_run(config)["params"]
+    with torch.device("meta"):
+        reference = transformers.Qwen2VLForConditionalGeneration(
+            transformers.Qwen2VLConfig(**PRESETS["qwen2_vl_7b"].to_hf_dict()))
+    assert ours == sum(p.numel() for p in reference.parameters()) == 8_291_375_616
+
+
+def test_a_family_guijax_does_not_run_is_named():
+    with pytest.raises(ValueError, match=r"model_type 'llava' is not one of \('qwen2_5_vl', 'qwen2_vl'\)"):
+        ModelConfig.from_hf_dict({"model_type": "llava", "vision_config": {}}, source="x/config.json")

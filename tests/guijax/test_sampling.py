@@ -21,18 +21,29 @@ CFG = PRESETS["tiny"]
 GRIDS = np.array([[1, 4, 6], [1, 4, 4]])
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    hf_cfg = transformers.Qwen2_5_VLConfig(**CFG.to_hf_dict())
+def _saved_hf_model(tmp_path_factory, preset: str, prefix: str):
+    cfg = PRESETS[preset]
+    hf_cfg = getattr(transformers, f"{prefix}Config")(**cfg.to_hf_dict())
     torch.manual_seed(3)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(hf_cfg).eval()
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(hf_cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name and "ln_q" not in name:
                 p.normal_(0, 0.1)
-    path = tmp_path_factory.mktemp("sampler_tiny")
+    path = tmp_path_factory.mktemp(f"sampler_{preset}")
     model.save_pretrained(path)
     return path, model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _saved_hf_model(tmp_path_factory, "tiny", "Qwen2_5_VL")
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_checkpoint(tmp_path_factory):
+    """Same special-token ids and patch size as `tiny`, so the same prompts serve both families."""
+    return _saved_hf_model(tmp_path_factory, "tiny_qwen2_vl", "Qwen2VL")
 
 
 def _prompts(seed=0):
@@ -61,8 +72,9 @@ def _prompts_twice():
     return inputs
 
 
-def test_greedy_equals_transformers_generate(checkpoint):
-    path, model = checkpoint
+@pytest.mark.parametrize("family", ["checkpoint", "qwen2_vl_checkpoint"])
+def test_greedy_equals_transformers_generate(family, request):
+    path, model = request.getfixturevalue(family)
     inputs = _prompts()
     new = 12
     with torch.no_grad():

@@ -164,3 +164,16 @@ def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_f
 
     final = {name: load_file(d / "trained_model" / "model.safetensors") for name, d in (("clean", clean), ("killed", killed))}
     assert all(np.array_equal(final["clean"][k], final["killed"][k]) for k in final["clean"])
+
+
+def test_qwen2_vl_policy_runs_the_recipe(tiny_config, tmp_path):
+    """The Qwen2-VL family through fresh checkpoint, warm start, sampling, one RL update and save."""
+    from guijax.models.policy import from_pretrained
+
+    config = tiny_config("grpo_cpu", "model.preset=tiny_qwen2_vl", "stages=('base_model', 'tasks', 'sft', 'rl')")
+    run_stages(config, tmp_path / "run")
+    (record,) = _iteration_records(tmp_path / "run")
+    assert record["episodes"] == 4 and record["behaviour_logprob_mean"] < 0
+    saved = json.loads((tmp_path / "run" / "trained_model" / "config.json").read_text())
+    assert saved["model_type"] == "qwen2_vl" and saved["vision_config"]["embed_dim"] == 32
+    assert from_pretrained(tmp_path / "run" / "trained_model").module.cfg.vision.norm == "layer"
