@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any, Sequence
 
-from envs.actions.model import Action, ActionParseError, ActionType
+from envs.actions.model import Action, ActionParseError, ActionType, only_parse_errors
 
 _CLICKS = {"left_click": ActionType.CLICK, "right_click": ActionType.RIGHT_SINGLE,
            "middle_click": ActionType.MIDDLE_SINGLE, "double_click": ActionType.LEFT_DOUBLE,
@@ -33,6 +33,7 @@ def _scale(coord: Any, image_hw, screen_hw, text: str) -> tuple[tuple[int, int],
     return (cx, cy), (cx, cy) != (x, y)
 
 
+@only_parse_errors
 def parse_computer_use(text: str, *, image_hw: tuple[int, int], screen_hw: tuple[int, int],
                        cursor: tuple[int, int] | None = None) -> list[Action]:
     """Every computer_use call of a response, in screen pixels. Raises ActionParseError on malformed text."""

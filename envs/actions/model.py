@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 class ActionType(str, enum.Enum):
@@ -70,8 +74,29 @@ class Action:
 
 class ActionParseError(ValueError):
     """Model output that no grammar accepts. Carries the offending text so the trainer can log it and
-    apply a format penalty instead of crashing the rollout."""
+    apply a format penalty instead of crashing the rollout; the message quotes a bounded excerpt of it."""
 
     def __init__(self, message: str, text: str):
-        super().__init__(f"{message}: {text!r}")
+        excerpt = text if len(text) <= 400 else f"{text[:200]}...{text[-200:]}"
+        super().__init__(f"{message}: {excerpt!r}")
         self.text = text
+
+
+# what a parser's arithmetic, recursion or a caller's bad size can raise on hostile text
+_UNCLEAN = (ArithmeticError, RecursionError, MemoryError, ValueError, TypeError, KeyError, IndexError)
+
+
+def only_parse_errors(parse: Callable[..., T]) -> Callable[..., T]:
+    """Make a parser raise ActionParseError and nothing else, whatever the text: the rollout engine turns
+    that error (and only it) into a format penalty, so any other exception would end training."""
+
+    @functools.wraps(parse)
+    def wrapper(text: str, *args: Any, **kwargs: Any) -> T:
+        try:
+            return parse(text, *args, **kwargs)
+        except ActionParseError:
+            raise
+        except _UNCLEAN as err:
+            raise ActionParseError(f"unparsable ({type(err).__name__}: {str(err)[:200]})", text) from None
+
+    return wrapper

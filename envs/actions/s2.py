@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Any, Callable
 
-from envs.actions.model import Action, ActionParseError, ActionType
+from envs.actions.model import Action, ActionParseError, ActionType, only_parse_errors
 from envs.actions.uitars import render_uitars
 
 Box = tuple[int, int, int, int]
@@ -120,6 +120,7 @@ def _trailing(action: S2Action, param: str) -> bool:
     return bool(given) and names.index(param) < max(given)
 
 
+@only_parse_errors
 def parse_s2(text: str) -> S2Action:
     """`agent.click("Save button", 1, "left")` (positional or keyword arguments) -> S2Action."""
     source = text.strip().strip("`").strip()

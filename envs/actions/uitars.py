@@ -6,10 +6,11 @@ always in screen space. `to_pyautogui` renders actions as the pyautogui code OSW
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Sequence
 
-from envs.actions.model import Action, ActionParseError, ActionType
+from envs.actions.model import Action, ActionParseError, ActionType, only_parse_errors
 from envs.actions.resize import smart_resize  # noqa: F401  (re-exported: the grammar's coordinate space)
 
 MODELS = ("uitars-1.5", "uitars-1.0")
@@ -114,8 +115,11 @@ def _numbers(raw: str, key: str, text: str) -> list[float]:
     point = re.fullmatch(rf"\s*<point>\s*({num})[\s,]+({num})\s*</point>\s*", raw)
     values = [point.group(1), point.group(2)] if point else re.findall(num, raw)
     if len(values) not in (2, 4):
-        raise ActionParseError(f"argument {key!r} must hold 2 or 4 numbers, got {raw!r}", text)
-    return [float(v) for v in values]
+        raise ActionParseError(f"argument {key!r} must hold 2 or 4 numbers, got {raw[:100]!r}", text)
+    numbers = [float(v) for v in values]
+    if not all(math.isfinite(v) for v in numbers):
+        raise ActionParseError(f"argument {key!r} holds a number too large to be a coordinate", text)
+    return numbers
 
 
 class _Mapper:
@@ -154,6 +158,7 @@ def _keys(raw: str) -> tuple[str, ...]:
     return tuple(_KEY_ALIASES.get(k, k) for k in keys)
 
 
+@only_parse_errors
 def parse_uitars(text: str, *, image_hw: tuple[int, int], screen_hw: tuple[int, int],
                  model: str = "uitars-1.5") -> list[Action]:
     """All actions of one UI-TARS response, in screen pixels. Raises ActionParseError on malformed text."""

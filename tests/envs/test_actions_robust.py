@@ -90,3 +90,34 @@ def test_smart_resize_matches_the_ui_tars_package():
 def test_smart_resize_rejects_bad_sizes(hw, match):
     with pytest.raises(ValueError, match=match):
         smart_resize(*hw)
+
+
+HUGE = "9" * 400  # a float of 400 digits is inf; round(inf) raises OverflowError
+DEEP_JSON = "[" * 100_000  # json and ast recurse once per bracket
+
+
+@pytest.mark.parametrize("parse, text", [
+    (lambda t: parse_uitars(t, image_hw=HW, screen_hw=HW), f"Action: click(start_box='({HUGE},5)')"),
+    (lambda t: parse_uitars(t, image_hw=HW, screen_hw=HW), f"Action: click(point='<point>5 {HUGE}</point>')"),
+    (lambda t: parse_uitars(t, image_hw=HW, screen_hw=HW, model="uitars-1.0"),
+     f"Action: drag(start_box='(1,2)', end_box='({HUGE},{HUGE})')"),
+    (lambda t: parse_computer_use(t, image_hw=HW, screen_hw=HW),
+     '<tool_call>{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [1e999, 5]}}</tool_call>'),
+    (lambda t: parse_computer_use(t, image_hw=HW, screen_hw=HW),
+     '<tool_call>{"name": "computer_use", "arguments": {"action": "scroll", "pixels": 1e999}}</tool_call>'),
+    (lambda t: parse_computer_use(t, image_hw=HW, screen_hw=HW), f"<tool_call>{DEEP_JSON}</tool_call>"),
+    (parse_s2, "agent.click(" + "(" * 100_000 + ")"),
+    (parse_s2, f"agent.scroll('x', {HUGE}e999)"),
+], ids=["uitars-box", "uitars-point", "uitars-1.0-drag", "cu-coordinate", "cu-pixels", "cu-deep-json", "s2-deep",
+        "s2-huge"])
+def test_overflowing_or_deep_outputs_are_parse_errors(parse, text):
+    """One such output used to raise OverflowError or RecursionError out of the rollout and end training."""
+    with pytest.raises(ActionParseError) as err:
+        parse(text)
+    assert err.value.text == text and len(str(err.value)) < 2_000  # the message quotes a bounded excerpt
+
+
+@pytest.mark.parametrize("image_hw", [(0, 640), (480, 0)])
+def test_a_zero_image_size_is_a_parse_error(image_hw):
+    with pytest.raises(ActionParseError, match="image"):
+        parse_uitars("Action: click(start_box='(10,20)')", image_hw=image_hw, screen_hw=HW)
