@@ -69,6 +69,9 @@ class OSWorldEnv:
         ot = task if isinstance(task, OSWorldTask) else parse_task(task)
         self.controller.reset()
         cache_dir = os.path.join(self.cache_root, ot.id)
+        root = os.path.realpath(self.cache_root)
+        if os.path.dirname(os.path.realpath(cache_dir)) != root:  # parse_task refuses such ids; never rmtree outside
+            raise ValueError(f"task {ot.id!r}: its cache directory {cache_dir} is not directly under {root}")
         shutil.rmtree(cache_dir, ignore_errors=True)
         os.makedirs(cache_dir, exist_ok=True)
         base_dir = os.path.dirname(ot.task.source) if ot.task.source else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 from typing import Any
 
 from envs.api import Task, TaskError
@@ -124,7 +125,14 @@ def parse_evaluator(task: Task) -> Evaluator:
     return Evaluator(funcs, conj, results, expected, opts, _steps(ev.get("postconfig"), task, "evaluator.postconfig"))
 
 
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 def parse_task(task: Task) -> OSWorldTask:
+    # the id names the task's cache directory, which reset empties: no separators, no '..', not absolute
+    if not _SAFE_ID.fullmatch(task.id) or ".." in task.id:
+        raise TaskError(f"{_where(task)}: task id {task.id!r} must be letters, digits, '.', '_' or '-' (it names "
+                        "a cache directory), without '..'")
     apps = task.extra.get("related_apps", [])
     return OSWorldTask(task=task, setup=_steps(list(task.config), task, "config"), evaluator=parse_evaluator(task),
                        related_apps=tuple(apps) if isinstance(apps, list) else (), snapshot=str(task.extra.get("snapshot", "")))

@@ -361,3 +361,18 @@ def test_actions_before_a_control_action_still_run(tmp_path):
     assert r.done and env.history == ["DONE"]
     assert "pyautogui.write('abc'" in ctl.calls[-1][1]
     assert env.evaluate() == 0.0  # infeasible task ended with DONE, not FAIL
+
+
+@pytest.mark.parametrize("bad_id", ["../victim", "/tmp/victim", "a/../../victim", "..", "a/b", ""])
+def test_a_task_id_cannot_reach_outside_the_cache(tmp_path, bad_id):
+    """reset empties the cache directory named by the task id: an id with separators or '..' would delete
+    a directory outside the cache."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("x")
+    cache = tmp_path / "cache"
+    env = OSWorldEnv(FakeController(), cache_root=str(cache), settle_s=0, wait_s=0)
+    task = Task.from_dict({"id": bad_id, "instruction": "do", "config": [], "evaluator": {"func": "infeasible"}})
+    with pytest.raises(TaskError, match="task id"):
+        env.reset(task)
+    assert (victim / "keep.txt").read_text() == "x"
