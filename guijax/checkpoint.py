@@ -2,16 +2,22 @@
 (iteration, RNG key data, algorithm state such as replay buffers and caches, data-order state).
 
 Orbax writes each step to a temporary directory and renames it when complete, so a crash or a full disk
-during a save leaves the previous checkpoint intact; saves are asynchronous and keep the newest N.
+during a save leaves the previous checkpoint intact; saves are asynchronous and keep the newest N. A step
+that cannot be read back (a corrupted file, a JSON item missing a key) is renamed `STEP.unreadable-N` and the
+one before it restored instead, so one bad file never blocks a resume and nothing is deleted.
 """
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+from absl import logging
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+T = TypeVar("T")
 
 
 def _uncommit_single_device_leaves(state: Any) -> Any:
@@ -45,6 +51,30 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                  meta=ocp.args.JsonRestore()))
         return _uncommit_single_device_leaves(out["state"]), out["meta"]
+
+    def restore_latest(self, abstract_state: Any, use: Callable[[Any, dict[str, Any]], T]) -> tuple[int, T] | None:
+        """The newest step that restores and that `use(state, meta)` accepts (it reads the meta it needs and
+        raises on what it cannot use), as (step, what `use` returned); None when no step is left. Steps that
+        fail are set aside, with a warning naming them, and the previous one is tried."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step, abstract_state)
+                return step, use(state, meta)
+            except Exception as err:  # any unreadable piece of a step: orbax, JSON, a missing key
+                moved = self._set_aside(step)
+                logging.warning("checkpoint %s cannot be restored (%s: %s); moved to %s, trying the previous step",
+                                self.directory / str(step), type(err).__name__, err, moved)
+        return None
+
+    def _set_aside(self, step: int) -> pathlib.Path:
+        self.manager.wait_until_finished()
+        source = self.directory / str(step)
+        n = 0
+        while (target := self.directory / f"{step}.unreadable-{n}").exists():
+            n += 1
+        source.rename(target)
+        self.manager.reload()
+        return target
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

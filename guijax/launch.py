@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 from absl import app, flags, logging
 
+from envs.atomic import write_text_atomic
 from guijax import config as config_lib
 from guijax.progress import format_duration
 
@@ -198,7 +199,7 @@ def main(argv: list[str]) -> None:
     import jax
 
     if jax.process_index() == 0:
-        (workdir / "config.json").write_text(config_lib.to_json(config))
+        write_text_atomic(workdir / "config.json", config_lib.to_json(config))
     print(f"{config.name}: {len(config.stages)} stages ({', '.join(config.stages)}) in {workdir}", flush=True)
     start = time.time()
     registry.run_stages(config, workdir)

@@ -1,5 +1,9 @@
 """Metrics: one JSON line per record in `metrics.jsonl` (flushed each time, so a crash loses nothing
-written), TensorBoard scalars when tensorboardX is installed, and a one-line console summary."""
+written), TensorBoard scalars when tensorboardX is installed, and a one-line console summary.
+
+A crash can tear the last line in half. Readers skip such a tail and the writer cuts it off before appending,
+so a resume neither fails on it nor glues the next record to it; a broken line anywhere else is an error
+naming the file and line."""
 from __future__ import annotations
 
 import json
@@ -17,6 +21,7 @@ class MetricsWriter:
     def __init__(self, workdir: str | pathlib.Path, filename: str = "metrics.jsonl", console: bool = True):
         self.path = pathlib.Path(workdir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _cut_torn_tail(self.path)
         self._file = open(self.path, "a", buffering=1)
         self.console = console
         try:
@@ -54,6 +59,29 @@ class MetricsWriter:
             self._tb.close()
 
 
+def _cut_torn_tail(path: pathlib.Path) -> None:
+    """Truncate a last line that a crash left without its newline (the record was never complete)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     path = pathlib.Path(path)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # torn by a crash mid-write
+                break
+            raise ValueError(f"{path}: line {number} is not a JSON record ({err.msg}); fix or delete that line") from err
+    return records

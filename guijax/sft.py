@@ -47,10 +47,10 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
     it = iter(data)
     losses_seen: list[float] = []
     ckpt = Checkpointer(checkpoint_dir, keep=1) if checkpoint_dir else None
-    if ckpt is not None and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(ckpt.latest_step(), state)
-        it.set_state(meta["data"])
-        losses_seen = list(meta["losses"])
+    restored = ckpt.restore_latest(state, lambda s, meta: (s, meta["data"], list(meta["losses"]))) if ckpt else None
+    if restored is not None:
+        _, (state, data_state, losses_seen) = restored
+        it.set_state(data_state)
         logging.info("sft: resumed at step %d", len(losses_seen))
     bar = Progress(steps, desc, "step", initial=len(losses_seen))
     try:

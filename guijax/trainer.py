@@ -139,13 +139,15 @@ class Trainer:
         self.ckpt.save(self.iteration, self.state, meta)
 
     def maybe_restore(self) -> bool:
-        step = self.ckpt.latest_step()
-        if step is None:
+        def use(state, meta):
+            iteration, nonfinite = int(meta["iteration"]), int(meta.get("nonfinite_in_row", 0))
+            self.hook.load_state_dict(meta["hook"])
+            return state, iteration, nonfinite
+
+        restored = self.ckpt.restore_latest(self.state, use)
+        if restored is None:
             return False
-        self.state, meta = self.ckpt.restore(step, self.state)
-        self.iteration = meta["iteration"]
-        self.nonfinite_in_row = meta.get("nonfinite_in_row", 0)
-        self.hook.load_state_dict(meta["hook"])
+        _, (self.state, self.iteration, self.nonfinite_in_row) = restored
         self._drop_shards_from(self.iteration)
         self.metrics.drop_from(self.iteration)
         logging.info("resumed from checkpoint at iteration %d", self.iteration)

@@ -80,7 +80,7 @@ def tasks(run: Run) -> str:
     splits = split_tasks(generated, held_out_families=list(e.held_out_families), held_out_fraction=e.held_out_fraction,
                          seed=run.streams.seed_for("tasks", "split"))
     save_tasks(generated, run.workdir / "tasks.json")
-    (run.workdir / "splits.json").write_text(json.dumps({k: [t.id for t in v] for k, v in splits.items()}, indent=1))
+    write_text_atomic(run.workdir / "splits.json", json.dumps({k: [t.id for t in v] for k, v in splits.items()}, indent=1))
     return f"{len(splits['train'])} train, {len(splits['held_out'])} held-out"
 
 
