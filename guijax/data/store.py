@@ -227,7 +227,15 @@ class TrajectoryStore:
         from array_record.python.array_record_module import ArrayRecordReader
 
         if path not in self._readers:
-            self._readers[path] = ArrayRecordReader(str(path), "readahead_buffer_size:0")
+            try:
+                reader = ArrayRecordReader(str(path), "readahead_buffer_size:0")
+            except Exception as e:  # the C++ reader raises on some corruptions, and reports others through ok()
+                raise StoreError(f"trajectory shard {path} cannot be opened ({e})") from e
+            if not reader.ok():  # a truncated or overwritten shard reads as 0 records otherwise
+                raise StoreError(f"trajectory shard {path} is truncated or corrupted; every record after it would "
+                                 "move to another index, so the store refuses to read. Move the shard away (its "
+                                 "trajectories are lost) or restore it from a copy")
+            self._readers[path] = reader
         return self._readers[path]
 
     @property

@@ -168,3 +168,24 @@ def test_bad_records_name_the_place(tmp_path):
         decode_trajectory(msgpack.packb({"hello": 1}))
     with pytest.raises(StoreError, match="task odd: cannot store a value of type object"):
         encode_trajectory(dataclasses.replace(make_trajectory(0, task_id="odd"), meta={"x": object()}))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero"])
+def test_a_damaged_shard_is_an_error_naming_it_not_zero_records(tmp_path, damage):
+    """A damaged shard used to read as 0 records: every later record moved to another global index, and a
+    restored replay buffer or cache silently held other trajectories."""
+    store = TrajectoryStore(tmp_path)
+    store.append([make_trajectory(1, task_id="a"), make_trajectory(2, task_id="b")], name="iter-000000")
+    store.append([make_trajectory(3, task_id="c")], name="iter-000001")
+    shard = store.shards[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] if damage == "truncate" else b"\0" * len(data))
+    with pytest.raises(StoreError, match=r"iter-000000\.array_record"):
+        TrajectoryStore(tmp_path)
+
+
+def test_an_empty_shard_is_not_damage(tmp_path):
+    store = TrajectoryStore(tmp_path)
+    store.append([], name="d_self")
+    store.append([make_trajectory(3, task_id="c")])
+    assert [t.task_id for t in TrajectoryStore(tmp_path)] == ["c"]
