@@ -72,10 +72,11 @@ class HttpController:
         return r
 
     def _retried(self, method: str, path: str, *, timeout: float, retry_read_timeout: bool = True,
-                 none_on: tuple[int, ...] = (), **kw: Any):
+                 none_on: tuple[int, ...] = (), raise_on_failure: bool = False, **kw: Any):
         """PythonController's loop: up to `retry_times` tries `retry_interval_s` apart. Returns the response,
         or None when every try failed (or at once on a status in `none_on`, or a read timeout when
-        `retry_read_timeout` is False)."""
+        `retry_read_timeout` is False). With `raise_on_failure`, every try failing raises a transient
+        ControllerError instead: for calls whose None would mean an answer ("no such file")."""
         for attempt in range(self.retry_times):
             try:
                 r = self.session.request(method, self._url(path), timeout=timeout, **kw)
@@ -93,6 +94,9 @@ class HttpController:
                 log.warning("%s %s: %s (try %d/%d)", method, path, e, attempt + 1, self.retry_times)
             if attempt < self.retry_times - 1:
                 time.sleep(self.retry_interval_s)
+        if raise_on_failure:
+            raise ControllerError(f"{method} {path}: no answer from {self.base_url} in {self.retry_times} tries",
+                                  status=503, transient=True)
         return None
 
     # -- readiness ---------------------------------------------------------------------------------------
@@ -222,13 +226,18 @@ class HttpController:
 
     # -- files -------------------------------------------------------------------------------------------
     def get_file(self, path: str) -> bytes | None:
-        r = self._retried("POST", "/file", data={"file_path": path}, timeout=self.setup_timeout_s, none_on=(404,))
+        # None means the file is missing (404); a server that does not answer is an error, not a missing
+        # file, or the episode would be scored 0 as if the agent had failed
+        r = self._retried("POST", "/file", data={"file_path": path}, timeout=self.setup_timeout_s, none_on=(404,),
+                          raise_on_failure=True)
         return None if r is None else r.content
 
     def list_directory(self, path: str) -> dict[str, Any] | None:
         try:
             return self._once("POST", "/list_directory", json={"path": path}, timeout=60).json()["directory_tree"]
-        except ControllerError:
+        except ControllerError as e:
+            if e.transient:  # the server is unreachable: not an answer about the directory
+                raise
             return None
 
     # -- life cycle --------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 from typing import Any, Callable
 
 from envs.desktop import cache
+from envs.desktop.controller import ControllerError
 from envs.osworld.setup import SetupContext
 
 Getter = Callable[[SetupContext, dict[str, Any]], Any]
@@ -68,6 +69,10 @@ def _command(ctx: SetupContext, config: dict[str, Any], key: str) -> str | None:
 
     try:
         result = ctx.controller.execute(fill_placeholders(config["command"], ctx), shell=config.get("shell", False))
+    except ControllerError as e:
+        if e.transient:  # an unreachable server is an environment error, not a command without output
+            raise
+        return None
     except Exception:
         return None
     return result.get(key)

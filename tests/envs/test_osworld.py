@@ -376,3 +376,36 @@ def test_a_task_id_cannot_reach_outside_the_cache(tmp_path, bad_id):
     with pytest.raises(TaskError, match="task id"):
         env.reset(task)
     assert (victim / "keep.txt").read_text() == "x"
+
+
+def _command_task():
+    return _task({"func": "exact_match", "result": {"type": "vm_command_line", "command": "cat ~/out.txt"},
+                  "expected": {"type": "rule", "rules": {"expected": "done"}}})
+
+
+def test_an_unreachable_server_during_evaluation_is_an_environment_error_not_a_zero(tmp_path):
+    """A server that died mid-episode used to score the episode 0, a failure the policy was trained on."""
+    ctl = FakeController()
+    env = OSWorldEnv(ctl, cache_root=str(tmp_path), settle_s=0, wait_s=0)
+    env.reset(_command_task())
+    ctl.execute_results = [ControllerError("POST /execute: connection refused", status=503, transient=True)]
+    with pytest.raises(EvaluationError, match="connection refused"):
+        env.evaluate()
+    env.reset(_command_task())
+    ctl.execute_results = [ControllerError("POST /execute: HTTP 500: bad command", status=500)]
+    assert env.evaluate() == 0.0  # an answered failure is still the task's failure
+
+
+def test_http_controller_calls_to_a_dead_server_raise_instead_of_answering_none():
+    import socket
+
+    from envs.client import HttpController
+
+    with socket.socket() as s:  # a loopback port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctl = HttpController(f"http://127.0.0.1:{port}", retry_times=2, retry_interval_s=0.0)
+    for call in (lambda: ctl.get_file("/home/user/out.txt"), lambda: ctl.list_directory("/home/user")):
+        with pytest.raises(ControllerError) as err:
+            call()
+        assert err.value.transient

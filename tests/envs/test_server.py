@@ -264,7 +264,9 @@ def test_client_retries_like_osworld(stub):
     assert c.screenshot_bytes() is None and _Stub.hits["/screenshot"] == 3  # invalid payload: retried
     with pytest.raises(ControllerError, match="no screenshot"):
         c.screenshot()
-    assert c.get_file("/x") is None and _Stub.hits["/file"] == 3  # 5xx: retried
+    with pytest.raises(ControllerError, match="/file: no answer") as err:  # 5xx: retried, then an error, not
+        c.get_file("/x")  # "no such file" (OSWorld returns None here and scores the episode 0)
+    assert err.value.transient and _Stub.hits["/file"] == 3
     assert c.execute_python("pass") is None and _Stub.hits["/execute"] == 1  # read timeout: not retried
     c.reset()  # 404: an OSWorld VM without /guijax/reset is fine
 
