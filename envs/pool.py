@@ -117,7 +117,10 @@ class EnvPool:
         if not conn.poll(self.start_timeout_s):
             self._kill(slot)
             raise RuntimeError(f"env worker {slot} did not start within {self.start_timeout_s}s")
-        status, message = conn.recv()
+        try:
+            status, message = conn.recv()
+        except (EOFError, OSError):  # the worker died before it could say why (killed, os._exit, a segfault)
+            raise RuntimeError(f"env worker {slot} died while starting ({self._exit_code(slot)})") from None
         if status != "ready":
             self._kill(slot)
             raise RuntimeError(f"env worker {slot} failed to build its environment: {message}")
@@ -130,6 +133,15 @@ class EnvPool:
             proc.kill()
         if proc is not None:
             proc.join(5)
+
+    def _exit_code(self, slot: int) -> str:
+        """How a worker ended, once its process has been reaped (its pipe closes a moment before)."""
+        proc = self._procs[slot]
+        proc.join(1.0)
+        code = proc.exitcode
+        if code is None:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
     def _restart(self, slot: int) -> None:
         """Replace a slot's worker. A factory that fails now (a remote VM being down) leaves the slot down,
@@ -147,8 +159,8 @@ class EnvPool:
         return [p.pid for p in self._procs]
 
     def call(self, method: str, slot_args: dict[int, tuple], timeout_s: float | None = None) -> dict[int, Result]:
-        """Run `env.method(*args)` on each addressed slot concurrently; failed slots are restarted."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        """Run `env.method(*args)` on each addressed slot concurrently; failed slots are restarted. The
+        timeout starts once every call is sent, so restarting a down slot never eats a healthy slot's time."""
         results: dict[int, Result] = {}
         broken: set[int] = set()  # slots whose worker must be restarted
         pending: dict[Connection, int] = {}
@@ -164,8 +176,10 @@ class EnvPool:
                 self._conns[slot].send((method, args, {}))
                 pending[self._conns[slot]] = slot
             except (BrokenPipeError, OSError) as e:
-                results[slot] = Result(False, error=f"env worker {slot} crashed before '{method}' ({e})")
+                results[slot] = Result(False, error=f"env worker {slot} crashed before '{method}' "
+                                                    f"({self._exit_code(slot)}; {e})")
                 broken.add(slot)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while pending:
             remaining = deadline - time.monotonic()
             ready = wait(list(pending), timeout=max(0.0, remaining)) if remaining > 0 else []
@@ -176,8 +190,8 @@ class EnvPool:
                 try:
                     status, value = conn.recv()
                 except (EOFError, OSError):
-                    code = self._procs[slot].exitcode
-                    results[slot] = Result(False, error=f"env worker {slot} crashed during '{method}' (exit code {code})")
+                    results[slot] = Result(False, error=f"env worker {slot} crashed during '{method}' "
+                                                        f"({self._exit_code(slot)})")
                     broken.add(slot)
                     continue
                 results[slot] = Result(True, value) if status == "ok" else Result(False, error=value)

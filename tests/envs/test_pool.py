@@ -47,6 +47,29 @@ class FlakyFactory:
         return DeskEnv(popups=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class DyingFactory:
+    """A worker that dies while building its environment, before it can report anything."""
+
+    def __call__(self):
+        os._exit(3)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowStartFactory:
+    """A desk that takes `delay_s` to build while `marker` exists (a VM that is slow to come back)."""
+
+    marker: str
+    delay_s: float
+
+    def __call__(self):
+        from envs.desk.env import DeskEnv
+
+        if os.path.exists(self.marker):
+            time.sleep(self.delay_s)
+        return DeskEnv(popups=False)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -195,3 +218,31 @@ def test_no_orphans_when_the_trainer_is_killed(tmp_path):
     for p in alive:  # do not leave them behind if the test fails
         os.kill(p, signal.SIGKILL)
     assert not alive
+
+
+def test_a_worker_dying_at_start_is_an_error_naming_it():
+    with pytest.raises(RuntimeError, match=r"env worker 0 died while starting \(exit code 3\)"):
+        EnvPool(DyingFactory(), 1, timeout_s=10)
+
+
+def test_a_crash_reports_how_the_worker_ended(tasks):
+    with EnvPool(DeskFactory(), 1, timeout_s=30) as pool:
+        pool.reset(tasks[:1])
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        out = pool.step({0: Action(ActionType.WAIT)})
+        assert not out[0].ok and "killed by signal 9" in out[0].error and "None" not in out[0].error
+
+
+def test_restarting_a_down_slot_does_not_eat_a_healthy_slots_time(tasks, tmp_path):
+    """The restart of slot 1 takes 3 s of a 2 s call timeout; slot 0's episode must still come back."""
+    marker = tmp_path / "slow"
+    with EnvPool(SlowStartFactory(str(marker), 3.0), 2, timeout_s=2) as pool:
+        pool.reset(tasks[:2])
+        marker.touch()
+        os.kill(pool.worker_pids()[1], signal.SIGKILL)
+        time.sleep(0.2)
+        out = pool.step({0: Action(ActionType.WAIT), 1: Action(ActionType.WAIT)})  # slot 1 crashed: restarted after
+        assert out[0].ok and not out[1].ok
+        pool._down[1] = "a VM being rebuilt"  # as _restart leaves a slot whose factory failed: the next call restarts it first (3 s)
+        out = pool.reset(tasks[:2])
+        assert out[0].ok, out[0].error  # healthy slot 0 got its full 2 s after the restart
