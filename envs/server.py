@@ -66,6 +66,7 @@ class DesktopServer(ThreadingHTTPServer):
         self.controller = controller
         self.token = token
         self.timeout_s = timeout_s
+        self.loopback = _is_loopback(host)
         super().__init__(address, Handler)
 
 
@@ -134,8 +135,26 @@ class Handler(BaseHTTPRequestHandler):
         got = got[7:] if got.startswith("Bearer ") else self.headers.get("X-Guijax-Token", "")
         return hmac.compare_digest(got.encode(), token.encode())
 
+    def _cross_site(self) -> str | None:
+        """Why a request looks like it came from a web page rather than an agent client: browsers add an
+        Origin header to cross-site POSTs, and a DNS-rebinding page reaches a loopback server under its own
+        host name. Clients (requests, OSWorld's controller) send neither."""
+        if self.headers.get("Origin") is not None:
+            return "requests carrying an Origin header (from a web page) are refused"
+        if self.server.loopback:
+            host = self.headers.get("Host", "")
+            name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+            if not _is_loopback(name):
+                return f"Host {host!r} is not a loopback name; this server answers only 127.0.0.1 / localhost"
+        return None
+
     def _dispatch(self, method: str) -> None:
         path = urllib.parse.urlparse(self.path).path.rstrip("/") or "/"
+        refused = self._cross_site()
+        if refused:
+            self._body()
+            self._send(403, {"status": "error", "message": refused})
+            return
         if not self._authorized():
             self._body()
             self._send(401, {"status": "error", "message": "missing or wrong token (Authorization: Bearer ...)"})

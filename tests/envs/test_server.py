@@ -284,3 +284,40 @@ def test_setup_runner_retries_open_and_polls_execute_until(stub, tmp_path):
     run_steps([Step("execute", {"command": "check", "shell": True, "until": {"stdout": "ready"}, "stdout": "o.txt"})],
               ctx, task_id="t")
     assert _Stub.hits["/setup/execute"] == 4 and (tmp_path / "o.txt").read_text() == "ready"
+
+
+class _PlatformOnly:
+    """Enough of a controller for requests that only ask the platform (no desktop needed)."""
+
+    def platform(self) -> str:
+        return "Linux"
+
+
+@pytest.fixture
+def loopback_server():
+    from envs.server import DesktopServer
+
+    server = DesktopServer(("127.0.0.1", 0), _PlatformOnly())
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({}, 200),
+    ({"Host": "localhost:5000"}, 200),
+    ({"Origin": "https://evil.example"}, 403),  # a cross-site request from a web page
+    ({"Origin": "null"}, 403),
+    ({"Host": "evil.example:5000"}, 403),  # DNS rebinding: the page's own name resolves to 127.0.0.1
+    ({"Host": "evil.example"}, 403),
+])
+def test_loopback_server_refuses_requests_from_web_pages(loopback_server, headers, status):
+    r = requests.post(loopback_server + "/platform", headers=headers, data="x", timeout=10) if status == 403 else \
+        requests.get(loopback_server + "/platform", headers=headers, timeout=10)
+    assert r.status_code == status
+    if status == 403:
+        assert "refused" in r.json()["message"] or "loopback" in r.json()["message"]
+    else:
+        assert r.text == "Linux"
