@@ -166,6 +166,7 @@ def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_f
     assert all(np.array_equal(final["clean"][k], final["killed"][k]) for k in final["clean"])
 
 
+@pytest.mark.slow  # 30 s; the family's parity, sampling and round-trip tests run in the default suite
 def test_qwen2_vl_policy_runs_the_recipe(tiny_config, tmp_path):
     """The Qwen2-VL family through fresh checkpoint, warm start, sampling, one RL update and save."""
     from guijax.models.policy import from_pretrained

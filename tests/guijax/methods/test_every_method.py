@@ -142,6 +142,11 @@ EFFECTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(EFFECTS))
+# DPO and KTO compile their own preference step (about 20 s each): they run with -m slow, and the default suite
+# checks the DPO objective in test_bepa_recipe.py and both losses in test_losses.py
+SLOW = {"dpo", "kto"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(EFFECTS)])
 def test_method_trains_with_its_own_effect(prepared, name):
     EFFECTS[name](*_train(prepared, name))
