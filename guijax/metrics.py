@@ -64,9 +64,11 @@ def _cut_torn_tail(path: pathlib.Path) -> None:
     if not path.exists() or path.stat().st_size == 0:
         return
     with open(path, "rb+") as f:
-        data = f.read()
-        if not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
+        f.seek(-1, 2)
+        if f.read(1) == b"\n":  # the common case: reads one byte, not the whole file
+            return
+        f.seek(0)
+        f.truncate(f.read().rfind(b"\n") + 1)
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:

@@ -58,11 +58,9 @@ def _evaluated(run: Run, name: str) -> tuple[bool, str]:
 def _begin(run: Run, tag: str, key: str, outputs: tuple[str, ...], why: str, action: str) -> None:
     if run.records is None:
         return
-    moved = run.records.begin(key, outputs)
-    if why:
-        progress.echo(f"{tag}: {why}; {action} again" + (" (old outputs moved to stale/)" if moved else ""))
-    elif moved:
-        progress.echo(f"{tag}: an unfinished run under another config left {', '.join(moved)}; moved to stale/")
+    note = run.records.restart(key, outputs, why, action)
+    if note:
+        progress.echo(f"{tag}: {note}")
 
 
 @stage("methods", lambda run: f"train and evaluate {', '.join(run.config.compare.methods)} from the same base policy",

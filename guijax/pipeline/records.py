@@ -126,6 +126,17 @@ class StageRecords:
         self._write(key, "started")
         return moved
 
+    def restart(self, key: str, outputs: Iterable[str], why: str, action: str) -> str | None:
+        """`begin`, then the line that says why the stage runs again and where its old outputs went (None
+        when it simply runs for the first time or resumes under its own config)."""
+        moved = self.begin(key, outputs)
+        stale = f"{self.workdir / STALE_DIR}/"
+        if why:
+            return f"{why}; {action} again" + (f" (old {', '.join(moved)} moved to {stale})" if moved else "")
+        if moved:
+            return f"an unfinished run under another config left {', '.join(moved)}; moved to {stale}, starting afresh"
+        return None
+
     def end(self, key: str) -> None:
         self._write(key, "done")
 

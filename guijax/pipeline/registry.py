@@ -123,13 +123,9 @@ def run_stages(config: ml_collections.ConfigDict, workdir: pathlib.Path,
                 progress.echo(f"{tag}: already done, skipped" + (f" ({why})" if why else ""))
                 continue
             if spec.done is not None:
-                moved = records.begin(name, spec.outputs)
-                if why:
-                    progress.echo(f"{tag}: {why}; running it again"
-                                  + (f" (old {', '.join(moved)} moved to {workdir}/stale/)" if moved else ""))
-                elif moved:
-                    progress.echo(f"{tag}: an unfinished run under another config left {', '.join(moved)}; "
-                                  f"moved to {workdir}/stale/, starting afresh")
+                note = records.restart(name, spec.outputs, why, "running it")
+                if note:
+                    progress.echo(f"{tag}: {note}")
             progress.echo(f"{tag}: {spec.describe(run)}")
             start = time.perf_counter()
             headline = spec.fn(run)
