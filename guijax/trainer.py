@@ -145,7 +145,9 @@ class Trainer:
             return state, iteration, nonfinite
 
         restored = self.ckpt.restore_latest(self.state, use)
-        if restored is None:
+        if restored is None:  # a run killed before its first checkpoint starts over: its iterations are redone
+            self._drop_shards_from(0)
+            self.metrics.drop_from(0)
             return False
         _, (self.state, self.iteration, self.nonfinite_in_row) = restored
         self._drop_shards_from(self.iteration)

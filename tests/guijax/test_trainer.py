@@ -100,6 +100,25 @@ def test_rerun_with_the_same_config_reuses_every_stage(rl_run, capsys):
         ("base_model", "tasks", "sft", "rl", "eval_final"), "done")
 
 
+def test_a_run_killed_before_its_first_checkpoint_starts_over(rl_run, tmp_path):
+    """Its episodes and metrics were written but no checkpoint: the rerun redoes those iterations from the
+    start, replacing what they left instead of refusing to overwrite an immutable shard."""
+    import shutil
+
+    config, workdir = rl_run
+    killed = tmp_path / "run"
+    shutil.copytree(workdir, killed)
+    for name in ("checkpoints", "trained_model"):
+        shutil.rmtree(killed / name)
+    for name in ("eval_final.json", "report.md"):
+        (killed / name).unlink()
+    run_stages(config, killed)
+    assert [r["iteration"] for r in _iteration_records(killed)] == [0, 1]
+    store = TrajectoryStore(killed / "trajectories")
+    assert [p.name.split(".")[0] for p in store.shards] == ["iter-000000", "iter-000001"]
+    assert (killed / "trained_model" / "config.json").exists()
+
+
 def test_sft_resumes_from_its_checkpoint_with_the_same_batches(tmp_path, tiny_config):
     config = tiny_config("grpo_cpu", *RL)
     run = Run(config, tmp_path / "run")
