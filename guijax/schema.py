@@ -77,9 +77,9 @@ class TopLevel:
 @dataclasses.dataclass(frozen=True)
 class Model:
     # used when model.path is empty: a fresh checkpoint is created in the workdir (guijax.models.config.PRESETS)
-    preset: Literal["tiny", "small", "tiny_qwen2_vl", "qwen2_vl_7b", "qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b",
-                    "qwen2_5_vl_72b"] = "small"
-    path: str = ""  # a Hugging Face Qwen2.5-VL or Qwen2-VL directory (e.g. a local UI-TARS-1.5-7B copy)
+    preset: Literal["tiny", "small", "tiny_qwen2_vl", "tiny_qwen3_vl", "qwen2_vl_7b", "qwen3_vl_8b", "qwen3_vl_32b",
+                    "qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"] = "small"
+    path: str = ""  # a Hugging Face Qwen2.5-VL, Qwen2-VL or Qwen3-VL directory (e.g. a local UI-TARS-1.5-7B copy)
     dtype: DType = "float32"  # compute dtype
     param_dtype: Literal["", "float32", "bfloat16", "float16"] = ""  # empty: same as dtype
     # guijax.models.scan.REMAT_POLICIES

@@ -39,6 +39,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("vision_mlp", "tensor"),
     ("vision_merge", "fsdp"),
     ("vision_norm", None),
+    ("vision_positions", None),  # the rows of Qwen3-VL's learned position grid
     # vision activations: patches, and the rows of batched attention windows / image frames, split over the
     # data-parallel devices like batch rows, so the tower's work shrinks with data parallelism
     ("vision_tokens", ("data", "fsdp")),
@@ -327,7 +328,9 @@ def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: in
     blocks' own width) and the image-frame batch are rebuilt over the merged windows and frames."""
     counts = [_real_features(vision, n) for vision, n in parts]
     real_total = sum(counts)
-    pixels_real, pixels_fill, windows, rotary, full, win, tokens = [], [], [], [], [], [], []
+    per_patch = [k for k in PATCH_ORDERED_KEYS if any(k in v for v, _ in parts)]  # window-ordered, concatenated
+    patch_arrays: dict[str, list[np.ndarray]] = {k: [] for k in per_patch}
+    pixels_real, pixels_fill, windows, full, win, tokens = [], [], [], [], [], []
     real_off = fill_off = full_off = win_off = 0
     for (vision, n_tokens), n_real in zip(parts, counts):
         v = {k: np.asarray(x) for k, x in vision.items()}
@@ -336,7 +339,11 @@ def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: in
         pixels_fill.append(units[n_real:])
         index = v["window_index"].astype(np.int64)
         windows.append(np.where(index < n_real, index + real_off, index - n_real + real_total + fill_off))
-        rotary.append(v["rotary_positions"])
+        for k in per_patch:
+            if k in v:
+                patch_arrays[k].append(v[k])
+            elif len(v["pixel_values"]):
+                raise ValueError(f"merge_vision: a block with patches has no {k!r} while another has")
         full.append(v["full_segments"] + full_off)
         win.append(v["window_segments"] + win_off)
         tokens.append(_block_token_features(v, n_tokens) + real_off)
@@ -353,7 +360,7 @@ def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: in
         raise ValueError("merge_vision: no block has window_tokens to take the window width from; pass window_len")
     out = {"pixel_values": pixels.reshape(-1, pixels.shape[-1]),
            "window_index": np.concatenate(windows).astype(np.int32),
-           "rotary_positions": np.concatenate(rotary).astype(np.int32),
+           **{k: np.concatenate(arrays) for k, arrays in patch_arrays.items()},
            "full_segments": full_segments, "window_segments": window_segments,
            **attention_batches(full_segments, window_segments, int(width))}
     if any("token_features" in v for v, _ in parts):
@@ -361,6 +368,10 @@ def merge_vision(parts: Sequence[tuple[Mapping[str, np.ndarray], int]], unit: in
         mapped = np.concatenate(tokens)
         out["token_features"] = np.pad(mapped, (0, length - len(mapped)), constant_values=-1).astype(np.int32)
     return out
+
+
+# vision inputs with one row per patch in the window-permuted order (learned position blends: Qwen3-VL only)
+PATCH_ORDERED_KEYS = ("rotary_positions", "pos_indices", "pos_weights")
 
 
 def _real_features(vision: Mapping[str, Any], n_tokens: int) -> int:
@@ -398,11 +409,16 @@ def _gather_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any,
     ids = np.asarray(input_ids)
     mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
     n_real = int(((ids == image_token_id) & (mask > 0)).sum()) if image_token_id is not None else 0
-    keys = ("pixel_values", "window_index", "rotary_positions", "full_segments", "window_segments", "token_features")
+    keys = ("pixel_values", "window_index", "rotary_positions", "full_segments", "window_segments", "token_features",
+            "pos_indices", "pos_weights")
+    def empty(key: str, dim: int) -> np.ndarray:  # a key this process has no rows of
+        shape = {"pixel_values": (0, dim), "rotary_positions": (0, 2), "pos_indices": (0, 4), "pos_weights": (0, 4)}
+        dtype = np.float32 if key in ("pixel_values", "pos_weights") else np.int32
+        return np.zeros(shape.get(key, (0,)), dtype)
+
     local = None
-    if vision is not None:
-        local = {k: np.asarray(vision[k]) for k in keys if k in vision}
-        local.setdefault("token_features", np.zeros((0,), np.int32))  # 0 long: this block maps tokens in order
+    if vision is not None:  # without token_features a block maps tokens in order; without pos_* it has no
+        local = {k: np.asarray(vision[k]) if k in vision else empty(k, 0) for k in keys}  # learned positions
     sizes = [local[k].shape[0] for k in keys] if local else [0] * len(keys)
     dim = local["pixel_values"].shape[1] if local else -1
     width = np.shape(vision["window_tokens"])[1] if vision is not None else 0
@@ -414,8 +430,7 @@ def _gather_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any,
         raise ValueError("place_batch: several processes with images need image_token_id to merge their patches")
     dim = int(headers[:, -1].max())
     if local is None:
-        local = {"pixel_values": np.zeros((0, dim), np.float32), "rotary_positions": np.zeros((0, 2), np.int32),
-                 **{k: np.zeros((0,), np.int32) for k in keys[1:] if k != "rotary_positions"}}
+        local = {k: empty(k, dim) for k in keys}
     gathered = {}
     for i, k in enumerate(keys):
         longest = int(headers[:, 2 + i].max())
@@ -423,8 +438,9 @@ def _gather_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any,
         gathered[k] = np.asarray(multihost_utils.process_allgather(padded))
     with_images = headers[headers[:, 3] > 0]
     unit = int(with_images[0, 2] // with_images[0, 3])
+    optional = ("token_features", "pos_indices", "pos_weights")  # dropped where a block has none
     parts = [({k: gathered[k][p][:headers[p, 2 + i]] for i, k in enumerate(keys)
-               if k != "token_features" or headers[p, 2 + i] > 0}, int(headers[p, 1]))
+               if k not in optional or headers[p, 2 + i] > 0}, int(headers[p, 1]))
              for p in np.argsort(headers[:, 0], kind="stable")]
     return merge_vision(parts, unit, int(headers[:, -2].max()))
 

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL policy: architecture, presets, Hugging Face loading and saving."""
+"""The policies (Qwen2.5-VL, Qwen2-VL, Qwen3-VL): architecture, presets, Hugging Face loading and saving."""
 from guijax.models.config import PRESETS, ModelConfig, VisionConfig, get_preset
 from guijax.models.policy import ModelInputs, Policy, from_pretrained, prepare_inputs, save_pretrained
 

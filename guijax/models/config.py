@@ -1,8 +1,12 @@
-"""Qwen2.5-VL and Qwen2-VL architecture hyperparameters, presets, and the Hugging Face config.json mapping.
+"""Qwen2.5-VL, Qwen2-VL and Qwen3-VL architecture hyperparameters, presets, and the Hugging Face config.json
+mapping.
 
-The two families share the Qwen2 decoder with M-RoPE; their vision towers differ in norm (RMSNorm / LayerNorm),
-block MLP (gated SiLU / fc1-fc2 QuickGELU) and attention (windows with a few full blocks / full everywhere),
-which `VisionConfig.norm`, `.mlp` and `.fullatt_block_indexes` describe.
+Qwen2-VL and Qwen2.5-VL share the Qwen2 decoder with M-RoPE; their vision towers differ in norm (RMSNorm /
+LayerNorm), block MLP (gated SiLU / fc1-fc2 QuickGELU) and attention (windows with a few full blocks / full
+everywhere), which `VisionConfig.norm`, `.mlp` and `.fullatt_block_indexes` describe. Qwen3-VL keeps that
+shape with Qwen3 decoder blocks (q/k RMSNorm, no q/k/v bias, an explicit head_dim, interleaved M-RoPE) and a
+tower with learned position embeddings (`num_position_embeddings`) whose intermediate features at
+`deepstack_layers` are merged and added to the first decoder layers' image tokens (DeepStack).
 
 One dataclass describes the checkpoint (what `config.json` says); runtime choices (dtype, remat) live in
 the run config, not here, so a saved checkpoint never depends on how it was trained.
@@ -31,8 +35,11 @@ class VisionConfig:
     tokens_per_second: int = 2
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
-    norm: str = "rms"  # "rms" (Qwen2.5-VL) or "layer" (Qwen2-VL)
-    mlp: str = "gated"  # "gated" (gate/up/down, Qwen2.5-VL) or "plain" (fc1/fc2, Qwen2-VL)
+    norm: str = "rms"  # "rms" (Qwen2.5-VL) or "layer" (Qwen2-VL, Qwen3-VL)
+    mlp: str = "gated"  # "gated" (gate/up/down, Qwen2.5-VL) or "plain" (fc1/fc2, Qwen2-VL, Qwen3-VL)
+    num_position_embeddings: int = 0  # Qwen3-VL: a learned square grid of position embeddings, resized per image
+    deepstack_layers: tuple[int, ...] = ()  # Qwen3-VL: blocks whose outputs feed the first decoder layers
+    patch_bias: bool = False  # Qwen3-VL's patch embedding has a bias
 
     @property
     def head_dim(self) -> int:
@@ -68,20 +75,39 @@ class ModelConfig:
     pad_token_id: int | None = None
     vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
     model_type: str = "qwen2_5_vl"
+    explicit_head_dim: int = 0  # config.json's `head_dim` (Qwen3); 0: hidden_size / num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qwen3(self) -> bool:
+        """Qwen3 decoder blocks: q/k RMSNorm per head, no q/k/v bias, interleaved M-RoPE frequencies."""
+        return self.model_type == "qwen3_vl"
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type {self.model_type!r} is not one of {MODEL_TYPES}")
+        v = self.vision
+        if self.qwen3 and ((v.norm, v.mlp) != ("layer", "plain") or not v.num_position_embeddings):
+            raise ValueError("a qwen3_vl vision tower has LayerNorm, fc1/fc2 blocks and learned position embeddings: "
+                             "build it with qwen3_vl_vision()")
+        if v.num_position_embeddings and round(v.num_position_embeddings ** 0.5) ** 2 != v.num_position_embeddings:
+            raise ValueError(f"vision num_position_embeddings {v.num_position_embeddings} is not a square grid")
+        bad = [i for i in v.deepstack_layers if not 0 <= i < v.depth]
+        if bad or list(v.deepstack_layers) != sorted(set(v.deepstack_layers)):
+            raise ValueError(f"vision deepstack_layers {v.deepstack_layers} must be increasing block numbers "
+                             f"below depth {v.depth}")
+        if len(v.deepstack_layers) > self.num_hidden_layers:
+            raise ValueError(f"{len(v.deepstack_layers)} deepstack layers feed more decoder layers than the "
+                             f"{self.num_hidden_layers} there are")
         if self.model_type == "qwen2_vl" and (self.vision.norm, self.vision.mlp) != ("layer", "plain"):
             raise ValueError("a qwen2_vl vision tower has LayerNorm and fc1/fc2 blocks: build it with qwen2_vl_vision()")
         if self.model_type == "qwen2_vl" and self.vision.intermediate_size % self.vision.hidden_size:
             raise ValueError(f"qwen2_vl: vision intermediate_size {self.vision.intermediate_size} must be a multiple of "
                              f"its hidden_size {self.vision.hidden_size} (config.json stores their ratio, mlp_ratio)")
-        if self.hidden_size % self.num_attention_heads:
+        if not self.explicit_head_dim and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} not divisible by num_attention_heads {self.num_attention_heads}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} not divisible by num_key_value_heads {self.num_key_value_heads}")
@@ -93,35 +119,41 @@ class ModelConfig:
     # ------------------------------------------------------------------ Hugging Face config.json
     def to_hf_dict(self) -> dict[str, Any]:
         """The transformers 5 layout (text_config / vision_config); transformers 4.x reads it too."""
-        if self.model_type == "qwen2_vl":
-            return self._qwen2_vl_hf_dict()
         v = self.vision
+        shared = {"depth": v.depth, "num_heads": v.num_heads, "in_channels": v.in_channels, "patch_size": v.patch_size,
+                  "spatial_merge_size": v.spatial_merge_size, "temporal_patch_size": v.temporal_patch_size,
+                  "hidden_act": v.hidden_act, "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
+        if self.model_type == "qwen2_vl":  # names its vision width `embed_dim` and its output width `hidden_size`
+            vision = {"model_type": "qwen2_vl", "embed_dim": v.hidden_size, "hidden_size": v.out_hidden_size,
+                      "mlp_ratio": v.intermediate_size // v.hidden_size}
+            return self._hf_dict("Qwen2VLForConditionalGeneration", self._text_hf_dict("qwen2_vl_text"),
+                                 {**vision, **shared})
+        vision = {"hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
+                  "out_hidden_size": v.out_hidden_size}
+        if self.model_type == "qwen3_vl":
+            text = self._text_hf_dict("qwen3_vl_text")
+            text.pop("use_sliding_window")
+            text.update(head_dim=self.head_dim, attention_bias=False)
+            text["rope_parameters"]["mrope_interleaved"] = True
+            vision.update(model_type="qwen3_vl_vision", num_position_embeddings=v.num_position_embeddings,
+                          deepstack_visual_indexes=list(v.deepstack_layers))
+            return self._hf_dict("Qwen3VLForConditionalGeneration", text, {**vision, **shared})
+        vision.update(model_type="qwen2_5_vl_vision", window_size=v.window_size,
+                      fullatt_block_indexes=list(v.fullatt_block_indexes), tokens_per_second=v.tokens_per_second)
+        return self._hf_dict("Qwen2_5_VLForConditionalGeneration", self._text_hf_dict("qwen2_5_vl_text"),
+                             {**vision, **shared})
+
+    def _hf_dict(self, architecture: str, text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
         return {
-            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-            "model_type": "qwen2_5_vl",
+            "architectures": [architecture],
+            "model_type": self.model_type,
             "image_token_id": self.image_token_id,
             "video_token_id": self.video_token_id,
             "vision_start_token_id": self.vision_start_token_id,
             "vision_end_token_id": self.vision_end_token_id,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "text_config": self._text_hf_dict("qwen2_5_vl_text"),
-            "vision_config": {
-                "model_type": "qwen2_5_vl_vision",
-                "depth": v.depth,
-                "hidden_size": v.hidden_size,
-                "intermediate_size": v.intermediate_size,
-                "num_heads": v.num_heads,
-                "in_channels": v.in_channels,
-                "patch_size": v.patch_size,
-                "spatial_merge_size": v.spatial_merge_size,
-                "temporal_patch_size": v.temporal_patch_size,
-                "window_size": v.window_size,
-                "out_hidden_size": v.out_hidden_size,
-                "fullatt_block_indexes": list(v.fullatt_block_indexes),
-                "tokens_per_second": v.tokens_per_second,
-                "hidden_act": v.hidden_act,
-                "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
-            },
+            "text_config": text,
+            "vision_config": vision,
         }
 
     def _text_hf_dict(self, model_type: str) -> dict[str, Any]:
@@ -143,34 +175,6 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
             "use_sliding_window": False,
-        }
-
-    def _qwen2_vl_hf_dict(self) -> dict[str, Any]:
-        """Qwen2-VL names its vision width `embed_dim` and its output width `hidden_size`."""
-        v = self.vision
-        return {
-            "architectures": ["Qwen2VLForConditionalGeneration"],
-            "model_type": "qwen2_vl",
-            "image_token_id": self.image_token_id,
-            "video_token_id": self.video_token_id,
-            "vision_start_token_id": self.vision_start_token_id,
-            "vision_end_token_id": self.vision_end_token_id,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "text_config": self._text_hf_dict("qwen2_vl_text"),
-            "vision_config": {
-                "model_type": "qwen2_vl",
-                "depth": v.depth,
-                "embed_dim": v.hidden_size,
-                "hidden_size": v.out_hidden_size,
-                "hidden_act": v.hidden_act,
-                "mlp_ratio": v.intermediate_size // v.hidden_size,
-                "num_heads": v.num_heads,
-                "in_channels": v.in_channels,
-                "patch_size": v.patch_size,
-                "spatial_merge_size": v.spatial_merge_size,
-                "temporal_patch_size": v.temporal_patch_size,
-                "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
-            },
         }
 
     @classmethod
@@ -203,6 +207,21 @@ class ModelConfig:
                 in_channels=vd.get("in_channels", vd.get("in_chans", 3)), patch_size=vd.get("patch_size", 14),
                 spatial_merge_size=vd.get("spatial_merge_size", 2), temporal_patch_size=vd.get("temporal_patch_size", 2),
                 hidden_act=vd.get("hidden_act", "quick_gelu"), rope_theta=float(vision_rope.get("rope_theta", 10000.0)))
+        elif model_type == "qwen3_vl":
+            vision = qwen3_vl_vision(
+                vd.get("out_hidden_size", text["hidden_size"]), depth=vd.get("depth", 27),
+                hidden_size=vd.get("hidden_size", 1152), intermediate_size=vd.get("intermediate_size", 4304),
+                num_heads=vd.get("num_heads", 16), in_channels=vd.get("in_channels", 3),
+                patch_size=vd.get("patch_size", 16), spatial_merge_size=vd.get("spatial_merge_size", 2),
+                temporal_patch_size=vd.get("temporal_patch_size", 2),
+                num_position_embeddings=vd.get("num_position_embeddings", 2304),
+                deepstack_layers=tuple(vd.get("deepstack_visual_indexes", (8, 16, 24))),
+                hidden_act=vd.get("hidden_act", "gelu_pytorch_tanh"),
+                rope_theta=float(vision_rope.get("rope_theta", 10000.0)))
+            if rope.get("mrope_interleaved") is False:
+                raise ValueError(f"{source}: qwen3_vl with mrope_interleaved false is not a released layout")
+            if text.get("attention_bias"):
+                raise ValueError(f"{source}: qwen3_vl with attention_bias true is not supported")
         else:
             vision = VisionConfig(
                 depth=vd.get("depth", 32), hidden_size=vd.get("hidden_size", 1280),
@@ -231,6 +250,7 @@ class ModelConfig:
             vision_end_token_id=data.get("vision_end_token_id", 151653),
             bos_token_id=text.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
             pad_token_id=text.get("pad_token_id"), vision=vision, model_type=model_type,
+            explicit_head_dim=int(text.get("head_dim") or 0) if model_type == "qwen3_vl" else 0,
         )
 
     @classmethod
@@ -244,7 +264,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 
 def _vision(out: int, **kw: Any) -> VisionConfig:
@@ -256,6 +276,15 @@ def qwen2_vl_vision(out: int, depth: int = 32, **kw: Any) -> VisionConfig:
     kw = {"hidden_size": 1280, "intermediate_size": 5120, "hidden_act": "quick_gelu", **kw}
     return VisionConfig(out_hidden_size=out, depth=depth, fullatt_block_indexes=tuple(range(depth)), norm="layer",
                         mlp="plain", **kw)
+
+
+def qwen3_vl_vision(out: int, depth: int = 27, **kw: Any) -> VisionConfig:
+    """A Qwen3-VL vision tower: 16-px patches with a bias, learned position embeddings, LayerNorm + fc1/fc2
+    tanh-GELU blocks with full attention, and DeepStack taps after blocks 8, 16 and 24."""
+    kw = {"hidden_size": 1152, "intermediate_size": 4304, "hidden_act": "gelu_pytorch_tanh", "patch_size": 16,
+          "num_position_embeddings": 2304, "deepstack_layers": (8, 16, 24), **kw}
+    return VisionConfig(out_hidden_size=out, depth=depth, fullatt_block_indexes=tuple(range(depth)), norm="layer",
+                        mlp="plain", patch_bias=True, **kw)
 
 
 def _small_vocab_ids(vocab: int) -> dict[str, int]:
@@ -292,6 +321,25 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=False, model_type="qwen2_vl",
         vision=qwen2_vl_vision(3584),
+    ),
+    # odd head counts, a head_dim that is not hidden/heads, and DeepStack taps inside and after a run of blocks
+    "tiny_qwen3_vl": ModelConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, explicit_head_dim=16, mrope_section=(4, 2, 2), max_position_embeddings=4096,
+        tie_word_embeddings=False, rope_theta=5000000.0, **_small_vocab_ids(1024), model_type="qwen3_vl",
+        vision=qwen3_vl_vision(64, depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
+                               num_position_embeddings=16, deepstack_layers=(1, 2)),
+    ),
+    # Qwen/Qwen3-VL-8B-Instruct and -32B-Instruct's config.json (EvoCUA's and SGCD's dense policies)
+    "qwen3_vl_8b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, explicit_head_dim=128, mrope_section=(24, 20, 20), max_position_embeddings=262144,
+        rope_theta=5000000.0, tie_word_embeddings=False, model_type="qwen3_vl", vision=qwen3_vl_vision(4096),
+    ),
+    "qwen3_vl_32b": ModelConfig(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+        num_key_value_heads=8, explicit_head_dim=128, mrope_section=(24, 20, 20), max_position_embeddings=262144,
+        rope_theta=5000000.0, tie_word_embeddings=False, model_type="qwen3_vl", vision=qwen3_vl_vision(5120),
     ),
     "qwen2_5_vl_3b": ModelConfig(
         vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,

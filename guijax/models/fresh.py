@@ -15,6 +15,7 @@ from envs.atomic import write_text_atomic
 
 from guijax.models import weights
 from guijax.models.config import get_preset
+from guijax.models.processor import preprocessor_config
 from guijax.models.tokenizer import build_tokenizer, special_token_ids
 
 
@@ -34,6 +35,7 @@ def create_checkpoint(path: str | pathlib.Path, preset: str, *, seed: int = 0, t
     if jax.process_index() == 0:
         config = cfg.to_hf_dict()
         config["torch_dtype"] = "float32"
+        write_text_atomic(path / "preprocessor_config.json", json.dumps(preprocessor_config(cfg), indent=2))
         write_text_atomic(path / "generation_config.json", json.dumps(
             {"eos_token_id": [cfg.eos_token_id], "pad_token_id": cfg.pad_token_id, "bos_token_id": cfg.bos_token_id},
             indent=2))

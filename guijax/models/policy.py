@@ -133,7 +133,8 @@ class Policy:
 def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_dtype: Any = None,
                     mesh: jax.sharding.Mesh | None = None, remat_policy: str = "none",
                     attention_impl: str = "auto", scan_layers: bool = True) -> Policy:
-    """Load a Hugging Face Qwen2.5-VL directory (config.json, safetensors with optional index, tokenizer).
+    """Load a Hugging Face Qwen2.5-VL, Qwen2-VL or Qwen3-VL directory (config.json, whose `model_type` picks
+    the family; safetensors with optional index; tokenizer).
 
     dtype is the compute dtype; param_dtype defaults to it. With a mesh, every device reads only its shard.
     attention_impl picks the attention backend ("auto", "xla", "cudnn", "reference").

@@ -27,6 +27,9 @@ class VisionLayout:
     image_tokens:     [I, P] the tokens of each image frame (consecutive in the permuted order), -1 after its
                       end, P the largest frame: full-attention blocks attend within these rows
     image_slots:      [N] each token's slot in the flattened [I * P] frame batch
+    pos_indices:      [N, 4] (towers with learned position embeddings) the rows of the square embedding grid
+                      whose bilinear blend is each token's position embedding, permuted; None otherwise
+    pos_weights:      [N, 4] the blend's weights
     """
 
     window_index: np.ndarray
@@ -37,6 +40,8 @@ class VisionLayout:
     window_slots: np.ndarray
     image_tokens: np.ndarray
     image_slots: np.ndarray
+    pos_indices: np.ndarray | None = None
+    pos_weights: np.ndarray | None = None
 
     @property
     def num_patches(self) -> int:
@@ -47,7 +52,8 @@ class VisionLayout:
         return {"pixel_values": pixel_values, "window_index": self.window_index,
                 "rotary_positions": self.rotary_positions, "full_segments": self.full_segments,
                 "window_segments": self.window_segments, "window_tokens": self.window_tokens,
-                "window_slots": self.window_slots, "image_tokens": self.image_tokens, "image_slots": self.image_slots}
+                "window_slots": self.window_slots, "image_tokens": self.image_tokens, "image_slots": self.image_slots,
+                **({} if self.pos_indices is None else {"pos_indices": self.pos_indices, "pos_weights": self.pos_weights})}
 
 
 def _check_grid(grid_thw: np.ndarray, merge: int) -> np.ndarray:
@@ -96,7 +102,40 @@ def vision_layout(image_grid_thw: np.ndarray, vcfg: VisionConfig) -> VisionLayou
     full = np.repeat(np.arange(len(frame_lengths)), frame_lengths).astype(np.int32)
     windows_seg = np.repeat(np.arange(len(window_lengths)), window_lengths).astype(np.int32)
     batches = attention_batches(full, windows_seg, win * win * unit)
+    if vcfg.num_position_embeddings:
+        permute = lambda x: x.reshape(n // unit, unit, -1)[window_index_arr].reshape(n, -1)  # noqa: E731
+        indices, weights = position_embedding_blend(grid_thw, vcfg)
+        batches.update(pos_indices=permute(indices), pos_weights=permute(weights))
     return VisionLayout(window_index_arr, rotary_arr, full, windows_seg, **batches)
+
+
+def position_embedding_blend(grid_thw: np.ndarray, vcfg: VisionConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Each patch's position embedding as a bilinear blend (align_corners) of the learned square grid resized
+    to the image's patch grid: the 4 grid rows [N, 4] and their weights [N, 4], patches in the processor's
+    merge-block order and repeated over frames, as transformers' Qwen3-VL resamples its table."""
+    side = round(vcfg.num_position_embeddings ** 0.5)
+    merge = vcfg.spatial_merge_size
+    indices, weights = [], []
+    for t, h, w in np.asarray(grid_thw, np.int64).reshape(-1, 3):
+        rows = np.arange(h).reshape(h // merge, merge)[:, None, :, None]
+        cols = np.arange(w).reshape(w // merge, merge)[None, :, None, :]
+        rows, cols = np.broadcast_arrays(rows, cols)  # (h/m, w/m, m, m): merge-block order
+        (r0, r1), (wr0, wr1) = _axis_taps(rows.reshape(-1), h, side)
+        (c0, c1), (wc0, wc1) = _axis_taps(cols.reshape(-1), w, side)
+        idx = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], -1)
+        wts = np.stack([wr0 * wc0, wr0 * wc1, wr1 * wc0, wr1 * wc1], -1)
+        indices.append(np.tile(idx, (t, 1)))
+        weights.append(np.tile(wts, (t, 1)))
+    return np.concatenate(indices).astype(np.int32), np.concatenate(weights).astype(np.float32)
+
+
+def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """The two source rows of a linear resize of `side` entries to `size` (corners aligned) and their weights."""
+    src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+    low = np.floor(src)
+    frac = src - low
+    low = low.astype(np.int64)
+    return (np.clip(low, 0, side - 1), np.clip(low + 1, 0, side - 1)), (1 - frac, frac)
 
 
 def attention_batches(full_segments: np.ndarray, window_segments: np.ndarray,

@@ -21,6 +21,23 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+def preprocessor_config(cfg: Any) -> dict[str, Any]:
+    """The preprocessor_config.json of a fresh checkpoint of `cfg` (a ModelConfig): its family's patch grid
+    and normalisation (Qwen3-VL: 16-px patches, mean and std 0.5), with pixel bounds of 4 to 1280 merged
+    patches as the Qwen2.5-VL processor has."""
+    from guijax.models.tokenizer import PREPROCESSOR_CONFIG
+
+    v = cfg.vision
+    unit = v.patch_size * v.spatial_merge_size
+    out = dict(PREPROCESSOR_CONFIG, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+               merge_size=v.spatial_merge_size, min_pixels=4 * unit * unit, max_pixels=1280 * unit * unit)
+    if cfg.model_type == "qwen3_vl":
+        out.update(processor_class="Qwen3VLProcessor", image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    elif cfg.model_type == "qwen2_vl":
+        out.update(processor_class="Qwen2VLProcessor")
+    return out
+
+
 class ImageSizeError(ValueError):
     """An image the vision tower cannot take (under 28 px on a side, or aspect ratio over 200); names the size."""
 

@@ -1,5 +1,7 @@
 """Qwen2.5-VL in Flax: Qwen2 decoder (GQA, qkv bias, RMSNorm, SwiGLU) with multimodal rotary positions
-(M-RoPE) and the vision tower's features placed at the image-pad tokens.
+(M-RoPE) and the vision tower's features placed at the image-pad tokens. The same module runs Qwen2-VL and
+Qwen3-VL (`cfg.qwen3`: q/k norm, no q/k/v bias, interleaved M-RoPE, DeepStack features added after the
+first layers), as their config says.
 
 `Qwen2_5_VL.__call__` returns final hidden states (the log-prob kernel consumes them with the LM head
 directly, so [tokens, vocab] logits need never exist) or logits. An optional KV cache makes the same graph
@@ -13,13 +15,14 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from guijax.models.config import ModelConfig
 from guijax.models.attention import attention
 from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary
 from guijax.models.scan import ATTENTION_OUT, MLP_IN, maybe_remat, scanned_layers
-from guijax.models.vision import VisionTower
+from guijax.models.vision import VisionFeatures, VisionTower
 from guijax.sharding import constrain
 
 Dtype = Any
@@ -48,16 +51,29 @@ class MaskSpec(NamedTuple):
     kv_positions: jax.Array | None = None
 
 
+def mrope_axes(cfg: ModelConfig) -> np.ndarray:
+    """The position axis (0 temporal, 1 height, 2 width) of each of the head_dim/2 rotary frequencies.
+
+    Qwen2-VL and Qwen2.5-VL give each axis one contiguous band of `mrope_section` frequencies; Qwen3-VL
+    interleaves them (T H W T H W ..., height and width limited to 3x their section, temporal the rest)."""
+    half = cfg.head_dim // 2
+    if not cfg.qwen3:
+        return np.repeat(np.arange(3), cfg.mrope_section)[:half]
+    j = np.arange(half)
+    axes = np.zeros(half, np.int64)
+    for axis in (1, 2):
+        axes[(j % 3 == axis) & (j < 3 * cfg.mrope_section[axis])] = axis
+    return axes
+
+
 def mrope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """positions [3, b, s] -> cos/sin [b, s, head_dim]. Frequency band i of `mrope_section` takes its angle
-    from axis i (temporal, height, width); text tokens have equal positions on all three axes."""
+    """positions [3, b, s] -> cos/sin [b, s, head_dim]. Each frequency takes its angle from the position
+    axis `mrope_axes` gives it; text tokens have equal positions on all three axes."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [3, b, s, dim/2]
-    bounds = [0]
-    for n in cfg.mrope_section:
-        bounds.append(bounds[-1] + n)
-    picked = jnp.concatenate([freqs[i % 3, ..., bounds[i]:bounds[i + 1]] for i in range(len(cfg.mrope_section))], -1)
+    axes = mrope_axes(cfg)
+    picked = jnp.where(axes == 0, freqs[0], jnp.where(axes == 1, freqs[1], freqs[2]))
     emb = jnp.concatenate([picked, picked], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -76,12 +92,15 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         hd = cfg.head_dim
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        q = Linear(cfg.num_attention_heads * hd, ("embed", "q_heads"), use_bias=True, name="q_proj", **kw)(x)
-        k = Linear(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), use_bias=True, name="k_proj", **kw)(x)
-        v = Linear(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), use_bias=True, name="v_proj", **kw)(x)
-        q = apply_rotary(q.reshape(b, s, -1, hd), cos, sin)
-        k = apply_rotary(k.reshape(b, s, -1, hd), cos, sin)
-        v = v.reshape(b, s, -1, hd)
+        bias = not cfg.qwen3
+        q = Linear(cfg.num_attention_heads * hd, ("embed", "q_heads"), use_bias=bias, name="q_proj", **kw)(x)
+        k = Linear(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), use_bias=bias, name="k_proj", **kw)(x)
+        v = Linear(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), use_bias=bias, name="v_proj", **kw)(x)
+        q, k, v = (t.reshape(b, s, -1, hd) for t in (q, k, v))
+        if cfg.qwen3:  # Qwen3 normalises each head's query and key before the rotation
+            q = RMSNorm(cfg.rms_norm_eps, name="q_norm", **kw)(q)
+            k = RMSNorm(cfg.rms_norm_eps, name="k_norm", **kw)(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             cache = KVCache(_write_layer(cache.k, k, layer, cache_index), _write_layer(cache.v, v, layer, cache_index))
             k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)
@@ -100,6 +119,28 @@ def _write_layer(stacked: jax.Array, new: jax.Array, layer, index) -> jax.Array:
     return jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype), start)
 
 
+class DeepStack(NamedTuple):
+    """Qwen3-VL's extra image features for the first decoder layers: after layer i < taps, the image-pad
+    tokens' hidden states gain features[i][index] (index: each token's feature, as `Qwen2_5_VL.embed` places
+    the merged ones)."""
+
+    features: jax.Array  # [taps, image features, hidden]
+    index: jax.Array  # [b, s] int
+    is_image: jax.Array  # [b, s] bool
+
+    def add(self, x: jax.Array, layer) -> jax.Array:
+        taps = self.features.shape[0]
+
+        def added(x):
+            tap = jax.lax.dynamic_index_in_dim(self.features, jnp.minimum(layer, taps - 1), 0, keepdims=False)
+            feats = jnp.take(tap, self.index, axis=0).astype(x.dtype)
+            return jnp.where(self.is_image[..., None], x + feats, x)
+
+        if isinstance(layer, int):  # unrolled: known here
+            return added(x) if layer < taps else x
+        return jax.lax.cond(layer < taps, added, lambda x: x, x)
+
+
 class DecoderLayer(nn.Module):
     """One decoder layer, shaped as a scan body: carry (hidden, cache) -> (carry, None). `layer` is this
     layer's index into the stacked cache (a traced scan counter, or a Python int when unrolled)."""
@@ -110,7 +151,7 @@ class DecoderLayer(nn.Module):
     attention_impl: str = "auto"
 
     @nn.compact
-    def __call__(self, carry, cos, sin, mask, cache_index, layer):
+    def __call__(self, carry, cos, sin, mask, cache_index, deepstack: DeepStack | None, layer):
         x, cache = carry
         cfg = self.cfg
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
@@ -119,6 +160,8 @@ class DecoderLayer(nn.Module):
         x = x + h
         h = checkpoint_name(RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x), MLP_IN)
         x = x + GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
+        if deepstack is not None:
+            x = deepstack.add(x, layer)
         x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))
         return (x, cache), None
 
@@ -148,7 +191,7 @@ class Qwen2_5_VL(nn.Module):
                                   scan_layers=self.scan_layers, **kw)
         layer_cls = maybe_remat(DecoderLayer, self.remat_policy, scanned=self.scan_layers)
         if self.scan_layers:
-            broadcast = (nn.broadcast,) * 4 + (0,)  # cos, sin, mask, cache_index; the layer index is scanned
+            broadcast = (nn.broadcast,) * 5 + (0,)  # cos, sin, mask, cache_index, deepstack; the layer index is scanned
             self.layers = scanned_layers(layer_cls, cfg.num_hidden_layers, broadcast)(
                 cfg, name="layers", attention_impl=self.attention_impl, **kw)
         else:
@@ -174,15 +217,21 @@ class Qwen2_5_VL(nn.Module):
         x = jnp.take(self.embed_tokens, input_ids, axis=0).astype(self.dtype)
         if image_features is None:
             return x
+        is_image, index = self.image_feature_index(input_ids, image_features.shape[0], token_features)
+        feats = jnp.take(image_features.astype(self.dtype), index, axis=0)
+        return jnp.where(is_image[..., None], feats, x)
+
+    def image_feature_index(self, input_ids: jax.Array, n_features: int,
+                            token_features: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Which tokens are image pads [b, s], and the feature each takes [b, s] (see `embed`)."""
         is_image = input_ids == self.cfg.image_token_id
         order = jnp.cumsum(is_image.reshape(-1)) - 1
         if token_features is not None:
             order = jnp.take(token_features, jnp.clip(order, 0, token_features.shape[0] - 1), axis=0)
-        feats = jnp.take(image_features.astype(self.dtype), jnp.clip(order, 0, image_features.shape[0] - 1), axis=0)
-        return jnp.where(is_image[..., None], feats.reshape(x.shape), x)
+        return is_image, jnp.clip(order, 0, n_features - 1).reshape(input_ids.shape)
 
-    def encode_images(self, **vision: jax.Array) -> jax.Array:
-        """Merged features of every image in the batch: the `vision` inputs of `VisionLayout.inputs`."""
+    def encode_images(self, **vision: jax.Array) -> VisionFeatures:
+        """Features of every image in the batch: the `vision` inputs of `VisionLayout.inputs`."""
         return self.visual(**vision)
 
     def __call__(
@@ -207,11 +256,15 @@ class Qwen2_5_VL(nn.Module):
         cache_index..cache_index+s, and `kv_mask` [b, L] marks the valid slots (prompt padding excluded).
         Returns (logits or hidden [b, s, ...], new cache or None).
         """
-        image_features = token_features = None
+        image_features = token_features = deepstack = None
         if vision is not None:
             vision = dict(vision)
             token_features = vision.pop("token_features", None)
-            image_features = self.encode_images(**vision)
+            features = self.encode_images(**vision)
+            image_features = features.merged
+            if features.deepstack is not None:
+                is_image, index = self.image_feature_index(input_ids, image_features.shape[0], token_features)
+                deepstack = DeepStack(features.deepstack, index, is_image)
         x = self.embed(input_ids, image_features, token_features)
         x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))
         cos, sin = mrope_cos_sin(positions, self.cfg)
@@ -224,7 +277,7 @@ class Qwen2_5_VL(nn.Module):
             slots = jnp.broadcast_to(cache_index + jnp.arange(s, dtype=jnp.int32), (b, s))
             mask = MaskSpec(segments, (kv_mask != 0).astype(jnp.int32), slots,
                             jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total)))
-        x, new_cache = self._run_layers(x, cos, sin, mask, cache, cache_index)
+        x, new_cache = self._run_layers(x, cos, sin, mask, cache, cache_index, deepstack)
         x = self.norm(x)
         if not return_logits:
             return x, new_cache
@@ -232,15 +285,16 @@ class Qwen2_5_VL(nn.Module):
                             preferred_element_type=jnp.float32)
         return logits, new_cache
 
-    def _run_layers(self, x, cos, sin, mask: MaskSpec, cache: KVCache | None, cache_index):
+    def _run_layers(self, x, cos, sin, mask: MaskSpec, cache: KVCache | None, cache_index,
+                    deepstack: DeepStack | None = None):
         """All decoder layers: one scan, or the unrolled loop. The cache rides in the carry."""
         cache = None if cache is None else constrain_cache(cache)
         if self.scan_layers:
             layers = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
-            (x, cache), _ = self.layers((x, cache), cos, sin, mask, cache_index, layers)
+            (x, cache), _ = self.layers((x, cache), cos, sin, mask, cache_index, deepstack, layers)
         else:
             for i, layer in enumerate(self.layers):
-                (x, cache), _ = layer((x, cache), cos, sin, mask, cache_index, i)
+                (x, cache), _ = layer((x, cache), cos, sin, mask, cache_index, deepstack, i)
         return x, None if cache is None else constrain_cache(cache)
 
 

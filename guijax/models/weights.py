@@ -104,14 +104,25 @@ def _unstacked(path: tuple[str, ...], cfg: ModelConfig) -> tuple[tuple[str, ...]
     return path, (), []
 
 
-def flax_to_hf(path: tuple[str, ...], cfg: ModelConfig, style: str = LEGACY) -> TensorRule:
+def default_style(cfg: ModelConfig) -> str:
+    """The names a family's released checkpoints use: Qwen3-VL ships transformers 5's nested names."""
+    return NESTED if cfg.qwen3 else LEGACY
+
+
+def flax_to_hf(path: tuple[str, ...], cfg: ModelConfig, style: str | None = None) -> TensorRule:
     path, stack, numbers = _unstacked(path, cfg)
-    name, layout = _hf_template(path, style)
+    name, layout = _hf_template(path, style or default_style(cfg), cfg.qwen3)
     names = tuple(name.format(i) for i in numbers) if stack else (name,)
     return TensorRule(names, layout, stack)
 
 
-def _hf_template(path: tuple[str, ...], style: str) -> tuple[str, str]:
+# Qwen3-VL's names for the vision modules the families share: block MLP, output and DeepStack mergers
+_QWEN3_VISION_NAMES = ((r"\.mlp\.fc(\d)\.", r".mlp.linear_fc\1."), (r"^deepstack_(\d+)\.", r"deepstack_merger_list.\1."),
+                       (r"(merger|list\.\d+)\.ln_q\.", r"\1.norm."), (r"(merger|list\.\d+)\.mlp\.0\.", r"\1.linear_fc1."),
+                       (r"(merger|list\.\d+)\.mlp\.2\.", r"\1.linear_fc2."))
+
+
+def _hf_template(path: tuple[str, ...], style: str, qwen3: bool = False) -> tuple[str, str]:
     """(checkpoint name, layout) of one unstacked leaf; "{}" in a layer module's name stays a placeholder."""
     text_prefix = "model." if style == LEGACY else "model.language_model."
     vision_prefix = "visual." if style == LEGACY else "model.visual."
@@ -124,7 +135,16 @@ def _hf_template(path: tuple[str, ...], style: str) -> tuple[str, str]:
     if path[0] == "visual":
         if path[1:] == ("patch_embed", "kernel"):
             return vision_prefix + "patch_embed.proj.weight", "patch"
+        if path[1:] == ("patch_embed", "bias"):
+            return vision_prefix + "patch_embed.proj.bias", "same"
+        if path[1:] == ("pos_embed",):
+            return vision_prefix + "pos_embed.weight", "same"
         prefix, parts = vision_prefix, parts[1:]
+        if qwen3:
+            name = ".".join(parts)
+            for pattern, repl in _QWEN3_VISION_NAMES:
+                name = re.sub(pattern, repl, name)
+            parts = name.split(".")
     else:
         prefix = text_prefix
     if leaf == "kernel":

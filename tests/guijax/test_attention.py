@@ -200,7 +200,7 @@ def test_vision_windows_batched_equal_the_dense_window_mask():
 
     def run(module):
         def loss(p):
-            out = module.apply(p, **inputs)
+            out = module.apply(p, **inputs).merged
             return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
         return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
@@ -279,7 +279,7 @@ def test_vision_forward_memory_for_one_1080p_screenshot_is_far_below_dense():
     def temp(impl: str) -> int:
         tower = VisionTower(vcfg, attention_impl=impl)
         params = jax.eval_shape(lambda x: tower.init(jax.random.PRNGKey(0), **x), inputs)
-        return _temp_bytes(lambda p, x: tower.apply(p, **x), params, inputs)
+        return _temp_bytes(lambda p, x: tower.apply(p, **x).merged, params, inputs)
 
     assert temp("reference") > dense_scores
     blockwise = temp("xla")

@@ -1,5 +1,5 @@
-"""Golden-logit parity of the Flax models against transformers, for each family (Qwen2.5-VL, Qwen2-VL),
-sharding, and checkpoint round trips."""
+"""Golden-logit parity of the Flax models against transformers, for each family (Qwen2.5-VL, Qwen2-VL,
+Qwen3-VL), sharding, and checkpoint round trips."""
 from __future__ import annotations
 
 import json
@@ -16,14 +16,15 @@ transformers = pytest.importorskip("transformers")
 from guijax import sharding  # noqa: E402
 from guijax.models import policy as policy_lib  # noqa: E402
 from guijax.models.config import PRESETS, ModelConfig  # noqa: E402
+from guijax.models import weights  # noqa: E402
 from guijax.models.safetensors_io import CheckpointError, SafetensorsReader  # noqa: E402
 
-FAMILIES = {"tiny": "Qwen2_5_VL", "tiny_qwen2_vl": "Qwen2VL"}  # preset -> transformers class prefix
+FAMILIES = {"tiny": "Qwen2_5_VL", "tiny_qwen2_vl": "Qwen2VL", "tiny_qwen3_vl": "Qwen3VL"}  # preset -> class prefix
 GRIDS = np.array([[1, 4, 6], [1, 8, 8]])  # two images of different sizes; 8x8 spans several windows
 
 
 def _hf_class(cfg: ModelConfig):
-    prefix = {"qwen2_5_vl": "Qwen2_5_VL", "qwen2_vl": "Qwen2VL"}[cfg.model_type]
+    prefix = {"qwen2_5_vl": "Qwen2_5_VL", "qwen2_vl": "Qwen2VL", "qwen3_vl": "Qwen3VL"}[cfg.model_type]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForConditionalGeneration")
 
 
@@ -155,7 +156,7 @@ def test_bfloat16_load_and_save(hf_checkpoint, tmp_path):
     assert policy.params["embed_tokens"].dtype == jnp.bfloat16
     out = policy_lib.save_pretrained(policy, tmp_path / "bf16")
     reader = SafetensorsReader(out)
-    assert reader.get("model.embed_tokens.weight").dtype.name == "bfloat16"
+    assert reader.get(weights.flax_to_hf(("embed_tokens",), cfg).hf_name).dtype.name == "bfloat16"
     inputs = _batch(cfg, GRIDS)
     full = policy_lib.from_pretrained(path).logits(**inputs)
     half = policy_lib.from_pretrained(out, dtype="bfloat16").logits(**inputs)
@@ -165,8 +166,6 @@ def test_bfloat16_load_and_save(hf_checkpoint, tmp_path):
 def test_sharded_checkpoint_with_index(hf_checkpoint, tmp_path):
     path, _, cfg = hf_checkpoint
     policy = policy_lib.from_pretrained(path)
-    from guijax.models import weights
-
     files = weights.save_params(str(tmp_path), policy.params, cfg)
     assert len(files) == 1
     # force several shards
@@ -195,12 +194,14 @@ def test_load_errors_name_the_problem(hf_checkpoint, tmp_path):
     cfg["text_config"]["num_hidden_layers"] = 3
     cfg["text_config"].pop("layer_types", None)
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"missing keys \(12\).*model\.layers\.2\.mlp\.down_proj\.weight"):
+    layer = [k for k in SafetensorsReader(path).keys() if ".layers.1." in k]  # one decoder layer's tensors
+    prefix = layer[0].split("layers.1.")[0]
+    with pytest.raises(CheckpointError, match=rf"missing keys \({len(layer)}\).*{prefix}layers\.2\.mlp\.down_proj\.weight"):
         policy_lib.from_pretrained(bad)
     cfg["text_config"]["num_hidden_layers"] = 2
     cfg["text_config"]["intermediate_size"] = 96
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"shape mismatches.*model\.layers\.0\.mlp\.gate_proj\.weight"):
+    with pytest.raises(CheckpointError, match=rf"shape mismatches.*{prefix}layers\.0\.mlp\.gate_proj\.weight"):
         policy_lib.from_pretrained(bad)
     (bad / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors"):
@@ -244,17 +245,48 @@ def test_flat_transformers4_qwen2_vl_config_is_read():
     assert cfg.vision.fullatt_block_indexes == tuple(range(32))  # no windows in Qwen2-VL
 
 
-def test_qwen2_vl_7b_parameter_count_matches_transformers():
+@pytest.mark.parametrize("preset, count", [("qwen2_vl_7b", 8_291_375_616), ("qwen3_vl_8b", 8_767_123_696),
+                                           ("qwen3_vl_32b", 33_357_390_064)])
+def test_paper_sizes_parameter_count_matches_transformers(preset, count):
+    """--dry_run's count of the papers' policies equals transformers' own model of the same config.json."""
     from guijax import launch
 
-    config = launch.resolve("grpo_gpu", ["model.preset=qwen2_vl_7b", "model.path="])
+    config = launch.resolve("grpo_gpu", [f"model.preset={preset}", "model.path="])
     ours = launch.dry_run(config)["params"]
+    cfg = PRESETS[preset]
     with torch.device("meta"):
-        reference = transformers.Qwen2VLForConditionalGeneration(
-            transformers.Qwen2VLConfig(**PRESETS["qwen2_vl_7b"].to_hf_dict()))
-    assert ours == sum(p.numel() for p in reference.parameters()) == 8_291_375_616
+        config_class, model_class = _hf_class(cfg)
+        reference = model_class(config_class(**cfg.to_hf_dict()))
+    assert ours == sum(p.numel() for p in reference.parameters()) == count
+
+
+def test_released_qwen3_vl_config_is_read():
+    """Qwen/Qwen3-VL-8B-Instruct's config.json (transformers 4.57 layout: rope_scaling inside text_config)."""
+    released = {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+                "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+                "vision_end_token_id": 151653, "tie_word_embeddings": False,
+                "text_config": {"model_type": "qwen3_vl_text", "vocab_size": 151936, "hidden_size": 4096,
+                                "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                                "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+                                "rope_theta": 5000000, "max_position_embeddings": 262144, "attention_bias": False,
+                                "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                                                 "rope_type": "default"},
+                                "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+                                "tie_word_embeddings": False},
+                "vision_config": {"model_type": "qwen3_vl", "depth": 27, "hidden_size": 1152,
+                                  "intermediate_size": 4304, "num_heads": 16, "in_channels": 3, "patch_size": 16,
+                                  "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 4096,
+                                  "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+                                  "hidden_act": "gelu_pytorch_tanh"}}
+    cfg = ModelConfig.from_hf_dict(released)
+    assert cfg == PRESETS["qwen3_vl_8b"]
+    assert cfg.head_dim == 128 and cfg.vision.patch_dim == 3 * 2 * 16 * 16
+    with pytest.raises(ValueError, match="mrope_interleaved false"):
+        bad = json.loads(json.dumps(released))
+        bad["text_config"]["rope_scaling"]["mrope_interleaved"] = False
+        ModelConfig.from_hf_dict(bad)
 
 
 def test_a_family_guijax_does_not_run_is_named():
-    with pytest.raises(ValueError, match=r"model_type 'llava' is not one of \('qwen2_5_vl', 'qwen2_vl'\)"):
+    with pytest.raises(ValueError, match=r"model_type 'llava' is not one of \('qwen2_5_vl', 'qwen2_vl', 'qwen3_vl'\)"):
         ModelConfig.from_hf_dict({"model_type": "llava", "vision_config": {}}, source="x/config.json")

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from guijax import sampling, sharding  # noqa: E402
 from guijax.models import policy as policy_lib  # noqa: E402
-from guijax.models.config import PRESETS  # noqa: E402
+from guijax.models.config import PRESETS, ModelConfig  # noqa: E402
 
 CFG = PRESETS["tiny"]
 GRIDS = np.array([[1, 4, 6], [1, 4, 4]])
@@ -46,7 +46,13 @@ def qwen2_vl_checkpoint(tmp_path_factory):
     return _saved_hf_model(tmp_path_factory, "tiny_qwen2_vl", "Qwen2VL")
 
 
-def _prompts(seed=0):
+@pytest.fixture(scope="module")
+def qwen3_vl_checkpoint(tmp_path_factory):
+    """Same special-token ids as `tiny`; 16-px patches, so its prompts carry wider pixel rows."""
+    return _saved_hf_model(tmp_path_factory, "tiny_qwen3_vl", "Qwen3VL")
+
+
+def _prompts(seed=0, patch_dim: int = CFG.vision.patch_dim):
     rs = np.random.RandomState(seed)
     seqs = []
     for b in range(2):
@@ -59,7 +65,7 @@ def _prompts(seed=0):
     for b, s in enumerate(seqs):  # left padded, as transformers generate wants
         ids[b, length - len(s):] = s
         mask[b, length - len(s):] = 1
-    pix = rs.randn(int(GRIDS.prod(1).sum()), CFG.vision.patch_dim).astype(np.float32)
+    pix = rs.randn(int(GRIDS.prod(1).sum()), patch_dim).astype(np.float32)
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": pix, "image_grid_thw": GRIDS}
 
 
@@ -72,10 +78,10 @@ def _prompts_twice():
     return inputs
 
 
-@pytest.mark.parametrize("family", ["checkpoint", "qwen2_vl_checkpoint"])
+@pytest.mark.parametrize("family", ["checkpoint", "qwen2_vl_checkpoint", "qwen3_vl_checkpoint"])
 def test_greedy_equals_transformers_generate(family, request):
     path, model = request.getfixturevalue(family)
-    inputs = _prompts()
+    inputs = _prompts(patch_dim=ModelConfig.from_json_file(path / "config.json").vision.patch_dim)
     new = 12
     with torch.no_grad():
         ref = model.generate(**{k: torch.tensor(v) for k, v in inputs.items()},

@@ -107,6 +107,28 @@ def test_scanned_equals_unrolled_in_values_and_gradients(scanned_params, tmp_pat
     chex.assert_trees_all_close(grads, _convert(ref_grads, CFG, scanned, tmp_path / "grads"), atol=1e-4, rtol=1e-4)
 
 
+def test_deepstack_plan_ends_runs_at_the_tapped_blocks():
+    plan = block_plan(PRESETS["qwen3_vl_8b"].vision)  # taps after blocks 8, 16 and 24 of 27
+    assert plan == BlockPlan(1, ((False, 9), (False, 8), (False, 8), (False, 2)), (0, 1, 2))
+    assert block_plan(PRESETS["tiny_qwen3_vl"].vision) == BlockPlan(1, ((False, 2), (False, 1), (False, 1)), (0, 1))
+
+
+def test_qwen3_scanned_equals_unrolled_in_values_and_gradients(tmp_path):
+    """DeepStack inside the layer scan (added under a condition on the scanned layer index) and taps between
+    the vision runs give what the plain per-layer loop gives, gradients included."""
+    cfg = PRESETS["tiny_qwen3_vl"].replace(num_hidden_layers=3)  # the third layer takes no DeepStack features
+    scanned, unrolled = weights.build_module(cfg), weights.build_module(cfg, scan_layers=False)
+    params = weights.init_params(scanned, jax.random.PRNGKey(1))
+    unrolled_params = _convert(params, cfg, unrolled, tmp_path / "unrolled")
+    inputs = _inputs(cfg)
+    (_, logits), grads = _loss(scanned, inputs)(params)
+    (_, ref_logits), ref_grads = _loss(unrolled, inputs)(unrolled_params)
+    chex.assert_trees_all_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(grads, _convert(ref_grads, cfg, scanned, tmp_path / "grads"), atol=1e-4, rtol=1e-4)
+    deepstack = grads["visual"]["deepstack_1"]["mlp_2"]["kernel"]
+    assert float(jnp.abs(deepstack).max()) > 0  # the second tap reaches the loss
+
+
 @pytest.fixture(scope="module")
 def reference_gradients(scanned_params):
     module, params = scanned_params

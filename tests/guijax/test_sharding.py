@@ -187,7 +187,7 @@ def _vision_flops(mesh) -> float:
     vision = _vision(SMALL, *_rows_with_images(SMALL, 16)[1:], bucket=64)
 
     def loss(p, v):
-        return jnp.sum(module.apply({"params": p}, **v, method=module.encode_images) ** 2)
+        return jnp.sum(module.apply({"params": p}, **v, method=module.encode_images).merged ** 2)
 
     placed = {k: jax.device_put(v, s) for (k, v), s in zip(vision.items(),
                                                           sharding.vision_shardings(vision, mesh).values())}
@@ -272,24 +272,29 @@ def test_pallas_interpret_kernel_runs_under_shard_map_on_the_mesh(tiny):
     np.testing.assert_allclose(float(m8["loss"]), float(m1["loss"]), rtol=1e-5)
 
 
-def test_merged_vision_of_row_blocks_equals_the_whole_batch(tiny):
+@pytest.mark.parametrize("preset", ["tiny", "tiny_qwen3_vl"])
+def test_merged_vision_of_row_blocks_equals_the_whole_batch(preset):
     """What several processes do with their local patches (all-gather, then merge_vision) gives the language
     model the same image features as collating every row in one place; each block's filler image is moved
-    behind all real images so the k-th image-pad token still meets the k-th feature."""
-    module, params = tiny
-    ids, grids, pixels = _rows_with_images(TINY, 8)
+    behind all real images so the k-th image-pad token still meets the k-th feature (and Qwen3-VL's
+    per-patch position blends follow their patches)."""
+    cfg = PRESETS[preset]
+    module = weights.build_module(cfg)
+    params = weights.init_params(module, jax.random.PRNGKey(0))
+    ids, grids, pixels = _rows_with_images(cfg, 8)
     mask = np.ones_like(ids)
-    positions, _ = mrope_positions(ids, mask, grids, TINY)
-    whole = _vision(TINY, grids, pixels)
-    n_real = lambda rows: int((ids[rows] == TINY.image_token_id).sum())  # noqa: E731
-    blocks = [(_vision(TINY, grids[r], [pixels[i] for i in range(8)[r]]), n_real(r))
+    positions, _ = mrope_positions(ids, mask, grids, cfg)
+    whole = _vision(cfg, grids, pixels)
+    n_real = lambda rows: int((ids[rows] == cfg.image_token_id).sum())  # noqa: E731
+    blocks = [(_vision(cfg, grids[r], [pixels[i] for i in range(8)[r]]), n_real(r))
               for r in (slice(0, 3), slice(3, 8))]
     assert all(v["pixel_values"].shape[0] % 40 == 0 for v, _ in blocks)  # both blocks carry a filler
-    merged = sharding.merge_vision(blocks, TINY.vision.spatial_merge_size ** 2)
-    forward = lambda vision: module.apply({"params": params}, ids, positions, mask, vision,  # noqa: E731
-                                          return_logits=False)[0]
+    merged = sharding.merge_vision(blocks, cfg.vision.spatial_merge_size ** 2)
+    assert merged.keys() == whole.keys()
+    forward = jax.jit(lambda vision: module.apply({"params": params}, ids, positions, mask, vision,  # noqa: E731
+                                                  return_logits=False)[0])
     np.testing.assert_allclose(forward(merged), forward(whole), atol=1e-5)
-    shuffled = sharding.merge_vision(blocks[::-1], TINY.vision.spatial_merge_size ** 2)
+    shuffled = sharding.merge_vision(blocks[::-1], cfg.vision.spatial_merge_size ** 2)
     assert not np.allclose(forward(shuffled), forward(whole), atol=1e-3)  # order matters: the test can fail
 
 

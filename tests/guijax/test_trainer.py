@@ -185,15 +185,19 @@ def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_f
     assert all(np.array_equal(final["clean"][k], final["killed"][k]) for k in final["clean"])
 
 
-@pytest.mark.slow  # 30 s; the family's parity, sampling and round-trip tests run in the default suite
-def test_qwen2_vl_policy_runs_the_recipe(tiny_config, tmp_path):
-    """The Qwen2-VL family through fresh checkpoint, warm start, sampling, one RL update and save."""
+@pytest.mark.slow  # 30 s each; the families' parity, sampling and round-trip tests run in the default suite
+@pytest.mark.parametrize("preset, saved_vision", [("tiny_qwen2_vl", {"embed_dim": 32}),
+                                                  ("tiny_qwen3_vl", {"deepstack_visual_indexes": [1, 2]})])
+def test_other_families_run_the_recipe(tiny_config, tmp_path, preset, saved_vision):
+    """Qwen2-VL and Qwen3-VL through fresh checkpoint, warm start, sampling, one RL update and save."""
+    from guijax.models.config import PRESETS
     from guijax.models.policy import from_pretrained
 
-    config = tiny_config("grpo_cpu", "model.preset=tiny_qwen2_vl", "stages=('base_model', 'tasks', 'sft', 'rl')")
+    config = tiny_config("grpo_cpu", f"model.preset={preset}", "stages=('base_model', 'tasks', 'sft', 'rl')")
     run_stages(config, tmp_path / "run")
     (record,) = _iteration_records(tmp_path / "run")
     assert record["episodes"] == 4 and record["behaviour_logprob_mean"] < 0
     saved = json.loads((tmp_path / "run" / "trained_model" / "config.json").read_text())
-    assert saved["model_type"] == "qwen2_vl" and saved["vision_config"]["embed_dim"] == 32
+    assert saved["model_type"] == PRESETS[preset].model_type
+    assert saved_vision.items() <= saved["vision_config"].items()
     assert from_pretrained(tmp_path / "run" / "trained_model").module.cfg.vision.norm == "layer"
