@@ -170,7 +170,8 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
 
     loss = get_method(config.method, config).loss()
     step_cfg = train_step.StepConfig(loss, config.rollout.temperature,
-                                     impl="chunked" if t.logprob_impl == "auto" else t.logprob_impl)
+                                     impl="chunked" if t.logprob_impl == "auto" else t.logprob_impl,
+                                     router_aux_loss_coef=t.router_aux_loss_coef)
     step = train_step.make_train_step(module, tx, step_cfg, mesh)
     start = time.perf_counter()
     report = {"compile_target": target.name, "exact": target.exact, "note": target.note, "devices": num_devices,

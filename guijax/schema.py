@@ -77,7 +77,8 @@ class TopLevel:
 @dataclasses.dataclass(frozen=True)
 class Model:
     # used when model.path is empty: a fresh checkpoint is created in the workdir (guijax.models.config.PRESETS)
-    preset: Literal["tiny", "small", "tiny_qwen2_vl", "tiny_qwen3_vl", "qwen2_vl_7b", "qwen3_vl_8b", "qwen3_vl_32b",
+    preset: Literal["tiny", "small", "tiny_qwen2_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe", "qwen2_vl_7b", "qwen3_vl_8b",
+                    "qwen3_vl_32b", "qwen3_vl_30b_a3b",
                     "qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_32b", "qwen2_5_vl_72b"] = "small"
     path: str = ""  # a Hugging Face Qwen2.5-VL, Qwen2-VL or Qwen3-VL directory (e.g. a local UI-TARS-1.5-7B copy)
     dtype: DType = "float32"  # compute dtype
@@ -162,6 +163,8 @@ class Train:
     eps_high: float = ranged(0.3, low=0)
     dual_clip: float = ranged(0.0, low=1, low_open=True, also=0)  # c > 1 bounds negative-advantage losses; 0: off
     kl_coef: float = ranged(0.0, low=0)
+    # routed-expert policies: weight of the router's load-balancing loss (0: off, as transformers fine-tunes)
+    router_aux_loss_coef: float = ranged(0.0, low=0)
     normalization: Literal["token", "sequence"] = "token"  # guijax.losses.NORMALIZATIONS
     logprob_impl: Literal["auto", "pallas", "pallas_interpret", "chunked", "naive"] = "auto"  # guijax.kernels.api
     checkpoint_every: int = ranged(5, low=1)

@@ -38,9 +38,9 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
     sft_optim.learning_rate = config.sft.learning_rate if learning_rate is None else learning_rate
     sft_optim.total_steps = max(steps, sft_optim.warmup_steps + 1)
     tx, _ = optim.make_optimizer(sft_optim)
-    step_fn = train_step.make_train_step(policy.module, tx, train_step.StepConfig(objectives.CrossEntropyLoss(),
-                                                                                 impl=config.train.logprob_impl),
-                                         policy.mesh)
+    step_cfg = train_step.StepConfig(objectives.CrossEntropyLoss(), impl=config.train.logprob_impl,
+                                     router_aux_loss_coef=config.train.router_aux_loss_coef)
+    step_fn = train_step.make_train_step(policy.module, tx, step_cfg, policy.mesh)
     state = train_step.init_state(policy.module, policy.params, tx, policy.mesh)
     data = make_dataset(trajectories, step_refs(trajectories), processor, policy.module.cfg,
                         dataclasses.replace(pipeline, batch_size=batch_size, seed=seed, num_epochs=None))

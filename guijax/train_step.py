@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from guijax import kernels, objectives, sharding
 from guijax.models import weights
+from guijax.models.moe import load_balancing_loss
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
 
 Batch = dict[str, Any]
@@ -55,15 +56,27 @@ def batch_logprobs(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: f
 
     With `response_positions` in the batch the LM head runs on those positions only (`response_logprobs`);
     without it, on every position (`all_positions_logprobs`, the reference)."""
-    hidden, _ = module.apply({"params": params}, batch["input_ids"], batch["positions"], batch["attention_mask"],
-                             batch.get("vision"), return_logits=False)
+    logp, entropy, _ = _logprobs_and_router_loss(module, params, batch, temperature, impl, mesh, router=False)
+    return logp, entropy
+
+
+def _logprobs_and_router_loss(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: float, impl: str,
+                              mesh: Mesh | None, router: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """`batch_logprobs`, and with `router` the load-balancing loss of a routed-expert model's routers."""
+    args = (batch["input_ids"], batch["positions"], batch["attention_mask"], batch.get("vision"))
+    aux = None
+    if router:
+        (hidden, _), state = module.apply({"params": params}, *args, return_logits=False, mutable=["intermediates"])
+        aux = load_balancing_loss(state.get("intermediates", {}))
+    else:
+        hidden, _ = module.apply({"params": params}, *args, return_logits=False)
     head = lm_head(params, module)
     if temperature != 1.0:
         head = head / temperature
     positions = batch.get("response_positions")
     if positions is None:
-        return all_positions_logprobs(hidden, head, batch["targets"], batch["loss_mask"], impl, mesh)
-    return response_logprobs(hidden, head, batch["targets"], batch["loss_mask"], positions, impl, mesh)
+        return (*all_positions_logprobs(hidden, head, batch["targets"], batch["loss_mask"], impl, mesh), aux)
+    return (*response_logprobs(hidden, head, batch["targets"], batch["loss_mask"], positions, impl, mesh), aux)
 
 
 def all_positions_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
@@ -107,14 +120,19 @@ class StepConfig:
     loss: Any = objectives.ClippedPolicyLoss()
     temperature: float = 1.0
     impl: str = "auto"
+    router_aux_loss_coef: float = 0.0  # routed-expert models: the load-balancing loss's weight (always reported)
 
 
 def loss_fn(params: Any, batch: Batch, module: Qwen2_5_VL, cfg: StepConfig,
             mesh: Mesh | None = None) -> tuple[jax.Array, dict]:
-    logp, entropy = batch_logprobs(module, params, batch, cfg.temperature, cfg.impl, mesh)
+    logp, entropy, aux = _logprobs_and_router_loss(module, params, batch, cfg.temperature, cfg.impl, mesh,
+                                                   router=module.cfg.num_experts > 0)
     loss, metrics = cfg.loss(logp, entropy, batch)
     mask = batch["loss_mask"]
     metrics.setdefault("entropy", jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0))
+    if aux is not None:
+        metrics["router_aux_loss"] = aux
+        loss = loss + cfg.router_aux_loss_coef * aux
     metrics["loss"] = loss
     return loss, metrics
 

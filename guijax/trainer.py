@@ -96,7 +96,8 @@ class Trainer:
         self.module = parts.policy.module
         self.tx, self.schedule = optim.make_optimizer(config.optim)
         self.objective = parts.objective
-        step_cfg = train_step.StepConfig(parts.objective.loss, config.rollout.temperature, config.train.logprob_impl)
+        step_cfg = train_step.StepConfig(parts.objective.loss, config.rollout.temperature, config.train.logprob_impl,
+                                         config.train.router_aux_loss_coef)
         self.mesh = parts.mesh
         self.streams = parts.streams
         self.step_fn = train_step.make_train_step(self.module, self.tx, step_cfg, self.mesh)

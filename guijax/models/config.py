@@ -76,6 +76,11 @@ class ModelConfig:
     vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
     model_type: str = "qwen2_5_vl"
     explicit_head_dim: int = 0  # config.json's `head_dim` (Qwen3); 0: hidden_size / num_attention_heads
+    # Qwen3-VL-MoE: every decoder layer's MLP is `num_experts` routed experts, `num_experts_per_tok` per token
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.001  # the checkpoint's own; training reads its coefficient from the run config
 
     @property
     def head_dim(self) -> int:
@@ -84,11 +89,17 @@ class ModelConfig:
     @property
     def qwen3(self) -> bool:
         """Qwen3 decoder blocks: q/k RMSNorm per head, no q/k/v bias, interleaved M-RoPE frequencies."""
-        return self.model_type == "qwen3_vl"
+        return self.model_type in ("qwen3_vl", "qwen3_vl_moe")
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type {self.model_type!r} is not one of {MODEL_TYPES}")
+        if (self.model_type == "qwen3_vl_moe") != (self.num_experts > 0):
+            raise ValueError(f"{self.model_type} with num_experts {self.num_experts}: routed experts are the "
+                             "qwen3_vl_moe family's, and it has them")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size):
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..{self.num_experts} "
+                             f"and moe_intermediate_size ({self.moe_intermediate_size}) positive")
         v = self.vision
         if self.qwen3 and ((v.norm, v.mlp) != ("layer", "plain") or not v.num_position_embeddings):
             raise ValueError("a qwen3_vl vision tower has LayerNorm, fc1/fc2 blocks and learned position embeddings: "
@@ -130,14 +141,19 @@ class ModelConfig:
                                  {**vision, **shared})
         vision = {"hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
                   "out_hidden_size": v.out_hidden_size}
-        if self.model_type == "qwen3_vl":
-            text = self._text_hf_dict("qwen3_vl_text")
+        if self.qwen3:
+            name = "Qwen3VLMoe" if self.num_experts else "Qwen3VL"
+            text = self._text_hf_dict(f"{self.model_type}_text")
             text.pop("use_sliding_window")
             text.update(head_dim=self.head_dim, attention_bias=False)
             text["rope_parameters"]["mrope_interleaved"] = True
-            vision.update(model_type="qwen3_vl_vision", num_position_embeddings=v.num_position_embeddings,
+            if self.num_experts:
+                text.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                            moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=1,
+                            mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=self.router_aux_loss_coef)
+            vision.update(model_type=f"{self.model_type}_vision", num_position_embeddings=v.num_position_embeddings,
                           deepstack_visual_indexes=list(v.deepstack_layers))
-            return self._hf_dict("Qwen3VLForConditionalGeneration", text, {**vision, **shared})
+            return self._hf_dict(f"{name}ForConditionalGeneration", text, {**vision, **shared})
         vision.update(model_type="qwen2_5_vl_vision", window_size=v.window_size,
                       fullatt_block_indexes=list(v.fullatt_block_indexes), tokens_per_second=v.tokens_per_second)
         return self._hf_dict("Qwen2_5_VLForConditionalGeneration", self._text_hf_dict("qwen2_5_vl_text"),
@@ -207,7 +223,7 @@ class ModelConfig:
                 in_channels=vd.get("in_channels", vd.get("in_chans", 3)), patch_size=vd.get("patch_size", 14),
                 spatial_merge_size=vd.get("spatial_merge_size", 2), temporal_patch_size=vd.get("temporal_patch_size", 2),
                 hidden_act=vd.get("hidden_act", "quick_gelu"), rope_theta=float(vision_rope.get("rope_theta", 10000.0)))
-        elif model_type == "qwen3_vl":
+        elif model_type in ("qwen3_vl", "qwen3_vl_moe"):
             vision = qwen3_vl_vision(
                 vd.get("out_hidden_size", text["hidden_size"]), depth=vd.get("depth", 27),
                 hidden_size=vd.get("hidden_size", 1152), intermediate_size=vd.get("intermediate_size", 4304),
@@ -222,6 +238,11 @@ class ModelConfig:
                 raise ValueError(f"{source}: qwen3_vl with mrope_interleaved false is not a released layout")
             if text.get("attention_bias"):
                 raise ValueError(f"{source}: qwen3_vl with attention_bias true is not supported")
+            if model_type == "qwen3_vl_moe" and (text.get("decoder_sparse_step", 1) != 1 or text.get("mlp_only_layers")
+                                                 or text.get("norm_topk_prob") is False):
+                raise ValueError(f"{source}: only an expert MLP in every layer with renormalised top-k weights is "
+                                 f"supported (decoder_sparse_step {text.get('decoder_sparse_step')}, mlp_only_layers "
+                                 f"{text.get('mlp_only_layers')}, norm_topk_prob {text.get('norm_topk_prob')})")
         else:
             vision = VisionConfig(
                 depth=vd.get("depth", 32), hidden_size=vd.get("hidden_size", 1280),
@@ -250,7 +271,12 @@ class ModelConfig:
             vision_end_token_id=data.get("vision_end_token_id", 151653),
             bos_token_id=text.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
             pad_token_id=text.get("pad_token_id"), vision=vision, model_type=model_type,
-            explicit_head_dim=int(text.get("head_dim") or 0) if model_type == "qwen3_vl" else 0,
+            explicit_head_dim=int(text.get("head_dim") or 0) if model_type.startswith("qwen3") else 0,
+            num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0)
+            if model_type == "qwen3_vl_moe" else 0,
+            num_experts_per_tok=int(text.get("num_experts_per_tok") or 0) if model_type == "qwen3_vl_moe" else 0,
+            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0) if model_type == "qwen3_vl_moe" else 0,
+            router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
         )
 
     @classmethod
@@ -264,7 +290,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def _vision(out: int, **kw: Any) -> VisionConfig:
@@ -340,6 +366,22 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
         num_key_value_heads=8, explicit_head_dim=128, mrope_section=(24, 20, 20), max_position_embeddings=262144,
         rope_theta=5000000.0, tie_word_embeddings=False, model_type="qwen3_vl", vision=qwen3_vl_vision(5120),
+    ),
+    # eight experts, three per token, of an odd width
+    "tiny_qwen3_vl_moe": ModelConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, explicit_head_dim=16, mrope_section=(4, 2, 2), max_position_embeddings=4096,
+        tie_word_embeddings=False, rope_theta=5000000.0, **_small_vocab_ids(1024), model_type="qwen3_vl_moe",
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+        vision=qwen3_vl_vision(64, depth=4, hidden_size=32, intermediate_size=64, num_heads=2,
+                               num_position_embeddings=16, deepstack_layers=(1, 2)),
+    ),
+    # Qwen/Qwen3-VL-30B-A3B-Instruct's config.json (SGCD's MoE policy)
+    "qwen3_vl_30b_a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, explicit_head_dim=128, mrope_section=(24, 20, 20), max_position_embeddings=262144,
+        rope_theta=5000000.0, tie_word_embeddings=False, model_type="qwen3_vl_moe", num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, vision=qwen3_vl_vision(2048),
     ),
     "qwen2_5_vl_3b": ModelConfig(
         vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,

@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from guijax.models.config import ModelConfig
 from guijax.models.attention import attention
 from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary
+from guijax.models.moe import SparseMoE
 from guijax.models.scan import ATTENTION_OUT, MLP_IN, maybe_remat, scanned_layers
 from guijax.models.vision import VisionFeatures, VisionTower
 from guijax.sharding import constrain
@@ -159,7 +160,11 @@ class DecoderLayer(nn.Module):
             RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, mask, cache, cache_index, layer)
         x = x + h
         h = checkpoint_name(RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x), MLP_IN)
-        x = x + GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
+        if cfg.num_experts:
+            x = x + SparseMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_act,
+                              name="mlp", **kw)(h, mask.q_segment_ids)
+        else:
+            x = x + GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
         if deepstack is not None:
             x = deepstack.add(x, layer)
         x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))

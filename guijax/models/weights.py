@@ -80,7 +80,7 @@ class TensorRule:
     tensor per layer, the leaf's leading `stack` axes indexing `hf_names` in row-major order."""
 
     hf_names: tuple[str, ...]
-    layout: str  # "same" | "transpose" | "patch"
+    layout: str  # "same" | "transpose" | "patch" | "experts_swapped" (see `_expert_layout`)
     stack: tuple[int, ...] = ()
 
     @property
@@ -156,9 +156,24 @@ def detect_style(keys: list[str]) -> str:
     return NESTED if any(k.startswith("model.language_model.") for k in keys) else LEGACY
 
 
+def _expert_layout(rule: TensorRule, reader, keys: set[str], shape: tuple[int, ...]) -> TensorRule:
+    """Stacked expert matrices are stored [E, in, out] in the released Qwen3-VL-MoE checkpoints (the layout
+    guijax saves) and [E, out, in] by transformers 5; a checkpoint in the latter is read swapped."""
+    name = rule.hf_names[0]
+    if not name.endswith(("experts.gate_up_proj", "experts.down_proj")) or name not in keys:
+        return rule
+    expert = shape[len(rule.stack):]
+    swapped = expert[:-2] + (expert[-1], expert[-2])
+    if tuple(reader.shape(name)) == swapped and swapped != expert:
+        return dataclasses.replace(rule, layout="experts_swapped")
+    return rule
+
+
 def _hf_shape(shape: tuple[int, ...], layout: str, cfg: ModelConfig) -> tuple[int, ...]:
     if layout == "transpose":
         return tuple(reversed(shape))
+    if layout == "experts_swapped":
+        return shape[:-2] + (shape[-1], shape[-2])
     if layout == "patch":
         v = cfg.vision
         return (shape[1], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
@@ -180,6 +195,8 @@ def _read_slice(src: np.ndarray, layout: str, index: tuple[slice, ...]) -> np.nd
     """The part of the Flax-layout tensor at `index`, read from the checkpoint-layout memmap."""
     if layout == "same":
         return np.asarray(src[index])
+    if layout == "experts_swapped":
+        return np.asarray(src[index[:-2] + (index[-1], index[-2])]).swapaxes(-1, -2)
     if layout == "transpose":
         return np.asarray(src[tuple(reversed(index))]).T
     rows, cols = index  # patch: kernel [patch_dim, E] = weight[E, C, T, P, P].reshape(E, -1).T
@@ -237,7 +254,8 @@ def load_tensors(reader: SafetensorsReader | ArrayReader, module: Qwen2_5_VL, me
     else:
         device = jax.devices()[0]
         flat_shardings = {p: jax.sharding.SingleDeviceSharding(device) for p in flat}
-    rules = {path: flax_to_hf(path, cfg, style) for path in flat}
+    present = set(keys)
+    rules = {path: _expert_layout(flax_to_hf(path, cfg, style), reader, present, flat[path].shape) for path in flat}
     _check_tensors(reader, keys, flat, rules, cfg, origin)
     loaded = {}
     for path, leaf in flat.items():

@@ -1,5 +1,5 @@
 """Golden-logit parity of the Flax models against transformers, for each family (Qwen2.5-VL, Qwen2-VL,
-Qwen3-VL), sharding, and checkpoint round trips."""
+Qwen3-VL, Qwen3-VL-MoE), sharding, and checkpoint round trips."""
 from __future__ import annotations
 
 import json
@@ -19,12 +19,13 @@ from guijax.models.config import PRESETS, ModelConfig  # noqa: E402
 from guijax.models import weights  # noqa: E402
 from guijax.models.safetensors_io import CheckpointError, SafetensorsReader  # noqa: E402
 
-FAMILIES = {"tiny": "Qwen2_5_VL", "tiny_qwen2_vl": "Qwen2VL", "tiny_qwen3_vl": "Qwen3VL"}  # preset -> class prefix
+FAMILIES = ("tiny", "tiny_qwen2_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe")  # one preset per family
 GRIDS = np.array([[1, 4, 6], [1, 8, 8]])  # two images of different sizes; 8x8 spans several windows
 
 
 def _hf_class(cfg: ModelConfig):
-    prefix = {"qwen2_5_vl": "Qwen2_5_VL", "qwen2_vl": "Qwen2VL", "qwen3_vl": "Qwen3VL"}[cfg.model_type]
+    prefix = {"qwen2_5_vl": "Qwen2_5_VL", "qwen2_vl": "Qwen2VL", "qwen3_vl": "Qwen3VL",
+              "qwen3_vl_moe": "Qwen3VLMoe"}[cfg.model_type]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForConditionalGeneration")
 
 
@@ -43,7 +44,7 @@ def _hf_model(cfg: ModelConfig, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=FAMILIES)
 def hf_checkpoint(request, tmp_path_factory) -> tuple[pathlib.Path, object, ModelConfig]:
     """A tiny random transformers model of each family, saved as a checkpoint."""
     cfg = PRESETS[request.param]
@@ -196,12 +197,12 @@ def test_load_errors_name_the_problem(hf_checkpoint, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     layer = [k for k in SafetensorsReader(path).keys() if ".layers.1." in k]  # one decoder layer's tensors
     prefix = layer[0].split("layers.1.")[0]
-    with pytest.raises(CheckpointError, match=rf"missing keys \({len(layer)}\).*{prefix}layers\.2\.mlp\.down_proj\.weight"):
+    with pytest.raises(CheckpointError, match=rf"missing keys \({len(layer)}\).*{prefix}layers\.2\.self_attn\.o_proj\.weight"):
         policy_lib.from_pretrained(bad)
     cfg["text_config"]["num_hidden_layers"] = 2
-    cfg["text_config"]["intermediate_size"] = 96
+    cfg["text_config"]["num_key_value_heads"] = cfg["text_config"]["num_attention_heads"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=rf"shape mismatches.*{prefix}layers\.0\.mlp\.gate_proj\.weight"):
+    with pytest.raises(CheckpointError, match=rf"shape mismatches.*{prefix}layers\.0\.self_attn\.k_proj\.weight"):
         policy_lib.from_pretrained(bad)
     (bad / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors"):
@@ -246,7 +247,7 @@ def test_flat_transformers4_qwen2_vl_config_is_read():
 
 
 @pytest.mark.parametrize("preset, count", [("qwen2_vl_7b", 8_291_375_616), ("qwen3_vl_8b", 8_767_123_696),
-                                           ("qwen3_vl_32b", 33_357_390_064)])
+                                           ("qwen3_vl_32b", 33_357_390_064), ("qwen3_vl_30b_a3b", 31_070_754_032)])
 def test_paper_sizes_parameter_count_matches_transformers(preset, count):
     """--dry_run's count of the papers' policies equals transformers' own model of the same config.json."""
     from guijax import launch
@@ -288,5 +289,5 @@ def test_released_qwen3_vl_config_is_read():
 
 
 def test_a_family_guijax_does_not_run_is_named():
-    with pytest.raises(ValueError, match=r"model_type 'llava' is not one of \('qwen2_5_vl', 'qwen2_vl', 'qwen3_vl'\)"):
+    with pytest.raises(ValueError, match=r"model_type 'llava' is not one of \('qwen2_5_vl', 'qwen2_vl', 'qwen3_vl', 'qwen3_vl_moe'\)"):
         ModelConfig.from_hf_dict({"model_type": "llava", "vision_config": {}}, source="x/config.json")

@@ -78,7 +78,13 @@ def _prompts_twice():
     return inputs
 
 
-@pytest.mark.parametrize("family", ["checkpoint", "qwen2_vl_checkpoint", "qwen3_vl_checkpoint"])
+@pytest.fixture(scope="module")
+def qwen3_vl_moe_checkpoint(tmp_path_factory):
+    return _saved_hf_model(tmp_path_factory, "tiny_qwen3_vl_moe", "Qwen3VLMoe")
+
+
+@pytest.mark.parametrize("family", ["checkpoint", "qwen2_vl_checkpoint", "qwen3_vl_checkpoint",
+                                    "qwen3_vl_moe_checkpoint"])
 def test_greedy_equals_transformers_generate(family, request):
     path, model = request.getfixturevalue(family)
     inputs = _prompts(patch_dim=ModelConfig.from_json_file(path / "config.json").vision.patch_dim)

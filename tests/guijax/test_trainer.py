@@ -187,13 +187,15 @@ def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_f
 
 @pytest.mark.slow  # 30 s each; the families' parity, sampling and round-trip tests run in the default suite
 @pytest.mark.parametrize("preset, saved_vision", [("tiny_qwen2_vl", {"embed_dim": 32}),
-                                                  ("tiny_qwen3_vl", {"deepstack_visual_indexes": [1, 2]})])
+                                                  ("tiny_qwen3_vl", {"deepstack_visual_indexes": [1, 2]}),
+                                                  ("tiny_qwen3_vl_moe", {"deepstack_visual_indexes": [1, 2]})])
 def test_other_families_run_the_recipe(tiny_config, tmp_path, preset, saved_vision):
-    """Qwen2-VL and Qwen3-VL through fresh checkpoint, warm start, sampling, one RL update and save."""
+    """Qwen2-VL, Qwen3-VL and Qwen3-VL-MoE through fresh checkpoint, warm start, sampling, one RL update and save."""
     from guijax.models.config import PRESETS
     from guijax.models.policy import from_pretrained
 
-    config = tiny_config("grpo_cpu", f"model.preset={preset}", "stages=('base_model', 'tasks', 'sft', 'rl')")
+    config = tiny_config("grpo_cpu", f"model.preset={preset}", "stages=('base_model', 'tasks', 'sft', 'rl')",
+                         "train.router_aux_loss_coef=0.001")
     run_stages(config, tmp_path / "run")
     (record,) = _iteration_records(tmp_path / "run")
     assert record["episodes"] == 4 and record["behaviour_logprob_mean"] < 0
