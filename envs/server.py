@@ -23,6 +23,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -193,10 +194,15 @@ class Handler(BaseHTTPRequestHandler):
 # -- endpoints (each returns status, body, content type) ------------------------------------------------------
 def _timeout(h: Handler, requested: Any = None) -> float:
     limit = h.server.timeout_s
+    if requested is None:
+        return limit
     try:
-        return min(float(requested), limit) if requested is not None else limit
-    except (TypeError, ValueError):
-        raise Reply(400, {"status": "error", "message": f"invalid timeout {requested!r}"})
+        value = float(requested)
+    except (TypeError, ValueError, OverflowError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0) or isinstance(requested, bool):  # NaN would disable the limit
+        raise Reply(400, {"status": "error", "message": f"invalid timeout {requested!r}: a positive number of seconds"})
+    return min(value, limit)
 
 
 def screenshot(h: Handler):

@@ -74,48 +74,79 @@ def expand_command(command: str | Sequence[str], shell: bool) -> str | list[str]
     return [str(a) for a in command]
 
 
-def directory_tree(path: str) -> dict[str, Any]:
-    """OSWorld's /list_directory tree: {'type': 'directory', 'name', 'children': [...]}, files as {'type': 'file'}."""
-    tree: dict[str, Any] = {"type": "directory", "name": os.path.basename(path), "children": []}
-    try:
+MAX_TREE_ENTRIES = 100_000  # a symlink farm can make a finite tree exponentially large
+
+
+def directory_tree(path: str, max_entries: int = MAX_TREE_ENTRIES) -> dict[str, Any]:
+    """OSWorld's /list_directory tree: {'type': 'directory', 'name', 'children': [...]}, files as {'type': 'file'}.
+
+    Symlinked directories are followed, as OSWorld does, except into a directory already on the path (a loop
+    is listed once, without children); a tree of more than `max_entries` entries is an error."""
+    count = 0
+
+    def walk(path: str, ancestors: frozenset[str]) -> dict[str, Any]:
+        nonlocal count
+        tree: dict[str, Any] = {"type": "directory", "name": os.path.basename(path), "children": []}
+        real = os.path.realpath(path)
+        if real in ancestors:
+            return tree
         for entry in sorted(os.listdir(path)):
+            count += 1
+            if count > max_entries:
+                raise OSError(f"more than {max_entries} entries under the listed directory")
             full = os.path.join(path, entry)
-            tree["children"].append(directory_tree(full) if os.path.isdir(full) else {"type": "file", "name": entry})
-    except OSError as e:
+            tree["children"].append(walk(full, ancestors | {real}) if os.path.isdir(full)
+                                    else {"type": "file", "name": entry})
+        return tree
+
+    try:
+        return walk(path, frozenset())
+    except (OSError, RecursionError) as e:
         return {"error": str(e)}
-    return tree
 
 
 def run_command(command: str | list[str], *, shell: bool, env: dict[str, str], cwd: str | None, timeout_s: float,
                 reaper=None, stdin_data: str | None = None, merge_stderr: bool = False) -> dict[str, Any]:
     """Run to completion in its own process group; on timeout the whole group is killed and the result says so.
 
+    Output goes through files, not pipes, so the reply waits for the command itself and not for a child it
+    left running in another session (`setsid ... &`) that still holds its output open.
     Returns OSWorld's /execute shape: status, output, error, returncode (plus `timed_out`)."""
     popen = reaper.popen if reaper is not None else (lambda a, **k: subprocess.Popen(a, **k))
-    try:
-        proc = popen(command, shell=shell, env=env, cwd=cwd, text=True, start_new_session=True,
-                     stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
-                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
-    except OSError as e:
-        return {"status": "error", "message": str(e), "output": "", "error": str(e), "returncode": -1}
-    try:
-        out, err = proc.communicate(stdin_data, timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        from envs.desktop.reaper import kill_group
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        if stdin_data is not None:
+            stdin.write(stdin_data.encode())
+            stdin.seek(0)
+        try:
+            proc = popen(command, shell=shell, env=env, cwd=cwd, start_new_session=True,
+                         stdin=stdin if stdin_data is not None else subprocess.DEVNULL,
+                         stdout=stdout, stderr=subprocess.STDOUT if merge_stderr else stderr)
+        except OSError as e:
+            return {"status": "error", "message": str(e), "output": "", "error": str(e), "returncode": -1}
+        try:
+            proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            from envs.desktop.reaper import kill_group
 
-        kill_group(proc.pid, grace_s=0.5)
-        out, err = proc.communicate()
-        timed_out = True
-    finally:
-        if reaper is not None:
-            reaper.prune()
+            kill_group(proc.pid, grace_s=0.5)
+            proc.wait()
+            timed_out = True
+        finally:
+            if reaper is not None:
+                reaper.prune()
+        out, err = (_read_back(f) for f in (stdout, stderr))
     if timed_out:
         msg = f"command timed out after {timeout_s:g}s"
-        return {"status": "error", "message": msg, "output": out or "", "error": (err or "") + msg,
-                "returncode": -1, "timed_out": True}
-    return {"status": "success" if proc.returncode == 0 else "error", "output": out or "", "error": err or "",
+        return {"status": "error", "message": msg, "output": out, "error": err + msg, "returncode": -1,
+                "timed_out": True}
+    return {"status": "success" if proc.returncode == 0 else "error", "output": out, "error": err,
             "returncode": proc.returncode}
+
+
+def _read_back(f) -> str:
+    f.seek(0)
+    return f.read().decode("utf-8", errors="replace")
 
 
 class LocalController:
