@@ -259,6 +259,14 @@ def section_defaults(cls: type) -> ml_collections.ConfigDict:
     return node
 
 
+def default_values(extra: Mapping[str, type] = MappingProxyType({})) -> dict[str, Any]:
+    """{dotted key: schema default} of every key: the top-level scalars, the generic sections and `extra`."""
+    out = {f.name: f.default for f in dataclasses.fields(TopLevel)}
+    for name, cls in {**GENERIC, **extra}.items():
+        out.update({f"{name}.{f.name}": f.default for f in dataclasses.fields(cls)})
+    return out
+
+
 def parse_section(cls: type, node: ml_collections.ConfigDict, prefix: str) -> Any:
     """`node` as a `cls` instance; every problem of it in one ConfigError, each naming `prefix.key`."""
     errors: list[str] = []

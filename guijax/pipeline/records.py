@@ -7,7 +7,8 @@ old outputs are moved to `WORKDIR/stale/` (nothing is deleted) and it runs again
 includes its upstream fingerprints, a changed stage makes everything that reads from it run again too.
 
 Keys that cannot change a result (worker counts, timeouts, checkpoint cadence, where the compile cache is)
-are left out, so changing them reuses everything.
+are left out, so changing them reuses everything. A key the record lacks (one added to guijax after the stage
+ran) counts as unchanged while it holds its schema default, so upgrading does not rerun finished work.
 """
 from __future__ import annotations
 
@@ -75,6 +76,16 @@ def config_values(config: ml_collections.ConfigDict, reads: Iterable[str]) -> di
     return out
 
 
+_MISSING = object()
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Config values compared as the ledger stores them (JSON: tuples are lists)."""
+    if a is _MISSING or b is _MISSING:
+        return False
+    return json.dumps(_plain(a), sort_keys=True, default=str) == json.dumps(_plain(b), sort_keys=True, default=str)
+
+
 def describe_change(recorded: Mapping[str, Any], current: Fingerprint) -> str:
     """Why a recorded fingerprint differs: the keys whose values changed, or the upstream stages that did."""
     old_config, old_upstream = recorded.get("config", {}), recorded.get("upstream", {})
@@ -93,9 +104,13 @@ def describe_change(recorded: Mapping[str, Any], current: Fingerprint) -> str:
 class StageRecords:
     """The ledger of one workdir (`stages.json`) against the current config's fingerprints."""
 
-    def __init__(self, workdir: pathlib.Path, fingerprints: Mapping[str, Fingerprint]):
+    def __init__(self, workdir: pathlib.Path, fingerprints: Mapping[str, Fingerprint],
+                 defaults: Mapping[str, Any] | None = None):
+        """`defaults`: {dotted key: schema default}, for keys added after a record was written."""
         self.workdir = pathlib.Path(workdir)
         self.fingerprints = dict(fingerprints)
+        self.defaults = {k: _plain(v) for k, v in (defaults or {}).items()}
+        self._equated: dict[str, tuple[str, str]] = {}  # stage -> (recorded hash, current hash) taken as equal
         path = self.workdir / LEDGER
         try:
             self.ledger: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
@@ -110,18 +125,35 @@ class StageRecords:
         if record is None:
             self._write(key, "done")
             return True, "made before stage records were kept; taken as made from this config"
-        if record["hash"] == current.hash:
-            if record.get("state") != "done":
-                self._write(key, "done")  # it ended but the run stopped before recording that
+        if self._same(key, record):
+            if record.get("state") != "done" or record["hash"] != current.hash:
+                self._write(key, "done")  # it ended but the run stopped before recording that, or it gained keys
             return True, ""
         return False, describe_change(record, current)
+
+    def _same(self, key: str, record: Mapping[str, Any]) -> bool:
+        """Whether `record` describes what the current config makes: the same fingerprint, or one that differs
+        only by keys added since (at their defaults) and by upstream stages found the same that way."""
+        current = self.fingerprints[key]
+        if record["hash"] == current.hash:
+            return True
+        old, old_upstream = record.get("config", {}), record.get("upstream", {})
+        for name, value in current.config.items():
+            if not _equal(old[name] if name in old else self.defaults.get(name, _MISSING), value):
+                return False
+        if set(old) - set(current.config) or set(old_upstream) != set(current.upstream):
+            return False
+        if any(old_upstream[n] != h and self._equated.get(n) != (old_upstream[n], h) for n, h in current.upstream.items()):
+            return False
+        self._equated[key] = (record["hash"], current.hash)
+        return True
 
     def begin(self, key: str, outputs: Iterable[str]) -> list[str]:
         """Before a stage runs: move aside the outputs of a different recorded fingerprint (a finished or
         crashed run under another config), then record this one as started. Returns what was moved."""
-        record, current = self.ledger.get(key), self.fingerprints[key]
+        record = self.ledger.get(key)
         moved = []
-        if record is not None and record["hash"] != current.hash:
+        if record is not None and not self._same(key, record):
             moved = self.move_aside(key, record["hash"], outputs)
         self._write(key, "started")
         return moved

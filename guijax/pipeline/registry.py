@@ -104,7 +104,11 @@ def run_stages(config: ml_collections.ConfigDict, workdir: pathlib.Path,
     stages = STAGES if stages is None else stages
     check_recipe(config, stages)
     compilation_cache.enable(config.compilation_cache_dir)
-    records = StageRecords(pathlib.Path(workdir), fingerprints(config, stages))
+    from guijax import schema
+    from guijax.methods import option_sections
+
+    records = StageRecords(pathlib.Path(workdir), fingerprints(config, stages),
+                           schema.default_values(option_sections()))
     run = Run(config, pathlib.Path(workdir), records=records)
     names = list(config.stages)
     verdicts = {n: records.verdict(n, stages[n].done(run)) for n in names if stages[n].done is not None}

@@ -44,14 +44,26 @@ def _hf_model(cfg: ModelConfig, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def hf_checkpoint(request, tmp_path_factory) -> tuple[pathlib.Path, object, ModelConfig]:
-    """A tiny random transformers model of each family, saved as a checkpoint."""
-    cfg = PRESETS[request.param]
-    path = tmp_path_factory.mktemp(f"hf_{request.param}")
+def _saved(name: str, tmp_path_factory) -> tuple[pathlib.Path, object, ModelConfig]:
+    cfg = PRESETS[name]
+    path = tmp_path_factory.mktemp(f"hf_{name}")
     model = _hf_model(cfg)
     model.save_pretrained(path)
     return path, model, cfg
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf_checkpoint(request, tmp_path_factory) -> tuple[pathlib.Path, object, ModelConfig]:
+    """A tiny random transformers model of each family, saved as a checkpoint."""
+    return _saved(request.param, tmp_path_factory)
+
+
+# the checks below exercise loading, dtypes and the head, which the Qwen3 families share with the others;
+# for those families they run with -m slow, keeping the default suite inside CI's budget
+@pytest.fixture(scope="module", params=["tiny", "tiny_qwen2_vl"] + [pytest.param(f, marks=pytest.mark.slow)
+                                                                   for f in FAMILIES[2:]])
+def hf_checkpoint_shared_paths(request, tmp_path_factory) -> tuple[pathlib.Path, object, ModelConfig]:
+    return _saved(request.param, tmp_path_factory)
 
 
 def _batch(cfg: ModelConfig, grids: np.ndarray | None, seed: int = 1):
@@ -109,17 +121,17 @@ def test_golden_logits_text_only(hf_checkpoint):
     assert _max_diff(ours, ref, inputs["attention_mask"]) <= 1e-4
 
 
-def test_images_change_logits(hf_checkpoint):
+def test_images_change_logits(hf_checkpoint_shared_paths):
     """Guards against a vision tower whose output is silently dropped."""
-    path, _, cfg = hf_checkpoint
+    path, _, cfg = hf_checkpoint_shared_paths
     policy = policy_lib.from_pretrained(path)
     inputs = _batch(cfg, GRIDS)
     other = dict(inputs, pixel_values=inputs["pixel_values"] + 1.0)
     assert _max_diff(policy.logits(**inputs), policy.logits(**other), inputs["attention_mask"]) > 1e-3
 
 
-def test_hidden_states_times_head_equal_logits(hf_checkpoint):
-    path, _, cfg = hf_checkpoint
+def test_hidden_states_times_head_equal_logits(hf_checkpoint_shared_paths):
+    path, _, cfg = hf_checkpoint_shared_paths
     policy = policy_lib.from_pretrained(path)
     inputs = _batch(cfg, GRIDS)
     hidden = policy.hidden_states(**inputs)
@@ -151,8 +163,8 @@ def test_save_pretrained_round_trip_through_transformers(hf_checkpoint, tmp_path
     assert saved["model_type"] == cfg.model_type and ModelConfig.from_hf_dict(saved) == cfg
 
 
-def test_bfloat16_load_and_save(hf_checkpoint, tmp_path):
-    path, _, cfg = hf_checkpoint
+def test_bfloat16_load_and_save(hf_checkpoint_shared_paths, tmp_path):
+    path, _, cfg = hf_checkpoint_shared_paths
     policy = policy_lib.from_pretrained(path, dtype="bfloat16")
     assert policy.params["embed_tokens"].dtype == jnp.bfloat16
     out = policy_lib.save_pretrained(policy, tmp_path / "bf16")
@@ -164,8 +176,8 @@ def test_bfloat16_load_and_save(hf_checkpoint, tmp_path):
     assert _max_diff(half, full, inputs["attention_mask"]) < 0.25  # bf16 rounding only
 
 
-def test_sharded_checkpoint_with_index(hf_checkpoint, tmp_path):
-    path, _, cfg = hf_checkpoint
+def test_sharded_checkpoint_with_index(hf_checkpoint_shared_paths, tmp_path):
+    path, _, cfg = hf_checkpoint_shared_paths
     policy = policy_lib.from_pretrained(path)
     files = weights.save_params(str(tmp_path), policy.params, cfg)
     assert len(files) == 1

@@ -111,6 +111,39 @@ def test_crashed_stage_resumes_under_its_config_and_is_moved_aside_under_another
     assert (tmp_path / "stale" / f"second-{started['hash']}" / "second.partial").read_text() == "half"
 
 
+def _forget_key(workdir: pathlib.Path, key: str) -> None:
+    """Rewrite the ledger as a guijax before `key` existed would have: without the key, and every hash (with
+    the upstream hashes that name them) recomputed in stage order."""
+    ledger = json.loads((workdir / "stages.json").read_text())
+    for record in ledger.values():
+        record["config"].pop(key, None)
+        record["upstream"] = {n: ledger[n]["hash"] for n in record["upstream"]}
+        record["hash"] = records_lib.Fingerprint(record["config"], record["upstream"]).hash
+    (workdir / "stages.json").write_text(json.dumps(ledger))
+
+
+def test_a_key_added_since_at_its_default_reruns_nothing(tmp_path: pathlib.Path):
+    """Upgrading guijax adds config keys; while they hold their schema default a finished stage (and what
+    reads from it) stays finished, and the ledger takes the new fingerprint."""
+    log: list[str] = []
+    run_stages(_config(), tmp_path, _stages(log))
+    _forget_key(tmp_path, "eval.pass_k")  # as if eval.pass_k were new; grpo_cpu leaves it at its default
+    log.clear()
+    run_stages(_config(), tmp_path, _stages(log))
+    assert log == []
+    current = fingerprints(_config(), _stages([]))
+    assert json.loads((tmp_path / "stages.json").read_text())["second"]["hash"] == current["second"].hash
+
+
+def test_a_key_added_since_away_from_its_default_reruns_its_stage(tmp_path: pathlib.Path):
+    log: list[str] = []
+    run_stages(_config("sft.steps=3"), tmp_path, _stages(log))
+    _forget_key(tmp_path, "sft.steps")  # the record cannot say it ran with 3: it may not have
+    log.clear()
+    run_stages(_config("sft.steps=3"), tmp_path, _stages(log))
+    assert log == ["first", "second"]
+
+
 def test_corrupt_ledger_names_the_file(tmp_path: pathlib.Path):
     (tmp_path / "stages.json").write_text("{not json")
     with pytest.raises(ValueError, match="stages.json is not valid JSON"):
