@@ -264,6 +264,7 @@ def test_compare_cli_names_unknown_methods(tmp_path):
     assert proc.returncode == 2 and "bepa9" in proc.stderr
 
 
+@pytest.mark.slow  # 27 s: DPO's objective is checked in the default suite (test_losses)
 def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path, make_config):
     import dataclasses as dc
 

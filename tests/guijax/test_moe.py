@@ -81,7 +81,7 @@ def test_the_model_sows_what_the_loss_reads():
     mask = np.ones_like(ids)
     mask[1, 6:] = 0
     positions = np.broadcast_to(np.arange(9), (3, 2, 9)).astype(np.int32)
-    _, state = module.apply({"params": params}, ids, positions, mask, mutable=["intermediates"])
+    _, state = jax.jit(lambda p: module.apply({"params": p}, ids, positions, mask, mutable=["intermediates"]))(params)
     (stats,) = jax.tree.leaves(state["intermediates"])
     assert stats.shape == (CFG.num_hidden_layers, 3, CFG.num_experts)
     np.testing.assert_allclose(np.asarray(stats[:, 0].sum(-1)), 15 * CFG.num_experts_per_tok)  # 15 real tokens
@@ -90,11 +90,9 @@ def test_the_model_sows_what_the_loss_reads():
     assert 0.5 * k <= loss <= k * CFG.num_experts  # k when perfectly balanced, k * E when one expert takes all
 
 
-def test_the_train_step_reports_and_weighs_the_router_loss():
+def test_the_loss_reports_and_weighs_the_router_loss():
     """The load-balancing loss is reported for an expert model and added to the loss with its weight."""
-    from guijax import objectives, optim, train_step
-
-    import ml_collections
+    from guijax import objectives, train_step
 
     module = weights.build_module(CFG)
     params = weights.init_params(module, jax.random.PRNGKey(0))
@@ -104,6 +102,7 @@ def test_the_train_step_reports_and_weighs_the_router_loss():
              "attention_mask": np.ones_like(ids), "targets": np.roll(ids, -1, 1),
              "loss_mask": np.ones((2, 12), np.float32)}
 
+    @jax.jit
     def loss(coef):
         return train_step.loss_fn(params, batch, module, train_step.StepConfig(objectives.CrossEntropyLoss(),
                                                                                router_aux_loss_coef=coef))
@@ -111,10 +110,3 @@ def test_the_train_step_reports_and_weighs_the_router_loss():
     (plain, m0), (weighted, m1) = loss(0.0), loss(0.5)
     assert float(m0["router_aux_loss"]) == pytest.approx(float(m1["router_aux_loss"])) and float(m0["router_aux_loss"]) > 0
     np.testing.assert_allclose(float(weighted), float(plain) + 0.5 * float(m0["router_aux_loss"]), rtol=1e-5)
-    tx = optim.make_optimizer(ml_collections.ConfigDict(dict(
-        learning_rate=1e-2, warmup_steps=0, total_steps=10, schedule="constant", weight_decay=0.0, b1=0.9, b2=0.95,
-        eps=1e-8, max_grad_norm=1.0, grad_accum_steps=1, state_dtype="float32")))[0]
-    step = train_step.make_train_step(module, tx, train_step.StepConfig(objectives.CrossEntropyLoss(),
-                                                                        router_aux_loss_coef=0.5))
-    _, metrics = step(train_step.init_state(module, params, tx), batch)
-    assert np.isfinite(float(metrics["loss"])) and "router_aux_loss" in metrics

@@ -98,6 +98,7 @@ def test_sharded_response_only_equals_single_device(proc, cfg, module_params):
     chex.assert_trees_all_close((np.asarray(logp), np.asarray(entropy)), (ref_logp, ref_entropy), atol=1e-5)
 
 
+@pytest.mark.slow  # 27 s; the response-only path's equality with all positions stays in the default suite
 def test_a_missed_loss_position_poisons_the_loss(proc, cfg, module_params):
     """Indices that miss a loss token (hand-built, not the pipeline's) give NaN there, so the step is skipped
     and reported instead of training on a silently shorter response."""

@@ -113,6 +113,7 @@ def test_deepstack_plan_ends_runs_at_the_tapped_blocks():
     assert block_plan(PRESETS["tiny_qwen3_vl"].vision) == BlockPlan(1, ((False, 2), (False, 1), (False, 1)), (0, 1))
 
 
+@pytest.mark.slow  # 22 s; Qwen3-VL's scanned model is checked against transformers in the default suite
 def test_qwen3_scanned_equals_unrolled_in_values_and_gradients(tmp_path):
     """DeepStack inside the layer scan (added under a condition on the scanned layer index) and taps between
     the vision runs give what the plain per-layer loop gives, gradients included."""

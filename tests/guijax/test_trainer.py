@@ -119,6 +119,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(rl_run, tmp_path):
     assert (killed / "trained_model" / "config.json").exists()
 
 
+@pytest.mark.slow  # 24 s; checkpoint fallback and RL resume cases stay in the default suite
 def test_sft_resumes_from_its_checkpoint_with_the_same_batches(tmp_path, tiny_config):
     config = tiny_config("grpo_cpu", *RL)
     run = Run(config, tmp_path / "run")

@@ -44,6 +44,7 @@ def _row_advantages(trajectories, advantages) -> np.ndarray:
     return np.asarray([a for t, a in zip(trajectories, advantages) for _ in t.steps])
 
 
+@pytest.mark.slow  # 28 s; the normalisations' arithmetic is checked in test_losses
 def test_sequence_and_token_normalisation_divide_by_rows_and_tokens(prepared):
     workdir, trajectories, make_config = prepared
     advantages = np.asarray([1.5, -0.5][:len(trajectories)] + [0.25] * max(0, len(trajectories) - 2), np.float32)
@@ -62,6 +63,7 @@ def test_sequence_and_token_normalisation_divide_by_rows_and_tokens(prepared):
     assert -rows.max() - 1e-5 <= losses["token"]["loss"] <= -rows.min() + 1e-5  # a token-weighted mean of -A
 
 
+@pytest.mark.slow  # 49 s; the KL term itself is checked in test_losses
 def test_kl_coefficient_scores_the_initial_policy_and_changes_the_update(prepared):
     workdir, trajectories, make_config = prepared
     advantages = np.linspace(1.0, -1.0, len(trajectories)).astype(np.float32)
