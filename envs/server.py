@@ -12,7 +12,9 @@ any other address requires --token, and then every request must carry `Authoriza
 private HOME; with --display it drives that existing display and the real HOME.
 
 Each request runs in its own thread; a command that hangs is killed after --timeout seconds (default 90)
-and answered with HTTP 500, so it never takes the server down.
+and answered with HTTP 500, so it never takes the server down. One client cannot make it hold unbounded
+memory or threads: bodies over --max-body-mb are refused unread, idle connections close after 60 s, and at
+most 64 connections are served at once.
 """
 from __future__ import annotations
 
@@ -45,6 +47,14 @@ class Reply(Exception):
         self.status, self.body, self.content_type = status, body, content_type
 
 
+class BodyRefused(Reply):
+    """A request body that is not read (too large, of no stated size, cut short): answered, then the
+    connection is closed, since what is left of the body would be read as the next request."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(status, {"status": "error", "message": message})
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -54,12 +64,18 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+MAX_BODY_BYTES = 1 << 30  # an upload larger than this is refused (413) before any of it is read
+MAX_CONNECTIONS = 64  # connections served at once; more are answered 503 and closed
+IDLE_TIMEOUT_S = 60.0  # a connection that sends nothing for this long is closed
+
+
 class DesktopServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], controller: LocalController, token: str | None = None,
-                 timeout_s: float = 90.0):
+                 timeout_s: float = 90.0, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float = IDLE_TIMEOUT_S):
         host = address[0]
         if not _is_loopback(host) and not token:
             raise ValueError(f"refusing to bind {host}: the server runs arbitrary code; pass --token to bind a "
@@ -68,12 +84,43 @@ class DesktopServer(ThreadingHTTPServer):
         self.token = token
         self.timeout_s = timeout_s
         self.loopback = _is_loopback(host)
+        self.max_body_bytes = max_body_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, Handler)
+
+    def process_request(self, request, client_address) -> None:
+        """One thread per connection, up to `max_connections` at once: beyond that the connection is answered
+        503 and closed at once, so half-sent or idle connections cannot pile up threads without bound."""
+        if not self._slots.acquire(blocking=False):
+            try:
+                body = b'{"status": "error", "message": "too many connections"}'
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class Handler(BaseHTTPRequestHandler):
     server: DesktopServer
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout_s  # the socket timeout while reading a request or its body
+        super().setup()
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route through logging, not stderr
         log.info("%s %s", self.address_string(), fmt % args)
@@ -95,9 +142,33 @@ class Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
+    def _body_length(self) -> int:
+        """The declared body size, refused (before any of it is read) when it is not a size or too large."""
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise BodyRefused(411, "chunked bodies are not accepted; send Content-Length")
+        raw = self.headers.get("Content-Length") or "0"
+        if not raw.strip().isdigit():
+            raise BodyRefused(400, f"invalid Content-Length {raw!r}")
+        n = int(raw)
+        if n > self.server.max_body_bytes:
+            raise BodyRefused(413, f"body of {n} bytes exceeds the server's limit of {self.server.max_body_bytes} bytes")
+        return n
+
     def _body(self) -> bytes:
-        n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n > 0 else b""
+        n = self._body_length()
+        try:
+            data = self.rfile.read(n) if n > 0 else b""
+        except TimeoutError:
+            raise BodyRefused(408, f"body not received: nothing for {self.server.idle_timeout_s:g} s") from None
+        if len(data) < n:
+            raise BodyRefused(400, f"body ended after {len(data)} of {n} bytes")
+        return data
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer without reading the body (it may be large and is unwanted) and close the connection, since
+        the unread body would otherwise be taken for the next request."""
+        self.close_connection = True
+        self._send(status, {"status": "error", "message": message}, headers={"Connection": "close"})
 
     def _json(self) -> dict[str, Any]:
         raw = self._body()
@@ -153,21 +224,22 @@ class Handler(BaseHTTPRequestHandler):
         path = urllib.parse.urlparse(self.path).path.rstrip("/") or "/"
         refused = self._cross_site()
         if refused:
-            self._body()
-            self._send(403, {"status": "error", "message": refused})
+            self._refuse(403, refused)
             return
         if not self._authorized():
-            self._body()
-            self._send(401, {"status": "error", "message": "missing or wrong token (Authorization: Bearer ...)"})
+            self._refuse(401, "missing or wrong token (Authorization: Bearer ...)")
             return
         route = ROUTES.get((method, path))
         if route is None:
-            self._body()
             known = any(p == path for _, p in ROUTES)
-            self._send(405 if known else 404, {"status": "error", "message": f"no route {method} {path}"})
+            self._refuse(405 if known else 404, f"no route {method} {path}")
             return
         try:
+            self._body_length()  # a bad or oversized body is refused before the route reads any of it
             status, body, ctype = route(self)
+        except BodyRefused as r:
+            self._refuse(r.status, r.body["message"])
+            return
         except Reply as r:
             status, body, ctype = r.status, r.body, r.content_type
         except ControllerError as e:
@@ -378,12 +450,13 @@ def _refuse_open_bind_without_token(host: str, token: str | None) -> None:
 
 def serve(host: str = "127.0.0.1", port: int = 5000, display: str | None = None, token: str | None = None,
           timeout_s: float = 90.0, screen_size: tuple[int, int] = (1920, 1080), cache_dirs: tuple[str, ...] = (),
-          allow_network: bool = False, ready: Callable[[DesktopServer], None] | None = None) -> None:
+          allow_network: bool = False, ready: Callable[[DesktopServer], None] | None = None,
+          max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """Run until SIGINT/SIGTERM; `ready` is called with the bound server (tests read its port)."""
     _refuse_open_bind_without_token(host, token)
     disp = Display.attach(display) if display else Display(screen_size)
     controller = LocalController(disp, timeout_s, cache_dirs, allow_network)
-    server = DesktopServer((host, port), controller, token, timeout_s)
+    server = DesktopServer((host, port), controller, token, timeout_s, max_body_bytes=max_body_bytes)
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -416,6 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--screen", default="1920x1080", help="size of the Xvfb screen started without --display")
     p.add_argument("--cache-dir", action="append", default=[], help="local cache for /setup/download_file")
     p.add_argument("--allow-network", action="store_true", help="let /setup/download_file fetch http(s) URLs")
+    p.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
+                   help="largest request body (an upload) accepted; larger ones are refused unread")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     from envs.desktop.checks import server_missing
@@ -426,7 +501,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: the desktop server cannot start here: {missing}")
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     w, h = (int(x) for x in a.screen.lower().split("x"))
-    serve(a.host, a.port, a.display, a.token, a.timeout, (w, h), tuple(a.cache_dir), a.allow_network)
+    serve(a.host, a.port, a.display, a.token, a.timeout, (w, h), tuple(a.cache_dir), a.allow_network,
+          max_body_bytes=int(a.max_body_mb * 2**20))
 
 
 if __name__ == "__main__":

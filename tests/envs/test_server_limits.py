@@ -1,0 +1,103 @@
+"""The server bounds what one client can make it hold: bodies are refused by their declared size before they
+are read (and before anything is read from an unauthenticated client), half-sent requests time out, and the
+connections served at once are capped. Loopback only; no desktop needed."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from envs.server import DesktopServer
+
+
+class _Echo:
+    """The only controller call these tests make: /platform."""
+
+    def platform(self) -> str:
+        return "Linux"
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(**kw) -> tuple[str, int]:
+        server = DesktopServer(("127.0.0.1", 0), _Echo(), **kw)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server.server_address
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _request(address, head: bytes, body: bytes = b"", timeout: float = 10.0) -> bytes:
+    """Send raw bytes and read until the server closes or answers one response."""
+    with socket.create_connection(address, timeout=timeout) as sock:
+        sock.sendall(head + body)
+        return _read_response(sock)
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(next((line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), b"0"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return head + b"\r\n\r\n" + rest
+
+
+def _status(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+def test_an_unauthenticated_huge_body_is_refused_unread(serve):
+    address = serve(token="secret")
+    start = time.monotonic()
+    response = _request(address, b"POST /execute HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100000000000\r\n\r\n",
+                        b"x" * 1000)
+    assert _status(response) == 401 and b"Connection: close" in response
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("header, status", [(b"Content-Length: 5000", 413), (b"Content-Length: -1", 400),
+                                            (b"Content-Length: lots", 400), (b"Transfer-Encoding: chunked", 411)])
+def test_bodies_without_an_acceptable_size_are_refused(serve, header, status):
+    address = serve(max_body_bytes=1000)
+    response = _request(address, b"POST /execute HTTP/1.1\r\nHost: localhost\r\n" + header + b"\r\n\r\n", b"x" * 10)
+    assert _status(response) == status and b"Connection: close" in response
+
+
+def test_a_half_sent_body_times_out(serve):
+    address = serve(idle_timeout_s=0.5)
+    start = time.monotonic()
+    response = _request(address, b"POST /execute HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n"
+                                 b"Content-Type: application/json\r\n\r\n", b'{"comm')
+    assert _status(response) == 408 and time.monotonic() - start < 5
+
+
+def test_idle_connections_are_capped_and_closed(serve):
+    address = serve(max_connections=2, idle_timeout_s=1.0)
+    idle = [socket.create_connection(address, timeout=10) for _ in range(2)]  # hold both slots, send nothing
+    try:
+        time.sleep(0.2)
+        busy = _request(address, b"GET /platform HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert _status(busy) == 503
+        time.sleep(1.5)  # the idle ones time out and give their slots back
+        served = _request(address, b"GET /platform HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        assert _status(served) == 200 and served.endswith(b"Linux")
+    finally:
+        for sock in idle:
+            sock.close()
