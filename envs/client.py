@@ -76,10 +76,14 @@ class HttpController:
         """PythonController's loop: up to `retry_times` tries `retry_interval_s` apart. Returns the response,
         or None when every try failed (or at once on a status in `none_on`, or a read timeout when
         `retry_read_timeout` is False). With `raise_on_failure`, every try failing raises a transient
-        ControllerError instead: for calls whose None would mean an answer ("no such file")."""
+        ControllerError instead: for calls whose None would mean an answer ("no such file"). A server that
+        never answered at all (every try a connection error or timeout) always raises: its None would be
+        taken for an answer about the desktop (no terminal, no accessibility tree) and score the task."""
+        answered = False
         for attempt in range(self.retry_times):
             try:
                 r = self.session.request(method, self._url(path), timeout=timeout, **kw)
+                answered = True
                 if r.status_code == 200:
                     return r
                 if r.status_code in none_on:
@@ -94,7 +98,7 @@ class HttpController:
                 log.warning("%s %s: %s (try %d/%d)", method, path, e, attempt + 1, self.retry_times)
             if attempt < self.retry_times - 1:
                 time.sleep(self.retry_interval_s)
-        if raise_on_failure:
+        if raise_on_failure or not answered:
             raise ControllerError(f"{method} {path}: no answer from {self.base_url} in {self.retry_times} tries",
                                   status=503, transient=True)
         return None

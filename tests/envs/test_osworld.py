@@ -405,7 +405,8 @@ def test_http_controller_calls_to_a_dead_server_raise_instead_of_answering_none(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctl = HttpController(f"http://127.0.0.1:{port}", retry_times=2, retry_interval_s=0.0)
-    for call in (lambda: ctl.get_file("/home/user/out.txt"), lambda: ctl.list_directory("/home/user")):
+    for call in (lambda: ctl.get_file("/home/user/out.txt"), lambda: ctl.list_directory("/home/user"),
+                 ctl.terminal_output, ctl.accessibility_tree):
         with pytest.raises(ControllerError) as err:
             call()
         assert err.value.transient
