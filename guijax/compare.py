@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from absl import app, flags, logging
@@ -76,13 +76,19 @@ def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: S
     return result
 
 
+def feedable_methods(stages: Sequence[str], registry: Mapping[str, Any]) -> list[str]:
+    """'all': every registered method whose input stages the recipe runs (with the command's overrides), so
+    adding the `select` stage brings in ARPO and the offline methods."""
+    return sorted(m for m, cls in registry.items() if set(cls.requires) <= set(stages))
+
+
 def main(argv: list[str]) -> None:
     del argv
     from guijax.methods import REGISTRY
 
     seeds = [int(s) for s in FLAGS.seeds.split(",") if s.strip()]
     if FLAGS.methods == "all":
-        methods = sorted(m for m, cls in REGISTRY.items() if "select" not in cls.requires)
+        methods = feedable_methods(launch.resolve(FLAGS.config, _OVERRIDES).stages, REGISTRY)
     else:
         methods = [m.strip() for m in FLAGS.methods.split(",") if m.strip()]
     workdir = pathlib.Path(FLAGS.workdir or f"runs/compare_{FLAGS.config}")

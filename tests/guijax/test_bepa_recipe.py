@@ -330,3 +330,15 @@ def test_trajectory_scores_are_mean_token_logprobs(tmp_path, make_config):
         assert score == pytest.approx(float(np.mean(np.log(probs))), rel=1e-4) and score < 0
     assert scores[0] != pytest.approx(scores[1])
     run.close()
+
+
+def test_compare_all_means_every_method_the_recipes_stages_can_feed():
+    from guijax import launch
+    from guijax.compare import feedable_methods
+    from guijax.methods import REGISTRY
+
+    stages = launch.resolve("bepa_cpu", []).stages
+    plain = feedable_methods(stages, REGISTRY)
+    assert "bepa" in plain and not {"arpo", "rft", "dpo", "kto"} & set(plain)  # bepa_cpu runs no select stage
+    with_select = feedable_methods(tuple(stages) + ("select",), REGISTRY)
+    assert {"arpo", "rft", "dpo", "kto"} <= set(with_select) and set(plain) < set(with_select)
