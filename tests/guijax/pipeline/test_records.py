@@ -42,7 +42,7 @@ def _stages(log: list[str], fail: set[str] = frozenset()) -> dict[str, Stage]:
 
 
 def _config(*overrides: str):
-    return launch.resolve("grpo_cpu", ['stages=("first", "second", "third")', 'compilation_cache_dir=""',
+    return launch.resolve("grpo_cpu", ['stages=("first", "second", "third")', 'compilation_cache_dir=',
                                        *overrides])
 
 
