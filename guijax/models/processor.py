@@ -31,7 +31,7 @@ def preprocessor_config(cfg: Any) -> dict[str, Any]:
     unit = v.patch_size * v.spatial_merge_size
     out = dict(PREPROCESSOR_CONFIG, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
                merge_size=v.spatial_merge_size, min_pixels=4 * unit * unit, max_pixels=1280 * unit * unit)
-    if cfg.model_type == "qwen3_vl":
+    if cfg.qwen3:  # dense and MoE share Qwen3-VL's processor
         out.update(processor_class="Qwen3VLProcessor", image_mean=[0.5] * 3, image_std=[0.5] * 3)
     elif cfg.model_type == "qwen2_vl":
         out.update(processor_class="Qwen2VLProcessor")

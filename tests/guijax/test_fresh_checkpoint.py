@@ -10,14 +10,17 @@ from guijax.models import from_pretrained
 from guijax.models.fresh import create_checkpoint
 
 
-@pytest.mark.parametrize("preset, hf_class", [("tiny", "Qwen2_5_VL"), ("tiny_qwen2_vl", "Qwen2VL"),
-                                             ("tiny_qwen3_vl", "Qwen3VL")])
-def test_fresh_tiny_checkpoint_loads_and_runs_on_an_image(tmp_path, preset, hf_class):
+@pytest.mark.parametrize("preset, hf_class, mean", [("tiny", "Qwen2_5_VL", 0.48145466),
+                                                   ("tiny_qwen2_vl", "Qwen2VL", 0.48145466),
+                                                   ("tiny_qwen3_vl", "Qwen3VL", 0.5),
+                                                   ("tiny_qwen3_vl_moe", "Qwen3VLMoe", 0.5)])
+def test_fresh_tiny_checkpoint_loads_and_runs_on_an_image(tmp_path, preset, hf_class, mean):
     path = create_checkpoint(tmp_path / "ckpt", preset, seed=0, tokenizer_vocab=1024)
     policy = from_pretrained(path)
     assert policy.cfg.image_token_id == policy.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     proc = policy.processor
     assert proc.image_processor.patch_size == policy.cfg.vision.patch_size  # the family's own patch grid
+    assert proc.image_processor.image_mean[0] == pytest.approx(mean)  # and its own normalisation
     text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Save the file"}]}])
     screenshot = np.random.RandomState(0).randint(0, 256, (112, 168, 3), dtype=np.uint8)
     inputs = proc([text], [[screenshot]])
