@@ -412,14 +412,17 @@ def _gather_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any,
     n_real = int(((ids == image_token_id) & (mask > 0)).sum()) if image_token_id is not None else 0
     keys = ("pixel_values", "window_index", "rotary_positions", "full_segments", "window_segments", "token_features",
             "pos_indices", "pos_weights")
-    def empty(key: str, dim: int) -> np.ndarray:  # a key this process has no rows of
+
+    def empty(key: str, dim: int) -> np.ndarray:
+        """No rows of `key`: no images here, or a block that maps tokens in order (no token_features) or whose
+        tower has no learned positions (no pos_*)."""
         shape = {"pixel_values": (0, dim), "rotary_positions": (0, 2), "pos_indices": (0, 4), "pos_weights": (0, 4)}
         dtype = np.float32 if key in ("pixel_values", "pos_weights") else np.int32
         return np.zeros(shape.get(key, (0,)), dtype)
 
     local = None
-    if vision is not None:  # without token_features a block maps tokens in order; without pos_* it has no
-        local = {k: np.asarray(vision[k]) if k in vision else empty(k, 0) for k in keys}  # learned positions
+    if vision is not None:
+        local = {k: np.asarray(vision[k]) if k in vision else empty(k, 0) for k in keys}
     sizes = [local[k].shape[0] for k in keys] if local else [0] * len(keys)
     dim = local["pixel_values"].shape[1] if local else -1
     width = np.shape(vision["window_tokens"])[1] if vision is not None else 0

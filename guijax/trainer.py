@@ -146,15 +146,13 @@ class Trainer:
             return state, iteration, nonfinite
 
         restored = self.ckpt.restore_latest(self.state, use)
-        if restored is None:  # a run killed before its first checkpoint starts over: its iterations are redone
-            self._drop_shards_from(0)
-            self.metrics.drop_from(0)
-            return False
-        _, (self.state, self.iteration, self.nonfinite_in_row) = restored
+        if restored is not None:
+            _, (self.state, self.iteration, self.nonfinite_in_row) = restored
+            logging.info("resumed from checkpoint at iteration %d", self.iteration)
+        # what iterations after the checkpoint (all of them, without one) left is rewritten when they are redone
         self._drop_shards_from(self.iteration)
         self.metrics.drop_from(self.iteration)
-        logging.info("resumed from checkpoint at iteration %d", self.iteration)
-        return True
+        return restored is not None
 
     def _drop_shards_from(self, iteration: int) -> None:
         """Trajectories written after the restored checkpoint are rewritten (identically) by the rerun."""

@@ -255,6 +255,7 @@ class ModelConfig:
                 rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
             )
         eos = text.get("eos_token_id", 151645)
+        moe = text if model_type == "qwen3_vl_moe" else {}  # dense families' configs may carry unused MoE keys
         return cls(
             vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
             intermediate_size=text["intermediate_size"], num_hidden_layers=text["num_hidden_layers"],
@@ -272,10 +273,9 @@ class ModelConfig:
             bos_token_id=text.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
             pad_token_id=text.get("pad_token_id"), vision=vision, model_type=model_type,
             explicit_head_dim=int(text.get("head_dim") or 0) if model_type.startswith("qwen3") else 0,
-            num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0)
-            if model_type == "qwen3_vl_moe" else 0,
-            num_experts_per_tok=int(text.get("num_experts_per_tok") or 0) if model_type == "qwen3_vl_moe" else 0,
-            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0) if model_type == "qwen3_vl_moe" else 0,
+            num_experts=int(moe.get("num_experts") or moe.get("num_local_experts") or 0),
+            num_experts_per_tok=int(moe.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(moe.get("moe_intermediate_size") or 0),
             router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
         )
 
@@ -309,8 +309,7 @@ def qwen3_vl_vision(out: int, depth: int = 27, **kw: Any) -> VisionConfig:
     tanh-GELU blocks with full attention, and DeepStack taps after blocks 8, 16 and 24."""
     kw = {"hidden_size": 1152, "intermediate_size": 4304, "hidden_act": "gelu_pytorch_tanh", "patch_size": 16,
           "num_position_embeddings": 2304, "deepstack_layers": (8, 16, 24), **kw}
-    return VisionConfig(out_hidden_size=out, depth=depth, fullatt_block_indexes=tuple(range(depth)), norm="layer",
-                        mlp="plain", patch_bias=True, **kw)
+    return qwen2_vl_vision(out, depth, patch_bias=True, **kw)  # Qwen2-VL's block shape, with those additions
 
 
 def _small_vocab_ids(vocab: int) -> dict[str, int]:

@@ -98,12 +98,15 @@ def vision_layout(image_grid_thw: np.ndarray, vcfg: VisionConfig) -> VisionLayou
     window_index_arr = np.concatenate(window_index).astype(np.int32)
     rotary_arr = np.concatenate(rotary).astype(np.int32)
     n = rotary_arr.shape[0]
-    rotary_arr = rotary_arr.reshape(n // unit, unit, 2)[window_index_arr].reshape(n, 2)
+
+    def permute(per_patch: np.ndarray) -> np.ndarray:  # processor order -> window order, merge units kept whole
+        return per_patch.reshape(n // unit, unit, -1)[window_index_arr].reshape(n, -1)
+
+    rotary_arr = permute(rotary_arr)
     full = np.repeat(np.arange(len(frame_lengths)), frame_lengths).astype(np.int32)
     windows_seg = np.repeat(np.arange(len(window_lengths)), window_lengths).astype(np.int32)
     batches = attention_batches(full, windows_seg, win * win * unit)
     if vcfg.num_position_embeddings:
-        permute = lambda x: x.reshape(n // unit, unit, -1)[window_index_arr].reshape(n, -1)  # noqa: E731
         indices, weights = position_embedding_blend(grid_thw, vcfg)
         batches.update(pos_indices=permute(indices), pos_weights=permute(weights))
     return VisionLayout(window_index_arr, rotary_arr, full, windows_seg, **batches)
