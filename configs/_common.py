@@ -4,7 +4,7 @@ from __future__ import annotations
 import ml_collections
 
 from guijax.methods import option_sections
-from guijax.schema import (Compare, DryRun, Env, Eval, Mesh, Model, Optim, Pipeline, Rollout, Sft, TopLevel,
+from guijax.schema import (Compare, DryRun, Env, Eval, Lora, Mesh, Model, Optim, Pipeline, Rollout, Sft, TopLevel,
                            Train, section_defaults)
 
 
@@ -14,6 +14,7 @@ def base(name: str) -> ml_collections.ConfigDict:
     c = section_defaults(TopLevel)
     c.name = name
     c.model = section_defaults(Model)
+    c.lora = section_defaults(Lora)
     c.mesh = section_defaults(Mesh)
     c.env = section_defaults(Env)
     c.rollout = section_defaults(Rollout)

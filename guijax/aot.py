@@ -144,6 +144,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
 
     from guijax import optim, train_step
     from guijax.models import weights
+    from guijax.models.lora import from_run_config, trainable
     from guijax.models.policy import resolve_dtype
 
     mesh_cfg = sharding.MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
@@ -151,14 +152,15 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     target = compile_target(config, num_devices)
     mesh = Mesh(np.asarray(target.devices).reshape(mesh_cfg.shape(num_devices)), sharding.MESH_AXES)
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
+    lora = from_run_config(config)
     module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
                                   remat_policy=config.model.remat, attention_impl=config.model.attention,
-                                  scan_layers=config.model.scan_layers)
+                                  scan_layers=config.model.scan_layers, lora=lora)
     tx, _ = optim.make_optimizer(config.optim)
     shards = train_step.state_shardings(module, tx, mesh)
     params = nn.unbox(weights.abstract_params(module))
     state = train_step.TrainState(_abstract(params, shards.params),
-                                  _abstract(jax.eval_shape(tx.init, params), shards.opt_state),
+                                  _abstract(jax.eval_shape(tx.init, trainable(params, lora)), shards.opt_state),
                                   jax.ShapeDtypeStruct((), jnp.int32, sharding=shards.step))
     shape = batch_shape(config, model_cfg)
     batch = host_batch(shape, model_cfg)

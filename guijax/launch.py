@@ -76,6 +76,7 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
     from guijax import sharding
     from guijax.models import weights
+    from guijax.models.lora import from_run_config, split
     from guijax.models.policy import resolve_dtype
 
     cfg = model_config_for(config)
@@ -92,11 +93,21 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
     leaves = nn.unbox(boxed)
     total = weights.count_params(leaves)
     vision = weights.count_params(leaves["visual"])
-    per_device = sum(
-        math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-        for x, s in zip(jax.tree.leaves(leaves), jax.tree.leaves(shardings)))
+    shard_values = lambda tree, shards: sum(  # noqa: E731
+        math.prod(s.shard_shape(x.shape)) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shards)))
+    per_device = shard_values(leaves, shardings) * np.dtype(param_dtype).itemsize
     opt_bytes_per_value = np.dtype(resolve_dtype(config.optim.state_dtype)).itemsize if "optim" in config else 4
-    per_device_opt = per_device // np.dtype(param_dtype).itemsize * 2 * opt_bytes_per_value
+    # AdamW keeps two moments of each trained value: every parameter, or under LoRA the adapters alone
+    lora = from_run_config(config) if "lora" in config else None
+    trained, trained_per_device = total, shard_values(leaves, shardings)
+    if lora is not None:
+        lora_module = module.clone(lora=lora)
+        lora_boxed = weights.abstract_params(lora_module)
+        adapters = split(nn.unbox(lora_boxed))[0]
+        trained = weights.count_params(adapters)
+        trained_per_device = shard_values(adapters, split(sharding.param_shardings(lora_boxed, mesh))[0])
+        per_device += trained_per_device * 4  # the float32 adapters beside the frozen weights
+    per_device_opt = trained_per_device * 2 * opt_bytes_per_value
     report = {
         "model": config.model.path or config.model.preset,
         "mesh": dict(zip(sharding.MESH_AXES, shape)),
@@ -106,6 +117,7 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
         "param_dtype": np.dtype(param_dtype).name,
         "param_bytes_per_device": per_device,
         "adam_state_bytes_per_device": per_device_opt,
+        "trained_params": trained,  # under LoRA the adapters (rank lora.rank), else every parameter
     }
     return report
 
@@ -163,6 +175,8 @@ def main(argv: list[str]) -> None:
         print(f"  parameters: {report['params']:,} ({report['params'] / 1e9:.2f}B; vision {report['vision_params']:,}, "
               f"language {report['language_params']:,})")
         print(f"  parameter bytes per device ({report['param_dtype']}): {format_bytes(report['param_bytes_per_device'])}")
+        if report["trained_params"] != report["params"]:
+            print(f"  LoRA rank {config.lora.rank}: {report['trained_params']:,} trained parameters (the adapters)")
         print(f"  AdamW state bytes per device: {format_bytes(report['adam_state_bytes_per_device'])}")
         if FLAGS.dry_run_compile:
             from guijax import aot

@@ -20,6 +20,7 @@ import optax
 
 from guijax import losses, optim, sharding, train_step
 from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
+from guijax.models import lora as lora_lib
 from guijax.models.policy import Policy
 from guijax.progress import Progress
 from guijax.rollout.trajectory import Trajectory
@@ -58,9 +59,9 @@ def _steps_batch(trajectories: Sequence[Trajectory], processor: Any, model_cfg: 
 
 
 def trajectory_logps(module: Any, params: Any, batch: dict[str, Any], segments: jax.Array, n: int,
-                     temperature: float = 1.0, impl: str = "auto") -> jax.Array:
+                     temperature: float = 1.0, impl: str = "auto", dropout_key: jax.Array | None = None) -> jax.Array:
     """log π(τ) of each of `n` trajectories: the batch rows' response log-probs summed per segment."""
-    logp, _ = train_step.batch_logprobs(module, params, batch, temperature, impl)
+    logp, _ = train_step.batch_logprobs(module, params, batch, temperature, impl, dropout_key=dropout_key)
     return jax.ops.segment_sum(losses.sequence_logp(logp, batch["loss_mask"]), segments, n)
 
 
@@ -89,21 +90,28 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
     opt_cfg.learning_rate = learning_rate
     opt_cfg.total_steps = max(steps, opt_cfg.warmup_steps + 1)
     tx, _ = optim.make_optimizer(opt_cfg)
-    params, opt_state = policy.params, sharding.init_opt_state(tx, policy.params, policy.mesh)
+    lora = policy.module.lora  # under LoRA only the adapters train (guijax.models.lora)
+    params = policy.params
+    opt_state = sharding.init_opt_state(tx, lora_lib.trainable(params, lora), policy.mesh)
+    dropout_key = jax.random.PRNGKey(seed) if lora is not None and lora.dropout > 0 else None
 
-    def loss_of(params, batch, segments, n, ref, desirable):
-        logp = trajectory_logps(policy.module, params, batch, segments, n, temperature, impl)
+    def loss_of(params, batch, segments, n, ref, desirable, key):
+        logp = trajectory_logps(policy.module, params, batch, segments, n, temperature, impl, key)
         if kind == "dpo":
             return losses.dpo_loss(logp[0::2], logp[1::2], ref[0::2], ref[1::2], beta=beta)
         return losses.kto_loss(logp, ref, desirable, beta=beta)
 
     @jax.jit
-    def update(params, opt_state, batch, segments, ref, desirable):
+    def update(params, opt_state, batch, segments, ref, desirable, step):
         n = ref.shape[0]
-        (loss, metrics), grads = jax.value_and_grad(lambda p: loss_of(p, batch, segments, n, ref, desirable),
-                                                    has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, metrics
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, step)
+        trained = lora_lib.trainable(params, lora)
+        objective = lambda t: loss_of(lora_lib.with_trainable(params, t, lora), batch, segments, n, ref,  # noqa: E731
+                                      desirable, key)
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trained)
+        updates, opt_state = tx.update(grads, opt_state, trained)
+        params = lora_lib.with_trainable(params, optax.apply_updates(trained, updates), lora)
+        return params, opt_state, loss, metrics
 
     rng = random.Random(seed)
     per_batch = max(1, batch_trajectories // len(units[0]))
@@ -119,7 +127,7 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
             n = len(trajectories)
             ref = seq_logp(ref_params, batch, segments, n)
             desirable = jnp.asarray([t.reward >= 0.5 for t in trajectories])
-            params, opt_state, loss, metrics = update(params, opt_state, batch, segments, ref, desirable)
+            params, opt_state, loss, metrics = update(params, opt_state, batch, segments, ref, desirable, len(history))
             history.append(float(loss))
             bar.update(1, loss=round(history[-1], 4))
             if log is not None:

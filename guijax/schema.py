@@ -94,6 +94,20 @@ class Model:
 
 
 @dataclasses.dataclass(frozen=True)
+class Lora:
+    """Low-rank adapters on the decoder projections (guijax.models.lora), PEFT's fields: with rank > 0 every
+    training stage (SFT, RL, DPO/KTO) trains the adapters alone, the base weights frozen in model.param_dtype;
+    trained models are saved merged, and the adapters beside them in PEFT's format (<model dir>_adapter)."""
+
+    rank: int = ranged(0, low=0)  # r; 0: LoRA off (full fine-tuning)
+    alpha: float = ranged(16.0, low=0, low_open=True)  # lora_alpha: the update is scaled by alpha / rank
+    dropout: float = ranged(0.0, low=0, high=1, high_open=True)  # lora_dropout on the adapters' input
+    target_modules: tuple[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # guijax.models.lora.DECODER_TARGETS
+    use_rslora: bool = False  # scale by alpha / sqrt(rank) (rank-stabilised LoRA)
+
+
+@dataclasses.dataclass(frozen=True)
 class Mesh:
     data: int = ranged(1, low=1, also=-1)  # -1 (on at most one axis): all remaining devices
     fsdp: int = ranged(-1, low=1, also=-1)
@@ -230,6 +244,7 @@ class RunConfig(TopLevel):
     """A validated recipe: the generic sections typed, the method-declared ones in `sections`."""
 
     model: Model
+    lora: Lora
     mesh: Mesh
     env: Env
     rollout: Rollout

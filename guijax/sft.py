@@ -39,7 +39,7 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
     sft_optim.total_steps = max(steps, sft_optim.warmup_steps + 1)
     tx, _ = optim.make_optimizer(sft_optim)
     step_cfg = train_step.StepConfig(objectives.CrossEntropyLoss(), impl=config.train.logprob_impl,
-                                     router_aux_loss_coef=config.train.router_aux_loss_coef)
+                                     router_aux_loss_coef=config.train.router_aux_loss_coef, dropout_seed=seed)
     step_fn = train_step.make_train_step(policy.module, tx, step_cfg, policy.mesh)
     state = train_step.init_state(policy.module, policy.params, tx, policy.mesh)
     data = make_dataset(trajectories, step_refs(trajectories), processor, policy.module.cfg,
@@ -47,7 +47,9 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
     it = iter(data)
     losses_seen: list[float] = []
     ckpt = Checkpointer(checkpoint_dir, keep=1) if checkpoint_dir else None
-    restored = ckpt.restore_latest(state, lambda s, meta: (s, meta["data"], list(meta["losses"]))) if ckpt else None
+    saved = lambda s: train_step.checkpointed(s, policy.module)  # noqa: E731
+    use = lambda s, meta: (train_step.restored(state, s, policy.module), meta["data"], list(meta["losses"]))  # noqa: E731
+    restored = ckpt.restore_latest(saved(state), use) if ckpt else None
     if restored is not None:
         _, (state, data_state, losses_seen) = restored
         it.set_state(data_state)
@@ -61,7 +63,7 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
             if log is not None:
                 log({"sft_step": len(losses_seen), "sft_loss": losses_seen[-1]})
             if ckpt is not None and len(losses_seen) % checkpoint_every == 0 and len(losses_seen) < steps:
-                ckpt.save(len(losses_seen), state, {"data": it.get_state(), "losses": losses_seen})
+                ckpt.save(len(losses_seen), saved(state), {"data": it.get_state(), "losses": losses_seen})
     finally:
         bar.close()
         if ckpt is not None:

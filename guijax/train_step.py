@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh
 
 from guijax import kernels, objectives, sharding
+from guijax.models import lora as lora_lib
 from guijax.models import weights
 from guijax.models.moe import load_balancing_loss
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
@@ -31,9 +32,23 @@ Batch = dict[str, Any]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class TrainState:
+    """All parameters, the optimiser state of the trainable ones (the LoRA adapters when the module has them,
+    else every parameter), and the step count."""
+
     params: Any
     opt_state: Any
     step: jax.Array
+
+
+def checkpointed(state: TrainState, module: Qwen2_5_VL) -> TrainState:
+    """What a checkpoint must hold to resume: under LoRA the adapters, not the frozen base weights (which
+    the run reloads from its checkpoint directory), so a 7B LoRA checkpoint is megabytes, not gigabytes."""
+    return TrainState(lora_lib.trainable(state.params, module.lora), state.opt_state, state.step)
+
+
+def restored(state: TrainState, saved: TrainState, module: Qwen2_5_VL) -> TrainState:
+    """The inverse of `checkpointed`: `saved`'s trainable parameters and optimiser state on `state`'s base."""
+    return TrainState(lora_lib.with_trainable(state.params, saved.params, module.lora), saved.opt_state, saved.step)
 
 
 def lm_head(params: Any, module: Qwen2_5_VL) -> jax.Array:
@@ -50,26 +65,33 @@ def kernel_mesh(impl: str, mesh: Mesh | None) -> dict[str, Any]:
 
 
 def batch_logprobs(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: float = 1.0,
-                   impl: str = "auto", mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+                   impl: str = "auto", mesh: Mesh | None = None,
+                   dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-token log π(target) and entropy [b, s] at the sampling temperature (so ratios compare like with
     like: the sampler's behaviour log-probs are of softmax(logits / T)).
 
     With `response_positions` in the batch the LM head runs on those positions only (`response_logprobs`);
-    without it, on every position (`all_positions_logprobs`, the reference)."""
-    logp, entropy, _ = _logprobs_and_router_loss(module, params, batch, temperature, impl, mesh, router=False)
+    without it, on every position (`all_positions_logprobs`, the reference). `dropout_key`: LoRA dropout on
+    (training only)."""
+    logp, entropy, _ = _logprobs_and_router_loss(module, params, batch, temperature, impl, mesh, router=False,
+                                                 dropout_key=dropout_key)
     return logp, entropy
 
 
 def _logprobs_and_router_loss(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: float, impl: str,
-                              mesh: Mesh | None, router: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """`batch_logprobs`, and with `router` the load-balancing loss of a routed-expert model's routers."""
+                              mesh: Mesh | None, router: bool,
+                              dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """`batch_logprobs`, and with `router` the load-balancing loss of a routed-expert model's routers.
+    `dropout_key` turns on the LoRA adapters' dropout (training steps only)."""
     args = (batch["input_ids"], batch["positions"], batch["attention_mask"], batch.get("vision"))
+    rngs = {} if dropout_key is None else {"dropout": dropout_key}
     aux = None
     if router:
-        (hidden, _), state = module.apply({"params": params}, *args, return_logits=False, mutable=["intermediates"])
+        (hidden, _), state = module.apply({"params": params}, *args, return_logits=False, mutable=["intermediates"],
+                                          rngs=rngs)
         aux = load_balancing_loss(state.get("intermediates", {}))
     else:
-        hidden, _ = module.apply({"params": params}, *args, return_logits=False)
+        hidden, _ = module.apply({"params": params}, *args, return_logits=False, rngs=rngs)
     head = lm_head(params, module)
     if temperature != 1.0:
         head = head / temperature
@@ -121,12 +143,13 @@ class StepConfig:
     temperature: float = 1.0
     impl: str = "auto"
     router_aux_loss_coef: float = 0.0  # routed-expert models: the load-balancing loss's weight (always reported)
+    dropout_seed: int = 0  # LoRA dropout: step k's masks are drawn from fold_in(seed, k)
 
 
 def loss_fn(params: Any, batch: Batch, module: Qwen2_5_VL, cfg: StepConfig,
-            mesh: Mesh | None = None) -> tuple[jax.Array, dict]:
+            mesh: Mesh | None = None, dropout_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
     logp, entropy, aux = _logprobs_and_router_loss(module, params, batch, cfg.temperature, cfg.impl, mesh,
-                                                   router=module.cfg.num_experts > 0)
+                                                   router=module.cfg.num_experts > 0, dropout_key=dropout_key)
     loss, metrics = cfg.loss(logp, entropy, batch)
     mask = batch["loss_mask"]
     metrics.setdefault("entropy", jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0))
@@ -142,7 +165,8 @@ def state_shardings(module: Qwen2_5_VL, tx: optax.GradientTransformation, mesh: 
     step counter replicated."""
     boxed = weights.abstract_params(module)
     params = sharding.param_shardings(boxed, mesh)
-    opt = sharding.opt_state_shardings(tx, nn.unbox(boxed), params, mesh)
+    trainable = lambda tree: lora_lib.trainable(tree, module.lora)  # noqa: E731
+    opt = sharding.opt_state_shardings(tx, trainable(nn.unbox(boxed)), trainable(params), mesh)
     return TrainState(params, opt, sharding.replicated(mesh))
 
 
@@ -150,11 +174,12 @@ def init_state(module: Qwen2_5_VL, params: Any, tx: optax.GradientTransformation
                mesh: Mesh | None = None) -> TrainState:
     """Step-0 TrainState. With a mesh the parameters are (re)placed in their shards and the optimiser state is
     created directly in its shards by a jitted init, never whole on one device."""
+    trainable = lambda tree: lora_lib.trainable(tree, module.lora)  # noqa: E731
     if mesh is None:
-        return TrainState(params, sharding.init_opt_state(tx, params), jnp.int32(0))
+        return TrainState(params, sharding.init_opt_state(tx, trainable(params)), jnp.int32(0))
     shards = state_shardings(module, tx, mesh)
     params = jax.device_put(params, shards.params)
-    return TrainState(params, sharding.init_opt_state(tx, params, mesh, shards.params),
+    return TrainState(params, sharding.init_opt_state(tx, trainable(params), mesh, trainable(shards.params)),
                       jax.device_put(jnp.int32(0), shards.step))
 
 
@@ -188,17 +213,27 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
                     mesh: Mesh | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """One optimiser step. A non-finite loss or gradient leaves parameters and optimiser state untouched
     and reports `skipped = 1`, so one bad batch cannot poison a run (the trainer stops after N in a row).
-    The state is donated: its buffers become the new state's."""
+    The state is donated: its buffers become the new state's.
+
+    Under LoRA (`module.lora`) the gradient is taken with respect to the adapters alone: the base weights
+    enter as constants, so no full-size gradient or moment is ever computed or held."""
+    lora = module.lora
+    use_dropout = lora is not None and lora.dropout > 0
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, module, cfg, mesh)
+        trained = lora_lib.trainable(state.params, lora)
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.dropout_seed), state.step) if use_dropout else None
+        objective = lambda t: loss_fn(lora_lib.with_trainable(state.params, t, lora), batch, module, cfg,  # noqa: E731
+                                      mesh, key)
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trained)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        updates, new_opt = tx.update(grads, state.opt_state, trained)
+        new_trained = optax.apply_updates(trained, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = dict(metrics, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
-        return TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state), state.step + 1), metrics
+        new_params = lora_lib.with_trainable(state.params, keep(new_trained, trained), lora)
+        return TrainState(new_params, keep(new_opt, state.opt_state), state.step + 1), metrics
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,))

@@ -97,7 +97,7 @@ class Trainer:
         self.tx, self.schedule = optim.make_optimizer(config.optim)
         self.objective = parts.objective
         step_cfg = train_step.StepConfig(parts.objective.loss, config.rollout.temperature, config.train.logprob_impl,
-                                         config.train.router_aux_loss_coef)
+                                         config.train.router_aux_loss_coef, parts.streams.seed_for("lora_dropout"))
         self.mesh = parts.mesh
         self.streams = parts.streams
         self.step_fn = train_step.make_train_step(self.module, self.tx, step_cfg, self.mesh)
@@ -137,15 +137,15 @@ class Trainer:
     def save(self) -> None:
         meta = {"iteration": self.iteration, "hook": self.hook.state_dict(),
                 "nonfinite_in_row": self.nonfinite_in_row}
-        self.ckpt.save(self.iteration, self.state, meta)
+        self.ckpt.save(self.iteration, train_step.checkpointed(self.state, self.module), meta)
 
     def maybe_restore(self) -> bool:
-        def use(state, meta):
+        def use(saved, meta):
             iteration, nonfinite = int(meta["iteration"]), int(meta.get("nonfinite_in_row", 0))
             self.hook.load_state_dict(meta["hook"])
-            return state, iteration, nonfinite
+            return train_step.restored(self.state, saved, self.module), iteration, nonfinite
 
-        restored = self.ckpt.restore_latest(self.state, use)
+        restored = self.ckpt.restore_latest(train_step.checkpointed(self.state, self.module), use)
         if restored is not None:
             _, (self.state, self.iteration, self.nonfinite_in_row) = restored
             logging.info("resumed from checkpoint at iteration %d", self.iteration)

@@ -12,6 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from guijax.models import lora as lora_lib
+
 Dtype = Any
 
 
@@ -60,7 +62,8 @@ def norm_layer(kind: str) -> type[nn.Module]:
 
 
 class Linear(nn.Module):
-    """Dense layer with logical axes for its kernel ([in, out]) and bias ([out])."""
+    """Dense layer with logical axes for its kernel ([in, out]) and bias ([out]); with `lora`, plus a
+    low-rank adapter (see guijax.models.lora)."""
 
     features: int
     axes: tuple[str, str]
@@ -68,6 +71,7 @@ class Linear(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     init_std: float = 0.02
+    lora: lora_lib.LoraConfig | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -79,6 +83,14 @@ class Linear(nn.Module):
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.axes[1],)),
                               (self.features,), self.param_dtype)
             y = y + bias.astype(self.dtype)
+        if self.lora is not None:
+            r = self.lora.rank
+            a = self.param("lora_a", nn.with_logical_partitioning(lora_lib.init_a, (self.axes[0], "lora_rank")),
+                           (x.shape[-1], r), jnp.float32)
+            b = self.param("lora_b", nn.with_logical_partitioning(nn.initializers.zeros, ("lora_rank", self.axes[1])),
+                           (r, self.features), jnp.float32)
+            key = self.make_rng("dropout") if self.lora.dropout > 0 and self.has_rng("dropout") else None
+            y = y + lora_lib.delta(x, a, b, self.lora, self.dtype, key)
         return y
 
 
@@ -106,13 +118,17 @@ class GatedMLP(nn.Module):
     mlp_axis: str = "mlp"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    lora: lora_lib.LoraConfig | None = None  # adapters on the projections it targets (decoder MLPs)
+
+    def _linear(self, features: int, axes: tuple[str, str], name: str) -> Linear:
+        return Linear(features, axes, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                      lora=self.lora and self.lora.on(name), name=name)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-        gate = Linear(self.intermediate_size, (self.embed_axis, self.mlp_axis), name="gate_proj", **kw)(x)
-        up = Linear(self.intermediate_size, (self.embed_axis, self.mlp_axis), name="up_proj", **kw)(x)
-        return Linear(x.shape[-1], (self.mlp_axis, self.embed_axis), name="down_proj", **kw)(
+        gate = self._linear(self.intermediate_size, (self.embed_axis, self.mlp_axis), "gate_proj")(x)
+        up = self._linear(self.intermediate_size, (self.embed_axis, self.mlp_axis), "up_proj")(x)
+        return self._linear(x.shape[-1], (self.mlp_axis, self.embed_axis), "down_proj")(
             activation(self.hidden_act)(gate) * up)
 
 

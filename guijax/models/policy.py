@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from guijax.models.config import ModelConfig
+from guijax.models.lora import LoraConfig, combine, merge
 from guijax.models.positions import mrope_positions, vision_layout
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
 from guijax.models.safetensors_io import CheckpointError
@@ -132,12 +133,14 @@ class Policy:
 
 def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_dtype: Any = None,
                     mesh: jax.sharding.Mesh | None = None, remat_policy: str = "none",
-                    attention_impl: str = "auto", scan_layers: bool = True) -> Policy:
+                    attention_impl: str = "auto", scan_layers: bool = True, lora: LoraConfig | None = None,
+                    lora_seed: int = 0) -> Policy:
     """Load a Hugging Face Qwen2.5-VL, Qwen2-VL or Qwen3-VL directory (config.json, whose `model_type` picks
     the family; safetensors with optional index; tokenizer).
 
     dtype is the compute dtype; param_dtype defaults to it. With a mesh, every device reads only its shard.
-    attention_impl picks the attention backend ("auto", "xla", "cudnn", "reference").
+    attention_impl picks the attention backend ("auto", "xla", "cudnn", "reference"). With `lora`, fresh
+    adapters (drawn from `lora_seed`) join the loaded weights, which training then leaves frozen.
     """
     path = pathlib.Path(path)
     if not path.is_dir():
@@ -145,21 +148,27 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_d
     cfg = ModelConfig.from_json_file(path / "config.json")
     dtype = resolve_dtype(dtype)
     module = weights.build_module(cfg, dtype=dtype, param_dtype=resolve_dtype(param_dtype or dtype),
-                                  remat_policy=remat_policy, attention_impl=attention_impl, scan_layers=scan_layers)
+                                  remat_policy=remat_policy, attention_impl=attention_impl, scan_layers=scan_layers,
+                                  lora=lora)
     params = weights.load_params(str(path), module, mesh)
+    if lora is not None:
+        params = combine(params, weights.init_adapters(module, jax.random.PRNGKey(lora_seed), mesh))
     return Policy(cfg, module, params, mesh, path)
 
 
 def save_pretrained(policy: Policy, path: str | pathlib.Path, *, dtype: Any = None) -> pathlib.Path:
     """Write config.json + safetensors (+ the tokenizer / processor files of the source directory) so that
-    transformers' `from_pretrained` and vLLM can serve the trained policy."""
+    transformers' `from_pretrained` and vLLM can serve the trained policy. LoRA adapters are merged into
+    the kernels (`guijax.models.peft.save_adapter` writes them on their own)."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(dtype) if dtype is not None else None
-    weights.save_params(str(path), policy.params, policy.cfg, dtype)
+    lora = policy.module.lora
+    params = policy.params if lora is None else merge(policy.params, lora)
+    weights.save_params(str(path), params, policy.cfg, dtype)
     if jax.process_index() == 0:
         config = policy.cfg.to_hf_dict()
-        leaf_dtype = dtype or jax.tree.leaves(policy.params)[0].dtype
+        leaf_dtype = dtype or params["embed_tokens"].dtype
         config["torch_dtype"] = jnp.dtype(leaf_dtype).name
         (path / "config.json").write_text(json.dumps(config, indent=2))
         if policy.path is not None and policy.path.resolve() != path.resolve():

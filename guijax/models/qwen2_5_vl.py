@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from guijax.models.config import ModelConfig
 from guijax.models.attention import attention
 from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary
+from guijax.models.lora import LoraConfig
 from guijax.models.moe import SparseMoE
 from guijax.models.scan import ATTENTION_OUT, MLP_IN, maybe_remat, scanned_layers
 from guijax.models.vision import VisionFeatures, VisionTower
@@ -84,6 +85,7 @@ class Attention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention_impl: str = "auto"
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(self, x, cos, sin, mask: MaskSpec, cache: KVCache | None, cache_index, layer):
@@ -94,9 +96,11 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         bias = not cfg.qwen3
-        q = Linear(cfg.num_attention_heads * hd, ("embed", "q_heads"), use_bias=bias, name="q_proj", **kw)(x)
-        k = Linear(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), use_bias=bias, name="k_proj", **kw)(x)
-        v = Linear(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), use_bias=bias, name="v_proj", **kw)(x)
+        proj = lambda n, axes, name, use_bias: Linear(n, axes, use_bias=use_bias, name=name,  # noqa: E731
+                                                      lora=self.lora and self.lora.on(name), **kw)
+        q = proj(cfg.num_attention_heads * hd, ("embed", "q_heads"), "q_proj", bias)(x)
+        k = proj(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), "k_proj", bias)(x)
+        v = proj(cfg.num_key_value_heads * hd, ("embed", "kv_heads"), "v_proj", bias)(x)
         q, k, v = (t.reshape(b, s, -1, hd) for t in (q, k, v))
         if cfg.qwen3:  # Qwen3 normalises each head's query and key before the rotation
             q = RMSNorm(cfg.rms_norm_eps, name="q_norm", **kw)(q)
@@ -110,7 +114,7 @@ class Attention(nn.Module):
                         kv_segment_ids=mask.kv_segment_ids, q_positions=mask.q_positions,
                         kv_positions=mask.kv_positions, implementation=self.attention_impl)
         out = checkpoint_name(out.reshape(b, s, -1), ATTENTION_OUT)
-        return Linear(cfg.hidden_size, ("q_heads", "embed"), name="o_proj", **kw)(out), cache
+        return proj(cfg.hidden_size, ("q_heads", "embed"), "o_proj", False)(out), cache
 
 
 def _write_layer(stacked: jax.Array, new: jax.Array, layer, index) -> jax.Array:
@@ -150,13 +154,14 @@ class DecoderLayer(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention_impl: str = "auto"
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(self, carry, cos, sin, mask, cache_index, deepstack: DeepStack | None, layer):
         x, cache = carry
         cfg = self.cfg
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h, cache = Attention(cfg, name="self_attn", attention_impl=self.attention_impl, **kw)(
+        h, cache = Attention(cfg, name="self_attn", attention_impl=self.attention_impl, lora=self.lora, **kw)(
             RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, mask, cache, cache_index, layer)
         x = x + h
         h = checkpoint_name(RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x), MLP_IN)
@@ -164,7 +169,7 @@ class DecoderLayer(nn.Module):
             x = x + SparseMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_act,
                               name="mlp", **kw)(h, mask.q_segment_ids)
         else:
-            x = x + GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
+            x = x + GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", lora=self.lora, **kw)(h)
         if deepstack is not None:
             x = deepstack.add(x, layer)
         x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))
@@ -186,9 +191,12 @@ class Qwen2_5_VL(nn.Module):
     remat_policy: str = "none"
     attention_impl: str = "auto"
     scan_layers: bool = True
+    lora: LoraConfig | None = None  # low-rank adapters on the decoder projections it targets (guijax.models.lora)
 
     def setup(self):
         cfg, kw = self.cfg, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        if self.lora is not None:
+            self.lora.check_model(cfg.num_experts, cfg.model_type)
         self.embed_tokens = self.param(
             "embed_tokens", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
             (cfg.vocab_size, cfg.hidden_size), self.param_dtype)
@@ -198,9 +206,9 @@ class Qwen2_5_VL(nn.Module):
         if self.scan_layers:
             broadcast = (nn.broadcast,) * 5 + (0,)  # cos, sin, mask, cache_index, deepstack; the layer index is scanned
             self.layers = scanned_layers(layer_cls, cfg.num_hidden_layers, broadcast)(
-                cfg, name="layers", attention_impl=self.attention_impl, **kw)
+                cfg, name="layers", attention_impl=self.attention_impl, lora=self.lora, **kw)
         else:
-            self.layers = [layer_cls(cfg, name=f"layers_{i}", attention_impl=self.attention_impl, **kw)
+            self.layers = [layer_cls(cfg, name=f"layers_{i}", attention_impl=self.attention_impl, lora=self.lora, **kw)
                            for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, **kw)
         if not cfg.tie_word_embeddings:

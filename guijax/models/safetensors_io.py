@@ -89,12 +89,17 @@ def write_safetensors(
     tensors: Iterable[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]],
     *,
     max_shard_bytes: int = 5 * 1024**3,
+    file_name: str = SINGLE_FILE,
 ) -> list[str]:
     """Write tensors given as (name, shape, dtype, fetch) so only one tensor is in host memory at a time.
 
     Shards larger checkpoints like transformers does (`model-0000i-of-0000n.safetensors` + index). Each file
     is written to a temporary name and renamed, so a crash never leaves a truncated shard under a real name.
+    Another `file_name` (a PEFT adapter's) writes that one file, never sharded, and leaves any model index
+    in the directory alone.
     """
+    if file_name != SINGLE_FILE:
+        max_shard_bytes = 2**63
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     entries = list(tensors)
@@ -107,22 +112,22 @@ def write_safetensors(
             current = 0
         shards[-1].append(entry)
         current += nbytes
-    names = [SINGLE_FILE] if len(shards) == 1 else [
+    names = [file_name] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map: dict[str, str] = {}
     total = 0
-    for file_name, shard in zip(names, shards):
+    for shard_name, shard in zip(names, shards):
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name, shape, dtype, _ in shard:
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
             header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
-            weight_map[name] = file_name
+            weight_map[name] = shard_name
         total += offset
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{file_name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{shard_name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(struct.pack("<Q", len(blob)))
@@ -134,12 +139,14 @@ def write_safetensors(
                     f.write(array.tobytes())
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, directory / file_name)
+            os.replace(tmp, directory / shard_name)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
     index_path = directory / INDEX_FILE
+    if file_name != SINGLE_FILE:
+        return names
     if len(names) > 1:
         index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     elif index_path.exists():

@@ -46,5 +46,5 @@ def scanned_layers(cls: type[nn.Module], length: int, in_axes: Any, axis_name: s
     axis of that length with logical name `axis_name` ("layers", or "layer_groups" for an outer scan, as
     one array may not repeat a name; neither is sharded, see guijax.sharding.LOGICAL_RULES), so the program
     holds one copy of the layer however deep the model is."""
-    return nn.scan(cls, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True}, in_axes=in_axes, length=length,
-                   metadata_params={nn.PARTITION_NAME: axis_name})
+    return nn.scan(cls, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
+                   in_axes=in_axes, length=length, metadata_params={nn.PARTITION_NAME: axis_name})

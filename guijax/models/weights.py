@@ -22,6 +22,7 @@ import numpy as np
 from flax import traverse_util
 
 from guijax.models.config import ModelConfig
+from guijax.models.lora import LoraConfig, is_adapter, split
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
 from guijax.models.vision import block_plan
 from guijax.models.safetensors_io import CheckpointError, SafetensorsReader, write_safetensors
@@ -32,11 +33,13 @@ NESTED = "nested"  # model.language_model.*, model.visual.*: transformers 5's in
 
 
 def build_module(cfg: ModelConfig, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 remat_policy: str = "none", attention_impl: str = "auto", scan_layers: bool = True) -> Qwen2_5_VL:
+                 remat_policy: str = "none", attention_impl: str = "auto", scan_layers: bool = True,
+                 lora: LoraConfig | None = None) -> Qwen2_5_VL:
     """The Flax module; attention_impl is the attention backend (see guijax.models.attention), scan_layers
-    stacks the layers under `nn.scan` (False: one module per layer, the unrolled reference)."""
+    stacks the layers under `nn.scan` (False: one module per layer, the unrolled reference), lora adds
+    low-rank adapters to the decoder projections it targets."""
     return Qwen2_5_VL(cfg, dtype=dtype, param_dtype=param_dtype, remat_policy=remat_policy,
-                      attention_impl=attention_impl, scan_layers=scan_layers)
+                      attention_impl=attention_impl, scan_layers=scan_layers, lora=lora)
 
 
 def _dummy_inputs(cfg: ModelConfig) -> tuple:
@@ -66,6 +69,22 @@ def init_params(module: Qwen2_5_VL, rng: jax.Array, mesh=None) -> Any:
     if mesh is None:
         return jax.jit(init)()
     shardings = param_shardings(abstract_params(module), mesh)
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def init_adapters(module: Qwen2_5_VL, rng: jax.Array, mesh=None) -> Any:
+    """A LoRA module's fresh adapters alone (A random, B zero), created in their shards. The base weights'
+    initialisers are dead code in this program, so a 7B module costs only its adapters here."""
+    if module.lora is None:
+        raise ValueError("init_adapters needs a module built with a LoRA config")
+    ids, pos, mask, vision = _dummy_inputs(module.cfg)
+
+    def init():
+        return split(nn.unbox(module.init(rng, ids, pos, mask, vision)["params"]))[0]
+
+    if mesh is None:
+        return jax.jit(init)()
+    shardings = split(param_shardings(abstract_params(module), mesh))[0]
     return jax.jit(init, out_shardings=shardings)()
 
 
@@ -243,11 +262,12 @@ def load_params(directory: str, module: Qwen2_5_VL, mesh=None) -> Any:
 def load_tensors(reader: SafetensorsReader | ArrayReader, module: Qwen2_5_VL, mesh=None,
                  origin: str = "tensors") -> Any:
     """Checkpoint-named tensors -> (sharded) Flax parameters; per-layer tensors are stacked into the
-    scanned layers' leaves shard by shard."""
+    scanned layers' leaves shard by shard. A LoRA module's adapters are not in a base checkpoint: they are
+    left out here (see `guijax.models.lora`)."""
     cfg = module.cfg
     keys = reader.keys()
     style = detect_style(keys)
-    boxed = abstract_params(module)
+    boxed = abstract_params(module.clone(lora=None))
     flat = traverse_util.flatten_dict(nn.unbox(boxed))
     if mesh is not None:
         flat_shardings = traverse_util.flatten_dict(param_shardings(boxed, mesh))
@@ -322,6 +342,10 @@ def save_params(directory: str, params: Any, cfg: ModelConfig, dtype: Any | None
     unstacked into per-layer tensors), one tensor at a time. In multi-host runs every process must call this
     (it gathers); only process 0 writes."""
     flat = traverse_util.flatten_dict(nn.unbox(params))
+    adapters = [".".join(p) for p in flat if is_adapter(p)]
+    if adapters:
+        raise ValueError(f"parameters hold LoRA adapters ({adapters[0]}, ...): fold them into the kernels with "
+                         "guijax.models.lora.merge before saving a plain checkpoint")
     entries: list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]] = []
     for path, value in flat.items():
         rule = flax_to_hf(path, cfg)

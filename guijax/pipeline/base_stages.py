@@ -24,12 +24,12 @@ from guijax.pipeline.stage import output_exists, stage
 # What results depend on (guijax.pipeline.records): config read by stages that run the policy, train it or
 # evaluate it, and the stages whose files they read (the splits, the base policy).
 ROLLOUT_READS = ("seed", "model", "env", "rollout", "pipeline")
-TRAIN_READS = ROLLOUT_READS + ("train", "optim", "sft")
+TRAIN_READS = ROLLOUT_READS + ("train", "optim", "sft", "lora")
 EVAL_READS = ROLLOUT_READS + ("eval",)
 SPLITS = ("tasks", "bepa_splits", "level1")  # each rewrites splits.json
 BASE_POLICY = ("base_model", "sft")
-RL_OUTPUTS = ("trained_model", "checkpoints", "metrics.jsonl", "trajectories", "algorithm_trajectories",
-              "expert_sft_checkpoints", "expert_sft_metrics.jsonl", "offline_metrics.jsonl")
+RL_OUTPUTS = ("trained_model", "trained_model_adapter", "checkpoints", "metrics.jsonl", "trajectories",
+              "algorithm_trajectories", "expert_sft_checkpoints", "expert_sft_metrics.jsonl", "offline_metrics.jsonl")
 
 
 def _describe_base_model(run: Run) -> str:
@@ -139,17 +139,17 @@ def _describe_sft(run: Run) -> str:
 
 @stage("sft", _describe_sft,
        done=lambda run: run.config.sft.steps == 0 or (run.workdir / "sft_model" / "config.json").exists(),
-       reads=("seed", "model", "env", "sft", "optim", "pipeline", "rollout.prompt", "rollout.max_images",
+       reads=("seed", "model", "lora", "env", "sft", "optim", "pipeline", "rollout.prompt", "rollout.max_images",
               "train.minibatch_size", "train.logprob_impl"),
-       needs=("base_model", "tasks", "bepa_splits"), outputs=("sft_model", "sft_metrics.jsonl", "sft_checkpoints"))
+       needs=("base_model", "tasks", "bepa_splits"),
+       outputs=("sft_model", "sft_model_adapter", "sft_metrics.jsonl", "sft_checkpoints"))
 def sft(run: Run) -> str:
     from guijax.metrics import MetricsWriter
-    from guijax.models.policy import save_pretrained
     from guijax.sft import sft_steps
     from guijax.trainer import pipeline_config
 
     out = run.workdir / "sft_model"
-    policy = run.load_policy(run.base_model_dir)
+    policy = run.load_policy(run.base_model_dir, trains=run.config)
     trajectories = sft_trajectories(run)
     writer = MetricsWriter(run.workdir, "sft_metrics.jsonl", console=False)
     params, losses_seen = sft_steps(policy, trajectories, policy.processor, run.config,
@@ -160,7 +160,7 @@ def sft(run: Run) -> str:
                                     checkpoint_every=run.config.sft.checkpoint_every)
     writer.close()
     policy.params = params
-    save_pretrained(policy, out)
+    run.save_trained(policy, out)
     return f"{len(trajectories)} expert trajectories, loss {losses_seen[0]:.3f} -> {losses_seen[-1]:.3f}"
 
 
@@ -212,7 +212,7 @@ def train_with(run: Run, method: Any, workdir: pathlib.Path, desc: str) -> tuple
     from guijax.trainer import Components, Trainer, pipeline_config
 
     ctx = method_context(run, method.config, workdir, method.name)
-    policy = run.load_policy(policy_dir(run))
+    policy = run.load_policy(policy_dir(run), trains=method.config)
     method.before_rl(ctx, policy, pipeline_config(method.config, run.system_prompt))
     if not method.rl:
         return policy, []
@@ -237,11 +237,10 @@ def _describe_rl(run: Run) -> str:
        needs=BASE_POLICY + ("tasks", "bepa_splits"), outputs=RL_OUTPUTS, trains="method")
 def rl(run: Run) -> str:
     from guijax.methods import get_method
-    from guijax.models.policy import save_pretrained
 
     method = get_method(run.config.method, run.config)
     policy, history = train_with(run, method, run.workdir, method.name)
-    save_pretrained(policy, run.workdir / "trained_model")
+    run.save_trained(policy, run.workdir / "trained_model")
     return rl_headline(history)
 
 

@@ -28,15 +28,13 @@ def compared_methods(run: Run) -> list[Any]:
 
 def train_method(run: Run, method: Any) -> pathlib.Path:
     """Train one method from the base policy in WORKDIR/methods/NAME; returns its trained model directory."""
-    from guijax.models.policy import save_pretrained
-
     workdir = run.workdir / "methods" / method.name
     final = workdir / "trained_model"
     if (final / "config.json").exists():
         return final
     workdir.mkdir(parents=True, exist_ok=True)
     policy, _ = train_with(run, method, workdir, method.name)
-    save_pretrained(policy, final)
+    run.save_trained(policy, final)
     return final
 
 

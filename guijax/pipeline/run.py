@@ -9,9 +9,16 @@ from typing import Any
 
 import ml_collections
 
+from guijax.models.lora import from_run_config
 from guijax.pipeline.records import StageRecords
 from guijax.rng import Streams
 from guijax.rollout.prompt import prompt_template
+
+
+def adapter_dir(model_dir: pathlib.Path) -> pathlib.Path:
+    """Where a LoRA run's adapters go beside its merged model: `<model dir>_adapter` (not inside it, where
+    transformers would take the directory for an adapter instead of a model)."""
+    return model_dir.with_name(model_dir.name + "_adapter")
 
 
 @dataclasses.dataclass
@@ -42,19 +49,34 @@ class Run:
     def base_model_dir(self) -> pathlib.Path:
         return pathlib.Path(self.config.model.path) if self.config.model.path else self.workdir / "base_model"
 
-    def load_policy(self, path: pathlib.Path):
+    def load_policy(self, path: pathlib.Path, trains: ml_collections.ConfigDict | None = None):
+        """The policy in `path`. A policy that `trains` (under that config: the run's, or a method's) gets
+        fresh LoRA adapters when its `lora.rank` is positive; one that only samples is the plain model."""
         from guijax.models.policy import from_pretrained
 
+        lora = None if trains is None else from_run_config(trains)
         policy = from_pretrained(path, dtype=self.config.model.dtype,
                                  param_dtype=self.config.model.param_dtype or None, mesh=self.mesh(),
                                  remat_policy=self.config.model.remat,
                                  attention_impl=self.config.model.get("attention", "auto"),
-                                 scan_layers=self.config.model.scan_layers)
+                                 scan_layers=self.config.model.scan_layers, lora=lora,
+                                 lora_seed=self.streams.seed_for("lora_init"))
         processor = policy.processor
         if self.config.model.image_max_pixels:
             processor.image_processor = dataclasses.replace(processor.image_processor,
                                                             max_pixels=self.config.model.image_max_pixels)
         return policy
+
+    def save_trained(self, policy, path: pathlib.Path) -> pathlib.Path:
+        """A trained policy as a Hugging Face checkpoint in `path` (LoRA adapters merged), and under LoRA the
+        adapters alone in PEFT's format in `<path>_adapter`, for the checkpoint the policy was loaded from."""
+        from guijax.models.peft_format import save_adapter
+        from guijax.models.policy import save_pretrained
+
+        if policy.module.lora is not None:
+            save_adapter(adapter_dir(path), policy.params, policy.cfg, policy.module.lora,
+                         str(policy.path.resolve()) if policy.path else "")
+        return save_pretrained(policy, path)
 
     def tasks(self) -> dict[str, list]:
         from envs.tasks import load_tasks
