@@ -6,10 +6,13 @@ response shapes): /screenshot, /execute, /setup/execute, /setup/launch, /setup/o
 /cursor_position, /screen_size, /run_python, /run_bash_script, /terminal, /accessibility; plus /guijax/reset
 (close the apps this server started), which OSWorld VMs lack (there the provider reverts a snapshot).
 
-SECURITY: this server runs arbitrary commands and code sent to it. It binds 127.0.0.1 by default; binding
-any other address requires --token, and then every request must carry `Authorization: Bearer <token>`
-(also required on loopback when a token is given). Without --display it starts its own Xvfb desktop with a
-private HOME; with --display it drives that existing display and the real HOME.
+SECURITY: this server runs arbitrary commands and code sent to it. Every request must carry
+`Authorization: Bearer <token>`: the token is --token (or $GUIJAX_SERVER_TOKEN), or one generated at start
+and printed, so no other local process or web page can drive it. `--no-token` (loopback only) opts out, for
+clients that cannot send a header, such as OSWorld's own controller. It binds 127.0.0.1 by default. JSON
+endpoints take only `Content-Type: application/json` bodies, so a web form cannot post to them. Without
+--display it starts its own Xvfb desktop with a private HOME; with --display it drives that existing display
+and the real HOME.
 
 Each request runs in its own thread; a command that hangs is killed after --timeout seconds (default 90)
 and answered with HTTP 500, so it never takes the server down. One client cannot make it hold unbounded
@@ -27,6 +30,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -170,7 +174,18 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._send(status, {"status": "error", "message": message}, headers={"Connection": "close"})
 
+    def _content_type(self, allowed: tuple[str, ...]) -> str:
+        """The body's media type, refused (415, unread) unless it is one of `allowed`: browsers send only
+        text/plain, urlencoded and multipart bodies without asking first, so a JSON endpoint that insists on
+        application/json cannot be driven by a web page's form. An empty body needs no type."""
+        ctype = self.headers.get("Content-Type", "")
+        media = ctype.split(";", 1)[0].strip().lower()
+        if self._body_length() and media not in allowed:
+            raise BodyRefused(415, f"Content-Type {ctype or '(none)'!r} is not accepted here; send {' or '.join(allowed)}")
+        return media
+
     def _json(self) -> dict[str, Any]:
+        self._content_type(("application/json",))
         raw = self._body()
         try:
             data = json.loads(raw or b"{}")
@@ -182,9 +197,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _form(self) -> tuple[dict[str, str], dict[str, bytes]]:
         """Fields and files of an urlencoded or multipart/form-data body."""
+        media = self._content_type(("multipart/form-data", "application/x-www-form-urlencoded"))
         ctype = self.headers.get("Content-Type", "")
         raw = self._body()
-        if ctype.startswith("multipart/form-data"):
+        if media == "multipart/form-data":
             msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
                 b"Content-Type: " + ctype.encode() + b"\r\n\r\n" + raw)
             fields: dict[str, str] = {}
@@ -448,6 +464,15 @@ def _refuse_open_bind_without_token(host: str, token: str | None) -> None:
         raise SystemExit(f"refusing to bind {host}: this server runs arbitrary code; pass --token TOKEN")
 
 
+def _cli_token(token: str | None, no_token: bool, host: str) -> str | None:
+    """The token the command line serves with: the given one, a fresh random one (loopback), or none
+    (`--no-token`, loopback). Another bind address needs a token the user chose, a sign they meant it."""
+    if no_token and token:
+        raise SystemExit("--no-token and --token (or GUIJAX_SERVER_TOKEN) contradict each other")
+    _refuse_open_bind_without_token(host, token)
+    return None if no_token else token or secrets.token_urlsafe(24)
+
+
 def serve(host: str = "127.0.0.1", port: int = 5000, display: str | None = None, token: str | None = None,
           timeout_s: float = 90.0, screen_size: tuple[int, int] = (1920, 1080), cache_dirs: tuple[str, ...] = (),
           allow_network: bool = False, ready: Callable[[DesktopServer], None] | None = None,
@@ -483,7 +508,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=5000)
     p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs --token")
     p.add_argument("--token", default=os.environ.get("GUIJAX_SERVER_TOKEN"),
-                   help="shared secret every request must carry (Authorization: Bearer TOKEN)")
+                   help="shared secret every request must carry (Authorization: Bearer TOKEN); "
+                        "default: $GUIJAX_SERVER_TOKEN, else a random one, printed at start")
+    p.add_argument("--no-token", action="store_true",
+                   help="serve without a token (loopback only): any local process can then run commands")
     p.add_argument("--display", default=None, help="existing X display to drive (default: start an Xvfb)")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds before a command is killed")
     p.add_argument("--screen", default="1920x1080", help="size of the Xvfb screen started without --display")
@@ -495,13 +523,18 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     from envs.desktop.checks import server_missing
 
-    _refuse_open_bind_without_token(a.host, a.token)
+    token = _cli_token(a.token, a.no_token, a.host)
     missing = server_missing(own_display=a.display is None)
     if missing:
         raise SystemExit(f"error: the desktop server cannot start here: {missing}")
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if token is None:
+        log.warning("serving WITHOUT a token (--no-token): any process on this machine can run commands here")
+    elif token != a.token:
+        print(f"generated token (clients: export GUIJAX_SERVER_TOKEN={token}, or Authorization: Bearer {token})",
+              file=sys.stderr, flush=True)
     w, h = (int(x) for x in a.screen.lower().split("x"))
-    serve(a.host, a.port, a.display, a.token, a.timeout, (w, h), tuple(a.cache_dir), a.allow_network,
+    serve(a.host, a.port, a.display, token, a.timeout, (w, h), tuple(a.cache_dir), a.allow_network,
           max_body_bytes=int(a.max_body_mb * 2**20))
 
 

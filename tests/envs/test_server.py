@@ -17,19 +17,27 @@ needs_desktop = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 requests = pytest.importorskip("requests")
 
 
+# requests to the module's server, carrying the token it generated at start
+AUTH = requests.Session()
+
+
 def _start(args, cache_dir):
+    """(process, url, the token it printed or None)."""
+    env = {k: v for k, v in os.environ.items() if k != "GUIJAX_SERVER_TOKEN"}
     proc = subprocess.Popen([sys.executable, "-m", "envs.server", "--port", "0", "--screen", "640x480",
                              "--cache-dir", str(cache_dir), *args], stderr=subprocess.PIPE, text=True,
-                            cwd=os.getcwd())
+                            cwd=os.getcwd(), env=env)
     deadline = time.monotonic() + 30
-    lines = []
+    lines, token = [], None
     while time.monotonic() < deadline:
         line = proc.stderr.readline()
         lines.append(line)
+        generated = re.search(r"GUIJAX_SERVER_TOKEN=(\S+?),", line)
+        token = generated.group(1) if generated else token
         m = re.search(r"on http://([\d.]+):(\d+)", line)
         if m:
             threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the log
-            return proc, f"http://{m.group(1)}:{m.group(2)}"
+            return proc, f"http://{m.group(1)}:{m.group(2)}", token
         if proc.poll() is not None:
             break
     proc.kill()
@@ -38,19 +46,26 @@ def _start(args, cache_dir):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """The server as a user starts it (no --token): it generates a token and prints it."""
     cache = tmp_path_factory.mktemp("cache")
     (cache / "report.txt").write_text("from the cache\n")
-    proc, url = _start(["--timeout", "2"], cache)
+    proc, url, token = _start(["--timeout", "2"], cache)
+    assert token and len(token) >= 24
+    AUTH.headers["Authorization"] = f"Bearer {token}"
     yield url, cache
     proc.terminate()
     assert proc.wait(timeout=15) == 0
+
+
+def _token() -> str:
+    return AUTH.headers["Authorization"].removeprefix("Bearer ")
 
 
 @pytest.fixture(scope="module")
 def client(server):
     from envs.client import HttpController
 
-    c = HttpController(server[0], retry_interval_s=0.1)
+    c = HttpController(server[0], _token(), retry_interval_s=0.1)
     assert c.wait_until_ready()
     yield c
     c.close()
@@ -61,31 +76,32 @@ def client(server):
 @needs_desktop
 def test_endpoints_have_osworld_shapes(server):
     url, _ = server
-    r = requests.post(url + "/execute", json={"command": ["bash", "-c", "echo hi; exit 2"], "shell": False})
+    assert requests.get(url + "/platform").status_code == 401  # the generated token is required
+    r = AUTH.post(url + "/execute", json={"command": ["bash", "-c", "echo hi; exit 2"], "shell": False})
     assert r.status_code == 200 and r.json() == {"status": "success", "output": "hi\n", "error": "", "returncode": 2}
-    r = requests.post(url + "/setup/execute", json={"command": "echo $((6*7))", "shell": True})
+    r = AUTH.post(url + "/setup/execute", json={"command": "echo $((6*7))", "shell": True})
     assert r.json()["output"] == "42\n"
-    r = requests.get(url + "/screenshot")
+    r = AUTH.get(url + "/screenshot")
     assert r.status_code == 200 and r.headers["Content-Type"] == "image/png" and r.content[:4] == b"\x89PNG"
-    assert requests.get(url + "/platform").text == "Linux"
-    assert requests.post(url + "/screen_size").json() == {"width": 640, "height": 480}
-    assert len(requests.get(url + "/cursor_position").json()) == 2
-    r = requests.post(url + "/setup/upload", data={"file_path": "~/d/a.txt"}, files={"file_data": ("a.txt", b"xyz")})
+    assert AUTH.get(url + "/platform").text == "Linux"
+    assert AUTH.post(url + "/screen_size").json() == {"width": 640, "height": 480}
+    assert len(AUTH.get(url + "/cursor_position").json()) == 2
+    r = AUTH.post(url + "/setup/upload", data={"file_path": "~/d/a.txt"}, files={"file_data": ("a.txt", b"xyz")})
     assert r.status_code == 200 and r.text == "File Uploaded: 3 bytes"
-    r = requests.post(url + "/file", data={"file_path": "~/d/a.txt"})
+    r = AUTH.post(url + "/file", data={"file_path": "~/d/a.txt"})
     assert r.status_code == 200 and r.content == b"xyz"
-    r = requests.post(url + "/file", data={"file_path": "~/d/missing.txt"})
+    r = AUTH.post(url + "/file", data={"file_path": "~/d/missing.txt"})
     assert r.status_code == 404 and r.json() == {"error": "File not found"}
-    r = requests.post(url + "/list_directory", json={"path": "~/d"})
+    r = AUTH.post(url + "/list_directory", json={"path": "~/d"})
     assert r.json() == {"directory_tree": {"type": "directory", "name": "d", "children": [{"type": "file", "name": "a.txt"}]}}
-    assert requests.post(url + "/list_directory", json={"path": "~/nope"}).status_code == 400
-    r = requests.post(url + "/run_python", json={"code": "print(1 + 1)"})
+    assert AUTH.post(url + "/list_directory", json={"path": "~/nope"}).status_code == 400
+    r = AUTH.post(url + "/run_python", json={"code": "print(1 + 1)"})
     assert r.json()["status"] == "success" and r.json()["output"] == "2\n" and r.json()["return_code"] == 0
-    r = requests.post(url + "/run_bash_script", json={"script": "echo a; echo b >&2; exit 1"})
+    r = AUTH.post(url + "/run_bash_script", json={"script": "echo a; echo b >&2; exit 1"})
     assert r.json() == {"status": "error", "output": "a\nb\n", "error": "", "returncode": 1}
-    assert requests.get(url + "/terminal").json()["status"] == "success"
-    assert requests.post(url + "/nope").status_code == 404
-    assert requests.get(url + "/execute").status_code == 405
+    assert AUTH.get(url + "/terminal").json()["status"] == "success"
+    assert AUTH.post(url + "/nope").status_code == 404
+    assert AUTH.get(url + "/execute").status_code == 405
 
 
 @pytest.mark.desktop
@@ -96,33 +112,33 @@ def test_hanging_command_times_out_and_server_keeps_serving(server):
 
     def hang():
         t = time.monotonic()
-        box["r"] = requests.post(url + "/execute", json={"command": "sleep 30", "shell": True}, timeout=20)
+        box["r"] = AUTH.post(url + "/execute", json={"command": "sleep 30", "shell": True}, timeout=20)
         box["dt"] = time.monotonic() - t
 
     th = threading.Thread(target=hang)
     th.start()
     time.sleep(0.3)
-    assert requests.get(url + "/platform", timeout=5).text == "Linux"  # answered while the command hangs
+    assert AUTH.get(url + "/platform", timeout=5).text == "Linux"  # answered while the command hangs
     th.join(15)
     assert box["r"].status_code == 500 and "timed out after 2s" in box["r"].json()["message"]
     assert box["dt"] < 8
-    r = requests.post(url + "/run_python", json={"code": "import time; time.sleep(30)"}, timeout=20)
+    r = AUTH.post(url + "/run_python", json={"code": "import time; time.sleep(30)"}, timeout=20)
     assert r.status_code == 500 and r.json()["error"] == "TimeoutExpired"
-    assert requests.get(url + "/platform", timeout=5).status_code == 200
+    assert AUTH.get(url + "/platform", timeout=5).status_code == 200
 
 
 @pytest.mark.desktop
 @needs_desktop
 def test_download_file_from_cache_and_file_url(server, tmp_path):
     url, cache = server
-    r = requests.post(url + "/setup/download_file", json={"url": "https://example.org/x/report.txt", "path": "~/dl/r.txt"})
+    r = AUTH.post(url + "/setup/download_file", json={"url": "https://example.org/x/report.txt", "path": "~/dl/r.txt"})
     assert r.status_code == 200, r.text
-    assert requests.post(url + "/file", data={"file_path": "~/dl/r.txt"}).content == b"from the cache\n"
+    assert AUTH.post(url + "/file", data={"file_path": "~/dl/r.txt"}).content == b"from the cache\n"
     src = tmp_path / "local.bin"
     src.write_bytes(b"\x00\x01")
-    r = requests.post(url + "/setup/download_file", json={"url": src.as_uri(), "path": "~/dl/l.bin"})
-    assert r.status_code == 200 and requests.post(url + "/file", data={"file_path": "~/dl/l.bin"}).content == b"\x00\x01"
-    r = requests.post(url + "/setup/download_file", json={"url": "https://example.org/not-cached.zip", "path": "~/z"})
+    r = AUTH.post(url + "/setup/download_file", json={"url": src.as_uri(), "path": "~/dl/l.bin"})
+    assert r.status_code == 200 and AUTH.post(url + "/file", data={"file_path": "~/dl/l.bin"}).content == b"\x00\x01"
+    r = AUTH.post(url + "/setup/download_file", json={"url": "https://example.org/not-cached.zip", "path": "~/z"})
     assert r.status_code == 500 and "not in the local cache" in r.text
 
 
@@ -170,7 +186,7 @@ def test_remote_env_runs_an_osworld_task_end_to_end(server):
         "evaluator": {"func": "exact_match",
                       "result": {"type": "vm_command_line", "command": "[ -d ~/made ] && echo yes || echo no", "shell": True},
                       "expected": {"type": "rule", "rules": {"expected": "yes\n"}}}})
-    env = RemoteEnv(server[0], controller_kwargs={"retry_interval_s": 0.1}, settle_s=0.2)
+    env = RemoteEnv(server[0], _token(), controller_kwargs={"retry_interval_s": 0.1}, settle_s=0.2)
     try:
         obs = env.reset(task)
         assert obs.screenshot.shape == (480, 640, 3)
@@ -194,7 +210,8 @@ def test_non_loopback_bind_without_token_is_refused():
 @pytest.mark.desktop
 @needs_desktop
 def test_token_is_enforced_on_every_request(tmp_path):
-    proc, url = _start(["--token", "s3cret"], tmp_path)
+    proc, url, printed = _start(["--token", "s3cret"], tmp_path)
+    assert printed is None  # a token the user chose is not echoed
     try:
         assert requests.get(url + "/platform").status_code == 401
         assert requests.get(url + "/platform", headers={"Authorization": "Bearer wrong"}).status_code == 401

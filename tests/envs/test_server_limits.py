@@ -4,6 +4,8 @@ connections served at once are capped. Loopback only; no desktop needed."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,10 +15,16 @@ from envs.server import DesktopServer
 
 
 class _Echo:
-    """The only controller call these tests make: /platform."""
+    """The controller calls these tests make: /platform, and a JSON and a form endpoint that touch nothing."""
 
     def platform(self) -> str:
         return "Linux"
+
+    def list_directory(self, path: str) -> dict:
+        return {"name": path, "type": "directory", "children": []}
+
+    def get_file(self, path: str) -> bytes:
+        return path.encode()
 
 
 @pytest.fixture
@@ -101,3 +109,32 @@ def test_idle_connections_are_capped_and_closed(serve):
     finally:
         for sock in idle:
             sock.close()
+
+
+@pytest.mark.parametrize("path, body, ctype, status", [
+    ("/list_directory", b'{"path": "~"}', "application/json", 200),
+    ("/list_directory", b'{"path": "~"}', "application/json; charset=utf-8", 200),
+    ("/list_directory", b'{"path": "~"}', "text/plain", 415),  # what a web page's simple POST sends
+    ("/list_directory", b'{"path": "~"}', None, 415),
+    ("/list_directory", b"path=~", "application/x-www-form-urlencoded", 415),  # an HTML form
+    ("/file", b"file_path=%7E%2Fa.txt", "application/x-www-form-urlencoded", 200),  # OSWorld posts /file as a form
+    ("/file", b'{"file_path": "~/a.txt"}', "application/json", 415),
+])
+def test_endpoints_take_only_their_content_type(serve, path, body, ctype, status):
+    address = serve(token="secret")
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer secret\r\n"
+            f"Content-Length: {len(body)}\r\n" + (f"Content-Type: {ctype}\r\n" if ctype else "") + "\r\n").encode()
+    response = _request(address, head, body)
+    assert _status(response) == status, response
+    if status == 415:
+        assert b"is not accepted here" in response
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-token", "--host", "0.0.0.0"], "refusing to bind 0.0.0.0"),
+    (["--no-token", "--token", "x"], "contradict"),
+])
+def test_serving_without_a_token_is_loopback_only_and_explicit(args, message):
+    r = subprocess.run([sys.executable, "-m", "envs.server", "--port", "0", *args], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and message in r.stderr
