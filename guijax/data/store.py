@@ -261,6 +261,20 @@ class TrajectoryStore:
         record, where = self._record(index)
         return decode_trajectory(record, where=where)
 
+    def at(self, shard: str, record: int) -> Trajectory:
+        """Record `record` of the shard named `shard`: a reference that stays right whatever happens to other
+        shards (a global index moves when an earlier shard is lost). Errors name the shard."""
+        path = self.directory / shard
+        if path not in self._shards:
+            self.refresh()
+        if path not in self._shards:
+            raise StoreError(f"trajectory shard {path} is missing; a saved reference points into it")
+        reader = self._reader(path)
+        if not 0 <= record < reader.num_records():
+            raise StoreError(f"trajectory shard {path} holds {reader.num_records()} records; record {record} "
+                             "was referenced")
+        return decode_trajectory(reader.read([record])[0], where=f"{path.name} record {record}")
+
     def __iter__(self) -> Iterator[Trajectory]:
         for i in range(len(self)):
             yield self[i]

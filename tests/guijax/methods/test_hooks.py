@@ -154,6 +154,29 @@ def test_arpo_replays_a_buffered_success_into_an_all_failure_group(tmp_path):
     assert tags(again.buffers["t1"]) == tags(arpo.buffers["t1"]) and again.draws == arpo.draws
 
 
+def test_a_lost_shard_fails_its_own_references_and_moves_no_other(tmp_path):
+    """References name their shard: with the first shard moved away (what a corrupted shard's error advises),
+    the buffer held in the second restores the same trajectories; one that pointed into the lost shard fails
+    naming it. A global index would have handed back other trajectories or run off the end."""
+    from guijax.data.store import StoreError
+
+    store = TrajectoryStore(tmp_path / "bank")
+    arpo = ReplayHook(buffer_size=2, store=store)
+    arpo.observe(TASK, [traj(1.0, tag=1), traj(0.0, tag=0)])
+    arpo.state_dict()  # tag 1 goes to the first shard
+    arpo.observe(TASK, [traj(1.0, tag=2), traj(0.0, tag=0)])
+    arpo.observe(TASK, [traj(1.0, tag=3), traj(0.0, tag=0)])  # evicts tag 1
+    state = arpo.state_dict()  # tags 2 and 3: the second shard
+    first = store.shards[0]
+    first.rename(tmp_path / first.name)
+    again = ReplayHook(buffer_size=2, store=TrajectoryStore(tmp_path / "bank"))
+    again.load_state_dict(state)
+    assert tags(again.buffers["t1"]) == [2, 3]
+    state["buffers"]["t1"].append(f"{first.name}:0")
+    with pytest.raises(StoreError, match=f"{first.name} is missing"):
+        ReplayHook(buffer_size=3, store=TrajectoryStore(tmp_path / "bank")).load_state_dict(state)
+
+
 @pytest.mark.parametrize("rewards, replaced", [
     ([1.0] + [0.0] * 7, False),  # 1 of 8: mean 0.125 < 0.2, but std 0.33 >= 0.05: has a learning signal
     ([1.0] * 8, False),  # all success: std 0, mean 1
