@@ -16,8 +16,8 @@ and the real HOME.
 
 Each request runs in its own thread; a command that hangs is killed after --timeout seconds (default 90)
 and answered with HTTP 500, so it never takes the server down. One client cannot make it hold unbounded
-memory or threads: bodies over --max-body-mb are refused unread, idle connections close after 60 s, and at
-most 64 connections are served at once.
+memory or threads: bodies over --max-body-mb are refused unread, uploads stream to disk, idle connections
+close after 60 s, and at most 64 connections are served at once.
 """
 from __future__ import annotations
 
@@ -30,14 +30,17 @@ import json
 import logging
 import math
 import os
+import pathlib
 import secrets
 import signal
 import sys
+import tempfile
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from envs import multipart
 from envs.desktop.controller import ControllerError, LocalController
 from envs.desktop.display import Display
 
@@ -215,6 +218,23 @@ class Handler(BaseHTTPRequestHandler):
             return fields, files
         return {k: v[0] for k, v in urllib.parse.parse_qs(raw.decode()).items()}, {}
 
+    def _form_to_disk(self, directory: str) -> tuple[dict[str, str], dict[str, pathlib.Path]]:
+        """Fields and files of a multipart/form-data body, the files streamed into `directory` as they arrive:
+        an upload costs a few chunks of memory however large it is (up to --max-body-mb)."""
+        self._content_type(("multipart/form-data",))
+        n = self._body_length()
+
+        def read(k: int) -> bytes:
+            try:
+                return self.rfile.read(k)
+            except TimeoutError:
+                raise BodyRefused(408, f"body not received: nothing for {self.server.idle_timeout_s:g} s") from None
+
+        try:
+            return multipart.read_form(read, n, self.headers.get("Content-Type", ""), directory)
+        except multipart.MultipartError as e:
+            raise BodyRefused(400, f"malformed multipart body: {e}") from None
+
     def _authorized(self) -> bool:
         token = self.server.token
         if not token:
@@ -332,11 +352,13 @@ def open_file(h: Handler):
 
 
 def upload(h: Handler):
-    fields, files = h._form()
-    if "file_path" not in fields or "file_data" not in files:
-        return 400, {"error": "file_path and file_data are required"}, None
-    h.ctl.upload(fields["file_path"], files["file_data"])
-    return 200, f"File Uploaded: {len(files['file_data'])} bytes", None
+    with tempfile.TemporaryDirectory(prefix="guijax-upload-") as tmp:
+        fields, files = h._form_to_disk(tmp)
+        if "file_path" not in fields or "file_data" not in files:
+            return 400, {"error": "file_path and file_data are required"}, None
+        size = files["file_data"].stat().st_size
+        h.ctl.upload_file(fields["file_path"], files["file_data"])
+    return 200, f"File Uploaded: {size} bytes", None
 
 
 def download_file(h: Handler):

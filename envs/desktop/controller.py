@@ -266,6 +266,14 @@ class LocalController:
             f.write(data)
         os.replace(tmp, full)
 
+    def upload_file(self, path: str, source: str | os.PathLike) -> None:
+        """`upload` of a file already on this machine (a streamed upload), moved rather than read into memory."""
+        full = self._path(path)
+        os.makedirs(os.path.dirname(full) or ".", exist_ok=True)
+        tmp = full + ".part"
+        shutil.move(os.fspath(source), tmp)
+        os.replace(tmp, full)
+
     def download_file(self, url: str, path: str, base_dir: str | None = None) -> None:
         self.upload(path, cache.fetch_bytes(url, path, self.cache_dirs, base_dir, self.allow_network))
 
