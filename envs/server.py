@@ -76,6 +76,31 @@ MAX_CONNECTIONS = 64  # connections served at once; more are answered 503 and cl
 IDLE_TIMEOUT_S = 60.0  # a connection that sends nothing for this long is closed
 
 
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _optional_text(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, (bool, int)) and not isinstance(value, float)
+
+
+def _command(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(a, str) for a in value))
+
+
+# The JSON fields the endpoints read: (check, what the check wants). Timeouts are checked by `_timeout`.
+JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "command": (_command, "a string or a list of strings"), "shell": (_flag, "a boolean"),
+    "path": (_text, "a string"), "url": (_text, "a string"), "code": (_text, "a string"),
+    "script": (_text, "a string"), "window_name": (_optional_text, "a string"),
+    "working_dir": (_optional_text, "a string"), "strict": (_flag, "a boolean"), "by_class": (_flag, "a boolean"),
+}
+
+
 class DesktopServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -196,6 +221,10 @@ class Handler(BaseHTTPRequestHandler):
             raise Reply(400, {"status": "error", "message": f"invalid JSON body: {e}"})
         if not isinstance(data, dict):
             raise Reply(400, {"status": "error", "message": "JSON body must be an object"})
+        wrong = [f"{key!r} must be {JSON_FIELDS[key][1]}, got {type(value).__name__}" for key, value in data.items()
+                 if key in JSON_FIELDS and not JSON_FIELDS[key][0](value)]
+        if wrong:  # a client's mistake, answered as such, not a server error from deep inside a handler
+            raise Reply(400, {"status": "error", "message": "; ".join(wrong)})
         return data
 
     def _form(self) -> tuple[dict[str, str], dict[str, bytes]]:

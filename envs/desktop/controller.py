@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -40,6 +41,18 @@ class ControllerError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.transient = transient
+
+
+_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def expand_vars(text: str, env: dict[str, str]) -> str:
+    """os.path.expandvars against `env` instead of this process's environment."""
+    def value(m: re.Match) -> str:
+        name = m.group(1).strip("{}")
+        return env.get(name, m.group(0))
+
+    return _VAR.sub(value, text)
 
 
 class Controller(Protocol):
@@ -175,8 +188,9 @@ class LocalController:
 
     # -- paths -------------------------------------------------------------------------------------------
     def _path(self, path: str) -> str:
-        """'~' is the desktop's HOME; relative paths are relative to it (OSWorld's server runs from ~)."""
-        path = os.path.expandvars(path)
+        """'~' is the desktop's HOME; relative paths are relative to it (OSWorld's server runs from ~);
+        $VAR and ${VAR} take the desktop's environment, not the server's (unknown ones stay as written)."""
+        path = expand_vars(path, self.env)
         if path == "~" or path.startswith("~/"):
             path = self.home + path[1:]
         return path if os.path.isabs(path) else os.path.join(self.home, path)

@@ -62,3 +62,16 @@ def test_a_huge_tree_is_an_error_not_a_hang(tmp_path):
     for i in range(30):
         (tmp_path / f"f{i}").write_text("")
     assert "more than 10 entries" in directory_tree(str(tmp_path), max_entries=10)["error"]
+
+
+def test_paths_expand_variables_from_the_desktops_environment(monkeypatch):
+    """$HOME in a task's path is the desktop's private HOME, not the server's."""
+    from envs.desktop.controller import LocalController, expand_vars
+
+    monkeypatch.setenv("HOME", "/server/home")
+    assert expand_vars("$HOME/a ${USER}/b $NOPE ${}", {"HOME": "/desk", "USER": "u"}) == "/desk/a u/b $NOPE ${}"
+    ctl = object.__new__(LocalController)  # only the path logic: no display
+    ctl.home, ctl.env = "/desk", {"HOME": "/desk", "DOCS": "/desk/Documents"}
+    assert ctl._path("$HOME/x.txt") == "/desk/x.txt"
+    assert ctl._path("${DOCS}/y.txt") == "/desk/Documents/y.txt"
+    assert ctl._path("z.txt") == "/desk/z.txt"

@@ -138,3 +138,18 @@ def test_serving_without_a_token_is_loopback_only_and_explicit(args, message):
     r = subprocess.run([sys.executable, "-m", "envs.server", "--port", "0", *args], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and message in r.stderr
+
+
+@pytest.mark.parametrize("path, body, key", [
+    ("/list_directory", b'{"path": 5}', "'path' must be a string"),
+    ("/execute", b'{"command": ["ls", 1]}', "'command' must be a string or a list of strings"),
+    ("/execute", b'{"command": {"a": 1}}', "'command' must be"),
+    ("/setup/activate_window", b'{"window_name": ["x"]}', "'window_name' must be a string"),
+    ("/run_python", b'{"code": null}', "'code' must be a string"),
+])
+def test_wrong_json_types_are_the_clients_error(serve, path, body, key):
+    address = serve(token="secret")
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer secret\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    response = _request(address, head, body)
+    assert _status(response) == 400 and key.encode() in response, response
