@@ -20,6 +20,23 @@ class TaskError(ValueError):
     """A task file or dict that cannot be used; the message names the file / id and the key."""
 
 
+def read_json(path: pathlib.Path, what: str = "task file") -> Any:
+    """A JSON file's contents; anything that stops it being read (unreadable, not UTF-8, not JSON, nested
+    too deep for the parser) is a TaskError naming the file."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TaskError(f"{what} not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise TaskError(f"{path}: {what} is not UTF-8 text ({e})") from None
+    except json.JSONDecodeError as e:
+        raise TaskError(f"{path}: invalid JSON: {e}") from None
+    except RecursionError:
+        raise TaskError(f"{path}: JSON nested too deeply to parse") from None
+    except OSError as e:
+        raise TaskError(f"{path}: cannot read {what}: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     """A task in the OSWorld JSON shape: id, instruction, setup `config` steps, `evaluator`.
@@ -72,12 +89,7 @@ class Task:
     @classmethod
     def from_file(cls, path: str | pathlib.Path, *, domain: str | None = None) -> "Task":
         path = pathlib.Path(path)
-        if not path.exists():
-            raise TaskError(f"task file not found: {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise TaskError(f"{path}: invalid JSON: {e}") from e
+        data = read_json(path)
         return cls.from_dict(data, domain=domain if domain is not None else path.parent.name, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import pathlib
 import random
 from typing import Iterable, Sequence
 
-from envs.api import Task, TaskError
+from envs.api import Task, TaskError, read_json
 from envs.atomic import write_text_atomic
 
 
@@ -22,10 +22,7 @@ def load_tasks(path: str | pathlib.Path) -> list[Task]:
         if not files:
             raise TaskError(f"no *.json task files under {path}")
         return [Task.from_file(f) for f in files]
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TaskError(f"{path}: invalid JSON: {e}") from e
+    data = read_json(path)
     if isinstance(data, list):
         return [Task.from_dict(item, source=f"{path}[{i}]") for i, item in enumerate(data)]
     return [Task.from_dict(data, domain=path.parent.name, source=str(path))]

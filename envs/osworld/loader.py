@@ -7,12 +7,11 @@ a getter list of different lengths) is a `TaskError` naming the file and key.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import re
 from typing import Any
 
-from envs.api import Task, TaskError
+from envs.api import Task, TaskError, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +153,9 @@ def load_osworld(root: str | pathlib.Path) -> list[OSWorldTask]:
 def load_split(path: str | pathlib.Path, root: str | pathlib.Path) -> list[OSWorldTask]:
     """Tasks named by an OSWorld split file ({domain: [ids]}, e.g. test_all.json)."""
     path = pathlib.Path(path)
-    try:
-        split = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise TaskError(f"{path}: cannot read split file: {e}") from e
+    split = read_json(path, "split file")
+    if not isinstance(split, dict):
+        raise TaskError(f"{path}: a split file maps domains to task id lists, got {type(split).__name__}")
     base = pathlib.Path(root)
     base = base / "examples" if (base / "examples").is_dir() else base
     out = []

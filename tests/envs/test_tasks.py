@@ -36,6 +36,23 @@ def test_task_files_round_trip_and_errors(tasks, tmp_path):
         DeskEnv().reset(Task(id="t", instruction="x"))
 
 
+@pytest.mark.parametrize("content, message", [
+    (b'{"id": "x", "instruction": "caf\xe9"}', "is not UTF-8 text"),  # Latin-1 bytes
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b"", "invalid JSON"),
+])
+def test_unreadable_task_files_are_named(tmp_path, content, message):
+    from envs.osworld.loader import load_split
+
+    bad = tmp_path / "chrome" / "t.json"
+    bad.parent.mkdir()
+    bad.write_bytes(content)
+    for load in (load_tasks, Task.from_file, lambda p: load_split(p, tmp_path)):
+        with pytest.raises(TaskError, match=message) as err:
+            load(bad)
+        assert str(bad) in str(err.value)
+
+
 def test_splits(tasks):
     splits = split_tasks(tasks, held_out_families=["fill_form"], held_out_fraction=0.25, seed=1)
     assert all(t.domain != "fill_form" for t in splits["train"])
