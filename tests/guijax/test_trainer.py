@@ -119,9 +119,11 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over(rl_run, tmp_path):
     assert (killed / "trained_model" / "config.json").exists()
 
 
-@pytest.mark.slow  # 24 s; checkpoint fallback and RL resume cases stay in the default suite
-def test_sft_resumes_from_its_checkpoint_with_the_same_batches(tmp_path, tiny_config):
-    config = tiny_config("grpo_cpu", *RL)
+@pytest.mark.slow  # 24 s each; checkpoint fallback and RL resume cases stay in the default suite
+@pytest.mark.parametrize("lora", [(), ("lora.rank=4", "lora.dropout=0.1")], ids=["full", "lora"])
+def test_sft_resumes_from_its_checkpoint_with_the_same_batches(tmp_path, tiny_config, lora):
+    """Under LoRA the checkpoint holds the adapters and their moments; the base comes from the model dir."""
+    config = tiny_config("grpo_cpu", *RL, *lora)
     run = Run(config, tmp_path / "run")
     stages.base_model.fn(run)
     stages.tasks.fn(run)
@@ -129,7 +131,7 @@ def test_sft_resumes_from_its_checkpoint_with_the_same_batches(tmp_path, tiny_co
     pipeline = pipeline_config(config, run.system_prompt)
 
     def losses(steps, checkpoint_dir=None):
-        policy = run.load_policy(run.base_model_dir)
+        policy = run.load_policy(run.base_model_dir, trains=config)
         return sft_steps(policy, trajectories, policy.processor, config, pipeline, steps, 2, seed=0,
                          checkpoint_dir=checkpoint_dir, checkpoint_every=2)[1]
 
