@@ -32,8 +32,8 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    ("experts", None),
-    ("lora_rank", None),  # LoRA adapters' rank axis: small; their other axis follows the kernel's  # routed experts: each device holds its fsdp/tensor share of every expert
+    ("experts", None),  # routed experts: each device holds its fsdp/tensor share of every expert
+    ("lora_rank", None),  # LoRA adapters' rank axis: small; their other axis follows the kernel's
     ("norm", None),
     ("vision_patch", None),
     ("vision_embed", "fsdp"),

@@ -87,6 +87,12 @@ def read_config(directory: str | pathlib.Path) -> LoraConfig:
     data = json.loads(path.read_text())
     if data.get("peft_type") != "LORA":
         raise CheckpointError(f"{path}: peft_type {data.get('peft_type')!r}; only LORA adapters load here")
+    # fields that change what the adapter computes, at the values plain LoRA has
+    plain = {"use_dora": False, "alpha_pattern": {}, "rank_pattern": {}, "fan_in_fan_out": False,
+             "lora_bias": False, "layers_to_transform": None}
+    changed = {k: data[k] for k, v in plain.items() if data.get(k, v) not in (v, None if v == {} else v)}
+    if changed:
+        raise CheckpointError(f"{path}: only plain LoRA loads here; these fields change the adapter: {changed}")
     if data.get("bias", "none") != "none" or data.get("modules_to_save"):
         raise CheckpointError(f"{path}: trained biases or modules_to_save are not supported (bias "
                               f"{data.get('bias')!r}, modules_to_save {data.get('modules_to_save')!r})")
@@ -121,6 +127,10 @@ def load_adapter(directory: str | pathlib.Path, params: Any, module: Any, mesh=N
     missing = sorted(n for p in flat for n in _peft_names(p, module.cfg).hf_names if n not in tensors)
     if missing:
         raise CheckpointError(f"{file}: missing {len(missing)} adapter tensors, e.g. {missing[:3]}")
+    expected = {n for p in flat for n in _peft_names(p, module.cfg).hf_names}
+    extra = sorted(set(tensors) - expected)
+    if extra:  # e.g. adapters PEFT put on the vision tower's namesakes: dropping them would change the model
+        raise CheckpointError(f"{file}: {len(extra)} adapter tensors on modules guijax does not adapt, e.g. {extra[:3]}")
     loaded = {}
     for path, leaf in flat.items():
         rule = _peft_names(path, module.cfg)

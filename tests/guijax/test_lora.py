@@ -128,6 +128,20 @@ def test_adapter_mismatch_and_bad_targets_are_named(tiny, tmp_path):
     other = policy_lib.from_pretrained(path, lora=LoraConfig(8, 8.0))
     with pytest.raises(Exception, match="rank 4.*rank 8"):
         peft_format.load_adapter(tmp_path / "adapter", other.params, other.module)
+    # an adapter that computes something else is refused, not loaded partly
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(Exception, match="use_dora"):
+        peft_format.load_adapter(tmp_path / "adapter", policy.params, policy.module)
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    import safetensors.numpy
+
+    file = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = safetensors.numpy.load_file(str(file))
+    tensors["base_model.model.model.visual.blocks.0.mlp.gate_proj.lora_A.weight"] = np.zeros((4, 8), np.float32)
+    safetensors.numpy.save_file(tensors, str(file))
+    with pytest.raises(Exception, match="modules guijax does not adapt.*visual"):
+        peft_format.load_adapter(tmp_path / "adapter", policy.params, policy.module)
     with pytest.raises(ValueError, match="'qkv'.*choose among"):
         LoraConfig(4, 8.0, target_modules=("q_proj", "qkv"))
     moe = weights.build_module(PRESETS["tiny_qwen3_vl_moe"], lora=LORA)
