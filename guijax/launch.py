@@ -85,29 +85,26 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
     shape = mesh_cfg.shape(num_devices)
     mesh = AbstractMesh(shape, sharding.MESH_AXES)
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
-    module = weights.build_module(cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype)
+    lora = from_run_config(config) if "lora" in config else None
+    module = weights.build_module(cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype, lora=lora)
     boxed = weights.abstract_params(module)
     shardings = sharding.param_shardings(boxed, mesh)
     import flax.linen as nn
 
     leaves = nn.unbox(boxed)
-    total = weights.count_params(leaves)
-    vision = weights.count_params(leaves["visual"])
+    adapters, base = split(leaves)
+    total = weights.count_params(base)
+    vision = weights.count_params(base["visual"])
     shard_values = lambda tree, shards: sum(  # noqa: E731
         math.prod(s.shard_shape(x.shape)) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shards)))
-    per_device = shard_values(leaves, shardings) * np.dtype(param_dtype).itemsize
+    # the frozen weights in param_dtype and, under LoRA, the float32 adapters beside them
+    per_device = sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                     for x, s in zip(jax.tree.leaves(leaves), jax.tree.leaves(shardings)))
     opt_bytes_per_value = np.dtype(resolve_dtype(config.optim.state_dtype)).itemsize if "optim" in config else 4
     # AdamW keeps two moments of each trained value: every parameter, or under LoRA the adapters alone
-    lora = from_run_config(config) if "lora" in config else None
-    trained, trained_per_device = total, shard_values(leaves, shardings)
-    if lora is not None:
-        lora_module = module.clone(lora=lora)
-        lora_boxed = weights.abstract_params(lora_module)
-        adapters = split(nn.unbox(lora_boxed))[0]
-        trained = weights.count_params(adapters)
-        trained_per_device = shard_values(adapters, split(sharding.param_shardings(lora_boxed, mesh))[0])
-        per_device += trained_per_device * 4  # the float32 adapters beside the frozen weights
-    per_device_opt = trained_per_device * 2 * opt_bytes_per_value
+    trained_tree, trained_shards = (adapters, split(shardings)[0]) if lora is not None else (leaves, shardings)
+    trained = weights.count_params(trained_tree)
+    per_device_opt = shard_values(trained_tree, trained_shards) * 2 * opt_bytes_per_value
     report = {
         "model": config.model.path or config.model.preset,
         "mesh": dict(zip(sharding.MESH_AXES, shape)),

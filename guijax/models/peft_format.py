@@ -124,20 +124,20 @@ def load_adapter(directory: str | pathlib.Path, params: Any, module: Any, mesh=N
     shardings = split(param_shardings(boxed, mesh))[0] if mesh is not None else None
     flat = traverse_util.flatten_dict(split(nn.unbox(boxed))[0])
     flat_shards = traverse_util.flatten_dict(shardings) if shardings is not None else {}
-    missing = sorted(n for p in flat for n in _peft_names(p, module.cfg).hf_names if n not in tensors)
+    rules = {path: _peft_names(path, module.cfg) for path in flat}
+    expected = {name for rule in rules.values() for name in rule.hf_names}
+    missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing:
         raise CheckpointError(f"{file}: missing {len(missing)} adapter tensors, e.g. {missing[:3]}")
-    expected = {n for p in flat for n in _peft_names(p, module.cfg).hf_names}
-    extra = sorted(set(tensors) - expected)
     if extra:  # e.g. adapters PEFT put on the vision tower's namesakes: dropping them would change the model
         raise CheckpointError(f"{file}: {len(extra)} adapter tensors on modules guijax does not adapt, e.g. {extra[:3]}")
     loaded = {}
     for path, leaf in flat.items():
-        rule = _peft_names(path, module.cfg)
-        expected = tuple(reversed(leaf.shape[len(rule.stack):]))
-        wrong = [f"{n} {tensors[n].shape}" for n in rule.hf_names if tensors[n].shape != expected]
+        rule = rules[path]
+        shape = tuple(reversed(leaf.shape[len(rule.stack):]))
+        wrong = [f"{n} {tensors[n].shape}" for n in rule.hf_names if tensors[n].shape != shape]
         if wrong:
-            raise CheckpointError(f"{file}: {wrong[0]} (and {len(wrong) - 1} more), the model expects {expected}")
+            raise CheckpointError(f"{file}: {wrong[0]} (and {len(wrong) - 1} more), the model expects {shape}")
         layers = [tensors[name].T for name in rule.hf_names]
         value = (np.stack(layers).reshape(leaf.shape) if rule.stack else layers[0]).astype(np.float32)
         loaded[path] = jax.device_put(value, flat_shards[path]) if path in flat_shards else jax.numpy.asarray(value)
