@@ -147,7 +147,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     from guijax.models.lora import from_run_config, trainable
     from guijax.models.policy import resolve_dtype
 
-    mesh_cfg = sharding.MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    mesh_cfg = sharding.MeshConfig.from_run_config(config)
     num_devices = config.mesh.num_devices or jax.device_count()
     target = compile_target(config, num_devices)
     mesh = Mesh(np.asarray(target.devices).reshape(mesh_cfg.shape(num_devices)), sharding.MESH_AXES)
@@ -155,7 +155,8 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     lora = from_run_config(config)
     module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
                                   remat_policy=config.model.remat, attention_impl=config.model.attention,
-                                  scan_layers=config.model.scan_layers, lora=lora)
+                                  scan_layers=config.model.scan_layers, lora=lora,
+                                  expert_capacity_factor=config.model.expert_capacity_factor)
     tx, _ = optim.make_optimizer(config.optim)
     shards = train_step.state_shardings(module, tx, mesh)
     params = nn.unbox(weights.abstract_params(module))
@@ -183,7 +184,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
               "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
               "capacity_bytes_per_device": target.capacity_bytes}
     try:
-        compiled = step.fn.lower(state, batch).compile()
+        compiled = step.lower_abstract(state, batch).compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
@@ -217,7 +218,7 @@ def _compiler_oom_figures(message: str) -> dict[str, int]:
 
 
 def _target_mesh(config: ml_collections.ConfigDict) -> tuple[Target, Mesh, int]:
-    mesh_cfg = sharding.MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    mesh_cfg = sharding.MeshConfig.from_run_config(config)
     num_devices = config.mesh.num_devices or jax.device_count()
     target = compile_target(config, num_devices)
     return target, Mesh(np.asarray(target.devices).reshape(mesh_cfg.shape(num_devices)), sharding.MESH_AXES), num_devices
@@ -246,7 +247,8 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     target, mesh, _ = target_mesh or _target_mesh(config)
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
     module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
-                                  attention_impl=config.model.attention, scan_layers=config.model.scan_layers)
+                                  attention_impl=config.model.attention, scan_layers=config.model.scan_layers,
+                                  expert_capacity_factor=config.model.expert_capacity_factor)
     sampler = Sampler(module, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens,
                                              prompt_buckets=tuple(config.pipeline.length_buckets),
                                              patch_bucket=config.pipeline.patch_bucket), mesh=mesh)

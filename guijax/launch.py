@@ -80,7 +80,7 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
     from guijax.models.policy import resolve_dtype
 
     cfg = model_config_for(config)
-    mesh_cfg = sharding.MeshConfig(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    mesh_cfg = sharding.MeshConfig.from_run_config(config)
     num_devices = config.mesh.num_devices or jax.device_count()
     shape = mesh_cfg.shape(num_devices)
     mesh = AbstractMesh(shape, sharding.MESH_AXES)

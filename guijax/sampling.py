@@ -153,7 +153,7 @@ class Sampler:
         self._programs = self._build_programs()
 
     def _build_programs(self) -> dict[bool, Any]:
-        """The jitted generation program, keyed by whether the rows divide over (data, fsdp). With a mesh each
+        """The jitted generation program, keyed by whether the rows divide over the data-parallel axes. With a mesh each
         is jitted with explicit shardings: parameters by the logical rules, prompt rows split (or, for a batch
         that does not divide, replicated, with the batch activations left unconstrained), vision inputs and
         the RNG key replicated, outputs row-sharded like the prompts."""
@@ -300,7 +300,7 @@ class Sampler:
         return out
 
     def _place(self, arrays):
-        """Batch-shard prompt arrays over (data, fsdp) when the batch divides; replicate otherwise."""
+        """Batch-shard prompt arrays over the data-parallel axes when the batch divides; replicate otherwise."""
         ids, mask, positions, next_position, vision = arrays
         rows = DATA_AXES if ids.shape[0] % data_parallel_size(self.mesh) == 0 else None
         put = lambda x, *spec: jax.device_put(x, NamedSharding(self.mesh, P(*spec)))  # noqa: E731

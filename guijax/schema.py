@@ -88,6 +88,9 @@ class Model:
     # attention backend (guijax/models/attention.py: IMPLEMENTATIONS)
     attention: Literal["auto", "reference", "xla", "cudnn"] = "auto"
     scan_layers: bool = True  # decoder layers and vision blocks under scan: compile time flat in depth
+    # MoE under expert parallelism (mesh.expert > 1): each device's room per destination is this factor times an
+    # even share of its (token, choice) pairs, the rest dropped and reported (moe_dropped_fraction); 0: dropless
+    expert_capacity_factor: float = ranged(0.0, low=0)
     tokenizer_vocab: int = ranged(0, low=0)  # fresh checkpoints: BPE vocab size (0: the preset's vocab size)
     # 0: the checkpoint's preprocessor_config; else downscale screenshots for the policy
     image_max_pixels: int = ranged(0, low=0)
@@ -112,6 +115,9 @@ class Mesh:
     data: int = ranged(1, low=1, also=-1)  # -1 (on at most one axis): all remaining devices
     fsdp: int = ranged(-1, low=1, also=-1)
     tensor: int = ranged(1, low=1, also=-1)
+    # expert parallelism: a MoE layer's routed experts split over this axis (tokens reach them by all-to-all);
+    # elsewhere it splits batch rows and parameters like fsdp
+    expert: int = ranged(1, low=1, also=-1)
     num_devices: int = ranged(0, low=0)  # 0: the devices present; set it to dry-run a pod-sized mesh on a laptop
 
 

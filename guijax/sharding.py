@@ -1,7 +1,10 @@
 """Device mesh and the one table that maps logical array axes to mesh axes.
 
 Mesh axes: `data` (pure data parallel, replicated params), `fsdp` (data parallel with parameters and
-optimiser state sharded, ZeRO-3 style), `tensor` (Megatron-style split of heads / MLP / vocab).
+optimiser state sharded, ZeRO-3 style), `tensor` (Megatron-style split of heads / MLP / vocab), `expert`
+(expert parallelism: each device holds 1/expert of a MoE layer's routed experts and tokens travel to them by
+all-to-all; outside the expert layers it is one more data-parallel axis, with parameters sharded over it
+like fsdp, so a dense model on it loses nothing).
 Every parameter names its dimensions with logical axes (see guijax/models/layers.py); `LOGICAL_RULES`
 decides where each goes. A dimension that a mesh axis does not divide is left unsharded rather than
 failing, so one rule table serves the tiny test model and the 72B preset alike.
@@ -18,57 +21,71 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-DATA_AXES = ("data", "fsdp")  # the axes batch rows are split over
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+DATA_AXES = ("data", "fsdp", "expert")  # the axes batch rows are split over
 
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("layers", None),  # the stacked layer axis of scanned layers: each device holds its share of every layer
     ("layer_groups", None),  # the outer stacked axis of the vision blocks (periods of a BlockPlan)
-    ("batch", ("data", "fsdp")),
+    ("batch", DATA_AXES),
     ("seq", None),
     ("activation_embed", None),
     ("vocab", "tensor"),
+    # routed experts: each device of the expert axis holds its share of them. Rules are matched in order and a
+    # mesh axis serves one dimension of an array, so this precedes `embed`, whose dimension in the expert
+    # weights then falls back to fsdp alone
+    ("experts", "expert"),
+    ("embed", ("fsdp", "expert")),
     ("embed", "fsdp"),
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    ("experts", None),  # routed experts: each device holds its fsdp/tensor share of every expert
     ("lora_rank", None),  # LoRA adapters' rank axis: small; their other axis follows the kernel's
     ("norm", None),
     ("vision_patch", None),
+    ("vision_embed", ("fsdp", "expert")),
     ("vision_embed", "fsdp"),
     ("vision_heads", "tensor"),
     ("vision_mlp", "tensor"),
+    ("vision_merge", ("fsdp", "expert")),
     ("vision_merge", "fsdp"),
     ("vision_norm", None),
     ("vision_positions", None),  # the rows of Qwen3-VL's learned position grid
     # vision activations: patches, and the rows of batched attention windows / image frames, split over the
     # data-parallel devices like batch rows, so the tower's work shrinks with data parallelism
-    ("vision_tokens", ("data", "fsdp")),
-    ("vision_windows", ("data", "fsdp")),
+    ("vision_tokens", DATA_AXES),
+    ("vision_windows", DATA_AXES),
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh shape; one axis may be -1 to take all remaining devices."""
+    """Mesh shape in MESH_AXES order; one axis may be -1 to take all remaining devices."""
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    expert: int = 1
 
-    def shape(self, num_devices: int) -> tuple[int, int, int]:
-        sizes = [self.data, self.fsdp, self.tensor]
+    @classmethod
+    def from_run_config(cls, config: Any) -> "MeshConfig":
+        """The run config's `mesh` section."""
+        m = config.mesh
+        return cls(m.data, m.fsdp, m.tensor, m.get("expert", 1))
+
+    def shape(self, num_devices: int) -> tuple[int, int, int, int]:
+        sizes = [self.data, self.fsdp, self.tensor, self.expert]
         if sizes.count(-1) > 1:
-            raise ValueError(f"mesh: at most one axis may be -1, got data={self.data} fsdp={self.fsdp} tensor={self.tensor}")
+            raise ValueError(f"mesh: at most one axis may be -1, got data={self.data} fsdp={self.fsdp} "
+                             f"tensor={self.tensor} expert={self.expert}")
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if num_devices % known:
                 raise ValueError(f"mesh: {num_devices} devices not divisible by the fixed axes product {known}")
             sizes[sizes.index(-1)] = num_devices // known
         if math.prod(sizes) != num_devices:
-            raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} "
-                             f"does not match the {num_devices} available devices")
+            raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} x expert={sizes[3]} = "
+                             f"{math.prod(sizes)} does not match the {num_devices} available devices")
         return tuple(sizes)  # type: ignore[return-value]
 
 
@@ -94,11 +111,27 @@ def _axis_size(mesh: Mesh, axes: Any) -> int:
 
 
 def fit_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
-    """Drop mesh axes from dimensions they do not divide evenly (e.g. 2 KV heads on tensor=4)."""
+    """Drop mesh axes from dimensions they do not divide evenly (e.g. 2 KV heads on tensor=4); of a tuple of axes
+    the longest leading run that divides is kept (a width fsdp x expert does not divide may still split over
+    fsdp)."""
     fitted = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        fitted.append(axes if axes is not None and dim % _axis_size(mesh, axes) == 0 else None)
+        if isinstance(axes, tuple):
+            while axes and dim % _axis_size(mesh, axes):
+                axes = axes[:-1]
+            fitted.append(_trim(axes, mesh) if axes else None)
+        else:
+            fitted.append(axes if axes is not None and dim % _axis_size(mesh, axes) == 0 else None)
     return PartitionSpec(*fitted)
+
+
+def _trim(axes: tuple[str, ...], mesh: Mesh) -> tuple[str, ...] | str | None:
+    """A tuple of mesh axes without its trailing size-1 axes: the same split, and without expert parallelism
+    the specs read as they would without the expert axis (("data", "fsdp"), "fsdp")."""
+    axes = tuple(axes)
+    while axes and mesh.shape[axes[-1]] == 1 and len(axes) > 1:
+        axes = axes[:-1]
+    return axes[0] if len(axes) == 1 else axes
 
 
 def logical_spec(names: Sequence[str | None], rules=LOGICAL_RULES) -> PartitionSpec:
@@ -128,9 +161,9 @@ def param_shardings(abstract_boxed: Any, mesh: Mesh, rules=LOGICAL_RULES) -> Any
 
 
 def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
-    """Shard dimension `batch_axis` over (data, fsdp); everything else replicated."""
+    """Shard dimension `batch_axis` over the data-parallel axes; everything else replicated."""
     spec = [None] * ndim
-    spec[batch_axis] = ("data", "fsdp")
+    spec[batch_axis] = _trim(DATA_AXES, mesh)
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
@@ -210,7 +243,7 @@ def array_sharding(mesh: Mesh, key: str, ndim: int) -> NamedSharding:
 
 
 def batch_shardings(batch: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
-    """The shardings a batch dict is placed with: rows over (data, fsdp), scalars and `vision` replicated
+    """The shardings a batch dict is placed with: rows over the data-parallel axes, scalars and `vision` replicated
     (see `place_vision` for why vision inputs are not split)."""
     out: dict[str, Any] = {}
     for key, value in batch.items():
@@ -259,7 +292,7 @@ def is_placed(value: Any) -> bool:
 
 def place_batch(local: Mapping[str, Any], mesh: Mesh, *, pad: bool = False,
                 image_token_id: int | None = None) -> dict[str, Any]:
-    """Host-local batch -> global jax Arrays with rows split over (data, fsdp): each process contributes its
+    """Host-local batch -> global jax Arrays with rows split over the data-parallel axes: each process contributes its
     local rows (`jax.make_array_from_process_local_data`), so no device ever receives the whole batch.
     Arrays already placed on the mesh are kept; `meta` stays on the host; None values are dropped.
 
@@ -398,7 +431,7 @@ def _process_row_start(mesh: Mesh, local_rows: int) -> int:
     covered = sum(stop - start for start, stop in starts)
     if covered != local_rows or starts[-1][1] - starts[0][0] != local_rows:
         raise ValueError("place_vision: this process's rows are not one contiguous block of the global batch; "
-                         "order the mesh devices by process along (data, fsdp)")
+                         "order the mesh devices by process along the data-parallel axes")
     return starts[0][0]
 
 

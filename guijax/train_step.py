@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from guijax import kernels, objectives, sharding
 from guijax.models import lora as lora_lib
 from guijax.models import weights
-from guijax.models.moe import load_balancing_loss
+from guijax.models.moe import dropped_fraction, load_balancing_loss
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
 
 Batch = dict[str, Any]
@@ -80,16 +80,21 @@ def batch_logprobs(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: f
 
 def _logprobs_and_router_loss(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: float, impl: str,
                               mesh: Mesh | None, router: bool,
-                              dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """`batch_logprobs`, and with `router` the load-balancing loss of a routed-expert model's routers.
-    `dropout_key` turns on the LoRA adapters' dropout (training steps only)."""
+                              dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict | None]:
+    """`batch_logprobs`, and with `router` the routers' metrics of a routed-expert model: the load-balancing
+    loss and, under expert parallelism, the share of pairs dropped for capacity. `dropout_key` turns on the LoRA
+    adapters' dropout (training steps only)."""
     args = (batch["input_ids"], batch["positions"], batch["attention_mask"], batch.get("vision"))
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
     aux = None
     if router:
         (hidden, _), state = module.apply({"params": params}, *args, return_logits=False, mutable=["intermediates"],
                                           rngs=rngs)
-        aux = load_balancing_loss(state.get("intermediates", {}))
+        sown = state.get("intermediates", {})
+        aux = {"router_aux_loss": load_balancing_loss(sown)}
+        dropped = dropped_fraction(sown)
+        if dropped is not None:
+            aux["moe_dropped_fraction"] = dropped
     else:
         hidden, _ = module.apply({"params": params}, *args, return_logits=False, rngs=rngs)
     head = lm_head(params, module)
@@ -154,8 +159,8 @@ def loss_fn(params: Any, batch: Batch, module: Qwen2_5_VL, cfg: StepConfig,
     mask = batch["loss_mask"]
     metrics.setdefault("entropy", jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0))
     if aux is not None:
-        metrics["router_aux_loss"] = aux
-        loss = loss + cfg.router_aux_loss_coef * aux
+        metrics.update(aux)
+        loss = loss + cfg.router_aux_loss_coef * aux["router_aux_loss"]
     metrics["loss"] = loss
     return loss, metrics
 
@@ -184,7 +189,7 @@ def init_state(module: Qwen2_5_VL, params: Any, tx: optax.GradientTransformation
 
 
 class BatchFn:
-    """f(params or state, batch) on a mesh: host batches are padded to divide over (data, fsdp) and placed as
+    """f(*args, batch) on a mesh: host batches are padded to divide over the data-parallel axes and placed as
     global arrays before the jitted call. With `host_outputs`, results of a host batch come back as this
     process's rows (padding dropped), so host code can index them with the batch's own rows; results of an
     already placed batch stay global."""
@@ -197,33 +202,37 @@ class BatchFn:
         batch = {k: v for k, v in batch.items() if k != "meta"}
         return sharding.place_batch(batch, self.mesh, pad=True, image_token_id=self.image_token_id)
 
-    def __call__(self, first: Any, batch: Batch) -> Any:
-        placed = self.place(batch)
-        out = self.fn(first, placed)
+    def __call__(self, *args: Any) -> Any:
+        *first, batch = args
+        out = self.fn(*first, self.place(batch))
         if not self.host_outputs or sharding.is_placed(batch["input_ids"]):
             return out
         rows = batch["input_ids"].shape[0]
         return jax.tree.map(lambda x: sharding.host_rows(x, self.mesh, rows), out)
 
-    def lower(self, first: Any, batch: Batch) -> Any:
-        return self.fn.lower(first, self.place(batch))
+    def lower(self, *args: Any) -> Any:
+        *first, batch = args
+        return self.fn.lower(*first, self.place(batch))
 
 
 def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: StepConfig,
                     mesh: Mesh | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """One optimiser step. A non-finite loss or gradient leaves parameters and optimiser state untouched
     and reports `skipped = 1`, so one bad batch cannot poison a run (the trainer stops after N in a row).
-    The state is donated: its buffers become the new state's.
+    The trained part of the state is donated: its buffers become the new state's.
 
     Under LoRA (`module.lora`) the gradient is taken with respect to the adapters alone: the base weights
-    enter as constants, so no full-size gradient or moment is ever computed or held."""
+    enter as constants, so no full-size gradient or moment is ever computed or held. The base is passed
+    beside the donated state, neither donated nor returned, so the new state holds the very same base arrays
+    and other holders of them (a KL reference policy) share them instead of keeping a copy."""
     lora = module.lora
     use_dropout = lora is not None and lora.dropout > 0
 
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        trained = lora_lib.trainable(state.params, lora)
+    def step(state: TrainState, frozen: Any, batch: Batch) -> tuple[TrainState, dict]:
+        """`state.params`: the trained parameters (the adapters under LoRA, else all); `frozen`: the rest."""
+        trained = state.params
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.dropout_seed), state.step) if use_dropout else None
-        objective = lambda t: loss_fn(lora_lib.with_trainable(state.params, t, lora), batch, module, cfg,  # noqa: E731
+        objective = lambda t: loss_fn(t if lora is None else lora_lib.combine(frozen, t), batch, module, cfg,  # noqa: E731
                                       mesh, key)
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trained)
         grad_norm = optax.global_norm(grads)
@@ -232,15 +241,59 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
         new_trained = optax.apply_updates(trained, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = dict(metrics, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
-        new_params = lora_lib.with_trainable(state.params, keep(new_trained, trained), lora)
-        return TrainState(new_params, keep(new_opt, state.opt_state), state.step + 1), metrics
+        return TrainState(keep(new_trained, trained), keep(new_opt, state.opt_state), state.step + 1), metrics
 
     if mesh is None:
-        return jax.jit(step, donate_argnums=(0,))
-    state_shards = state_shardings(module, tx, mesh)
-    shardings = lambda state, batch: ((state_shards, sharding.batch_shardings(batch, mesh)),  # noqa: E731
-                                      (state_shards, sharding.replicated(mesh)))
-    return BatchFn(sharding.MeshJit(step, mesh, shardings, donate_argnums=(0,)), module.cfg.image_token_id)
+        return _SplitStep(jax.jit(step, donate_argnums=(0,)), lora)
+    shards = state_shardings(module, tx, mesh)
+    trained_shards, frozen_shards = _split_params(shards.params, lora)
+    trained_state = TrainState(trained_shards, shards.opt_state, shards.step)
+    shardings = lambda state, frozen, batch: ((trained_state, frozen_shards,  # noqa: E731
+                                               sharding.batch_shardings(batch, mesh)),
+                                              (trained_state, sharding.replicated(mesh)))
+    return _SplitStep(BatchFn(sharding.MeshJit(step, mesh, shardings, donate_argnums=(0,)), module.cfg.image_token_id),
+                      lora)
+
+
+def reference_params(params: Any, lora: lora_lib.LoraConfig | None) -> Any:
+    """A frozen copy of `params` that training steps cannot touch: the trained part copied (steps donate its
+    buffers), the frozen base under LoRA shared (steps neither donate nor replace it), so a 7B LoRA run's
+    reference policy costs the adapters' bytes, not a second model."""
+    trained, frozen = _split_params(params, lora)
+    copied = jax.tree.map(jnp.copy, trained)
+    return copied if lora is None else lora_lib.combine(frozen, copied)
+
+
+def _split_params(params: Any, lora: lora_lib.LoraConfig | None) -> tuple[Any, Any]:
+    """(trained, frozen): (adapters, base) under LoRA, (everything, {}) otherwise."""
+    return (params, {}) if lora is None else lora_lib.split(params)
+
+
+class _SplitStep:
+    """`step(state, batch)` over the jitted `fn(trained state, frozen params, batch)`: the state's parameters are
+    cut into what the step trains and what it only reads, and joined again around the call."""
+
+    def __init__(self, fn: Any, lora: lora_lib.LoraConfig | None):
+        self.fn, self.lora = fn, lora
+
+    def _args(self, state: TrainState) -> tuple[TrainState, Any]:
+        trained, frozen = _split_params(state.params, self.lora)
+        return TrainState(trained, state.opt_state, state.step), frozen
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        trained_state, frozen = self._args(state)
+        new, metrics = self.fn(trained_state, frozen, batch)
+        params = new.params if self.lora is None else lora_lib.combine(frozen, new.params)
+        return TrainState(params, new.opt_state, new.step), metrics
+
+    def lower(self, state: TrainState, batch: Batch) -> Any:
+        return self.fn.lower(*self._args(state), batch)
+
+    def lower_abstract(self, state: TrainState, batch: Batch) -> Any:
+        """Lower for shapes alone (ShapeDtypeStructs, the batch taken as placed): what ahead-of-time compiles
+        read."""
+        fn = self.fn.fn if isinstance(self.fn, BatchFn) else self.fn
+        return fn.lower(*self._args(state), batch)
 
 
 def make_logprob_fn(module: Qwen2_5_VL, temperature: float = 1.0, impl: str = "auto", mesh: Mesh | None = None):

@@ -104,9 +104,10 @@ class Trainer:
         self.logprob_fn = train_step.make_logprob_fn(self.module, config.rollout.temperature, config.train.logprob_impl,
                                                      self.mesh)
         self.state = train_step.init_state(self.module, self.policy.params, self.tx, self.mesh)
-        # the frozen reference policy of a KL term: the parameters the run starts from (a copy: the train
-        # state's buffers are donated to each step)
-        self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if parts.objective.reference_kl else None)
+        # the frozen reference policy of a KL term: the parameters the run starts from. The trained ones are
+        # copied (each step donates their buffers); under LoRA the frozen base is shared, not copied
+        self.ref_params = (train_step.reference_params(self.state.params, self.module.lora)
+                           if parts.objective.reference_kl else None)
         self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature),
                                mesh=parts.mesh)
         self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor,

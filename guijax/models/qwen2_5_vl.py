@@ -155,6 +155,7 @@ class DecoderLayer(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention_impl: str = "auto"
     lora: LoraConfig | None = None
+    expert_capacity_factor: float = 0.0
 
     @nn.compact
     def __call__(self, carry, cos, sin, mask, cache_index, deepstack: DeepStack | None, layer):
@@ -167,7 +168,7 @@ class DecoderLayer(nn.Module):
         h = checkpoint_name(RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x), MLP_IN)
         if cfg.num_experts:
             x = x + SparseMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_act,
-                              name="mlp", **kw)(h, mask.q_segment_ids)
+                              capacity_factor=self.expert_capacity_factor, name="mlp", **kw)(h, mask.q_segment_ids)
         else:
             x = x + GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", lora=self.lora, **kw)(h)
         if deepstack is not None:
@@ -192,6 +193,8 @@ class Qwen2_5_VL(nn.Module):
     attention_impl: str = "auto"
     scan_layers: bool = True
     lora: LoraConfig | None = None  # low-rank adapters on the decoder projections it targets (guijax.models.lora)
+    # routed experts under expert parallelism: each destination's room per device (guijax.models.moe); 0: dropless
+    expert_capacity_factor: float = 0.0
 
     def setup(self):
         cfg, kw = self.cfg, dict(dtype=self.dtype, param_dtype=self.param_dtype)
@@ -206,9 +209,11 @@ class Qwen2_5_VL(nn.Module):
         if self.scan_layers:
             broadcast = (nn.broadcast,) * 5 + (0,)  # cos, sin, mask, cache_index, deepstack; the layer index is scanned
             self.layers = scanned_layers(layer_cls, cfg.num_hidden_layers, broadcast)(
-                cfg, name="layers", attention_impl=self.attention_impl, lora=self.lora, **kw)
+                cfg, name="layers", attention_impl=self.attention_impl, lora=self.lora,
+                expert_capacity_factor=self.expert_capacity_factor, **kw)
         else:
-            self.layers = [layer_cls(cfg, name=f"layers_{i}", attention_impl=self.attention_impl, lora=self.lora, **kw)
+            self.layers = [layer_cls(cfg, name=f"layers_{i}", attention_impl=self.attention_impl, lora=self.lora,
+                                     expert_capacity_factor=self.expert_capacity_factor, **kw)
                            for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, **kw)
         if not cfg.tie_word_embeddings:

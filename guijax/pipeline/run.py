@@ -41,8 +41,7 @@ class Run:
         if "mesh" not in self._cache:
             from guijax.sharding import MeshConfig, make_mesh
 
-            m = self.config.mesh
-            self._cache["mesh"] = make_mesh(MeshConfig(m.data, m.fsdp, m.tensor))
+            self._cache["mesh"] = make_mesh(MeshConfig.from_run_config(self.config))
         return self._cache["mesh"]
 
     @property
@@ -60,7 +59,8 @@ class Run:
                                  remat_policy=self.config.model.remat,
                                  attention_impl=self.config.model.get("attention", "auto"),
                                  scan_layers=self.config.model.scan_layers, lora=lora,
-                                 lora_seed=self.streams.seed_for("lora_init"))
+                                 lora_seed=self.streams.seed_for("lora_init"),
+                                 expert_capacity_factor=self.config.model.get("expert_capacity_factor", 0.0))
         processor = policy.processor
         if self.config.model.image_max_pixels:
             processor.image_processor = dataclasses.replace(processor.image_processor,

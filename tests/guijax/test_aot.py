@@ -38,7 +38,7 @@ def test_cli_compiles_the_cpu_recipe_and_writes_the_report(tmp_path):
     report = json.loads(out.read_text())
     assert all(k in report for k in REQUIRED)
     assert report["compiled"] is True and report["compile_target"] == "cpu" and report["exact"] is False
-    assert report["devices"] == 8 and report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert report["devices"] == 8 and report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}
     assert report["batch"] == {"rows": 8, "tokens_per_row": 160, "screenshots_per_row": 1,
                                "screenshot_hw": [280, 280], "patches_per_screenshot": 64}
     chex.assert_scalar_positive(report["flops_per_device"])

@@ -57,7 +57,7 @@ def test_dry_run_7b_counts_parameters_and_bytes(recipe):
     report = launch.dry_run(config)
     assert report["params"] == 8_292_166_656  # Qwen2.5-VL-7B (UI-TARS-1.5-7B) with its vision tower
     assert report["vision_params"] == 676_550_144
-    assert report["mesh"] == {"data": 1, "fsdp": 16, "tensor": 4}
+    assert report["mesh"] == {"data": 1, "fsdp": 16, "tensor": 4, "expert": 1}
     # bf16, split 64 ways except small unsharded vectors: a little over 2 bytes * 8.29B / 64
     assert 2 * 8_292_166_656 / 64 < report["param_bytes_per_device"] < 1.05 * 2 * 8_292_166_656 / 64
 

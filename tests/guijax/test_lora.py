@@ -247,3 +247,31 @@ def test_sharded_lora_step_equals_single_device():
     assert float(m1["loss"]) == pytest.approx(float(m2["loss"]), rel=1e-5)
     # Adam's first step is ~lr·sign(g): gradients near zero may round to a different side across layouts
     chex.assert_trees_all_close(split(sharded.params)[0], split(single.params)[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_steps_leave_the_base_in_place_so_a_reference_policy_shares_it(on_mesh):
+    """The frozen base is neither donated nor copied by a LoRA step: the new state holds the same arrays, and
+    a KL reference policy taken before the steps shares them and keeps its own adapters."""
+    from guijax import sharding
+
+    cfg = PRESETS["tiny"]
+    module = weights.build_module(cfg, lora=LoraConfig(4, 8.0))
+    params = weights.init_params(module, jax.random.PRNGKey(0))
+    tx = _tx()
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=4, tensor=2)) if on_mesh else None
+    state = train_step.init_state(module, params, tx, mesh)
+    reference = train_step.reference_params(state.params, module.lora)
+    ref_adapters, ref_base = split(reference)
+    initial = jax.tree.map(np.asarray, ref_adapters)
+    step = train_step.make_train_step(module, tx, train_step.StepConfig(objectives.CrossEntropyLoss()), mesh)
+    for seed in range(2):
+        state, _ = step(state, _batch(cfg, seed))
+    new_adapters, new_base = split(state.params)
+    for kept, ref in zip(jax.tree.leaves(new_base), jax.tree.leaves(ref_base)):
+        assert kept is ref and not ref.is_deleted()
+    assert not any(x.is_deleted() for x in jax.tree.leaves(ref_adapters))
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, ref_adapters), initial)
+    assert float(jnp.abs(traverse_util.flatten_dict(new_adapters)[("layers", "mlp", "down_proj", "lora_b")]).max()) > 0
+    logp = train_step.make_logprob_fn(module, mesh=mesh)(reference, _batch(cfg))[0]
+    assert bool(jnp.all(jnp.isfinite(logp)))

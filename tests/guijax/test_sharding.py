@@ -144,7 +144,7 @@ def test_compiled_step_splits_batch_rows_over_data_and_fsdp(tiny):
     state = train_step.init_state(module, jax.tree.map(np.asarray, params), tx, mesh)
     step = train_step.make_train_step(module, tx, SFT, mesh)
     compiled = step.lower(state, _vision_batch(TINY)).compile()
-    (state_in, batch_in), _ = compiled.input_shardings
+    (state_in, frozen_in, batch_in), _ = compiled.input_shardings  # frozen: {} without LoRA
     for key in ("input_ids", "attention_mask", "targets", "loss_mask"):
         assert batch_in[key].spec == jax.sharding.PartitionSpec(("data", "fsdp"), None), key
         assert batch_in[key].shard_shape((8, 40)) == (1, 40)
@@ -262,7 +262,7 @@ def test_pallas_interpret_kernel_runs_under_shard_map_on_the_mesh(tiny):
     batch = _text_batch(TINY)
     ref = train_step.StepConfig(objectives.CrossEntropyLoss(), impl="chunked")
     pallas = train_step.StepConfig(objectives.CrossEntropyLoss(), impl="pallas_interpret")
-    assert train_step.kernel_mesh("pallas_interpret", mesh) == {"mesh": mesh, "batch_axes": ("data", "fsdp")}
+    assert train_step.kernel_mesh("pallas_interpret", mesh) == {"mesh": mesh, "batch_axes": sharding.DATA_AXES}
     assert train_step.kernel_mesh("chunked", mesh) == {}
     _, m1 = train_step.make_train_step(module, tx, ref)(
         train_step.init_state(module, jax.tree.map(np.array, params), tx), batch)

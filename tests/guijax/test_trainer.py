@@ -189,19 +189,25 @@ def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_f
 
 
 @pytest.mark.slow  # 30 s each; the families' parity, sampling and round-trip tests run in the default suite
-@pytest.mark.parametrize("preset, saved_vision", [("tiny_qwen2_vl", {"embed_dim": 32}),
-                                                  ("tiny_qwen3_vl", {"deepstack_visual_indexes": [1, 2]}),
-                                                  ("tiny_qwen3_vl_moe", {"deepstack_visual_indexes": [1, 2]})])
-def test_other_families_run_the_recipe(tiny_config, tmp_path, preset, saved_vision):
+@pytest.mark.parametrize("preset, saved_vision, mesh", [
+    ("tiny_qwen2_vl", {"embed_dim": 32}, ()),
+    ("tiny_qwen3_vl", {"deepstack_visual_indexes": [1, 2]}, ()),
+    # expert parallelism: 8 experts over 4 devices, tokens over all 8, buffers at twice an even share
+    ("tiny_qwen3_vl_moe", {"deepstack_visual_indexes": [1, 2]},
+     ("mesh.expert=4", "model.expert_capacity_factor=2.0", "method=luffy",  # LUFFY: expert traces make a step
+      "stages=('base_model', 'tasks', 'expert', 'sft', 'rl')"))])
+def test_other_families_run_the_recipe(tiny_config, tmp_path, preset, saved_vision, mesh):
     """Qwen2-VL, Qwen3-VL and Qwen3-VL-MoE through fresh checkpoint, warm start, sampling, one RL update and save."""
     from guijax.models.config import PRESETS
     from guijax.models.policy import from_pretrained
 
     config = tiny_config("grpo_cpu", f"model.preset={preset}", "stages=('base_model', 'tasks', 'sft', 'rl')",
-                         "train.router_aux_loss_coef=0.001")
+                         "train.router_aux_loss_coef=0.001", *mesh)
     run_stages(config, tmp_path / "run")
     (record,) = _iteration_records(tmp_path / "run")
     assert record["episodes"] == 4 and record["behaviour_logprob_mean"] < 0
+    if mesh:
+        assert 0 <= record["moe_dropped_fraction"] < 0.5, record
     saved = json.loads((tmp_path / "run" / "trained_model" / "config.json").read_text())
     assert saved["model_type"] == PRESETS[preset].model_type
     assert saved_vision.items() <= saved["vision_config"].items()
