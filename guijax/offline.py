@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from guijax import losses, optim, sharding, train_step
-from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
+from guijax.data.pipeline import PipelineConfig, StepRef, make_dataset, step_refs
 from guijax.models import lora as lora_lib
 from guijax.models.policy import Policy
 from guijax.progress import Progress
@@ -43,10 +43,11 @@ def dpo_pairs(rollouts: Sequence[Trajectory], seed: int = 0) -> list[tuple[Traje
 
 
 def _steps_batch(trajectories: Sequence[Trajectory], processor: Any, model_cfg: Any,
-                 pipeline: PipelineConfig) -> tuple[dict[str, Any], np.ndarray]:
-    """All steps of `trajectories` as one batch (rows padded to a power of two with rows of segment
-    len(trajectories), which the segment sum drops) and each row's trajectory index."""
-    refs = step_refs(list(trajectories))
+                 pipeline: PipelineConfig, last_step_only: bool = False) -> tuple[dict[str, Any], np.ndarray]:
+    """All steps of `trajectories` (or each one's last step alone) as one batch (rows padded to a power of
+    two with rows of segment len(trajectories), which the segment sum drops) and each row's trajectory index."""
+    refs = ([StepRef(i, len(t.steps) - 1, 1.0) for i, t in enumerate(trajectories)] if last_step_only
+            else step_refs(list(trajectories)))
     rows = len(refs)
     padded = 1 << max(rows - 1, 0).bit_length()
     refs = refs + [refs[0]] * (padded - rows)
@@ -69,8 +70,8 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
                      pipeline: PipelineConfig, steps: int, batch_trajectories: int, seed: int = 0,
                      beta: float = 0.1, learning_rate: float = 1e-5,
                      log: Callable[[dict], None] | None = None) -> tuple[Any, list[float]]:
-    """DPO (`kind="dpo"`) or KTO (`kind="kto"`) from the policy's current parameters, which are also the frozen
-    reference. Returns the trained parameters and the loss per step."""
+    """DPO (`kind="dpo"`) or KTO (`kind="kto"`) over whole trajectories, from the policy's current parameters,
+    which are also the frozen reference. Returns the trained parameters and the loss per step."""
     if kind == "dpo":
         pairs = dpo_pairs(rollouts, seed)
         if not pairs:
@@ -82,6 +83,20 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
             raise ValueError("KTO: no rollouts with steps")
     else:
         raise ValueError(f"unknown preference method {kind!r}; choose dpo or kto")
+    return train_preferences(policy, kind, units, config, pipeline, steps, batch_trajectories, seed, beta,
+                             learning_rate, log)
+
+
+def train_preferences(policy: Policy, kind: str, units: Sequence[Sequence[Trajectory]],
+                      config: ml_collections.ConfigDict, pipeline: PipelineConfig, steps: int, batch_trajectories: int,
+                      seed: int = 0, beta: float = 0.1, learning_rate: float = 1e-5,
+                      log: Callable[[dict], None] | None = None,
+                      last_step_only: bool = False) -> tuple[Any, list[float]]:
+    """DPO on [chosen, rejected] units or KTO on [trajectory] units (desirable: reward >= 0.5). log π of a
+    trajectory is the sum over its steps, or with `last_step_only` its last step's alone (step-level pairs
+    that share their history). The starting parameters are the frozen reference."""
+    if not units:
+        raise ValueError(f"{kind}: nothing to train on")
     temperature, impl = config.rollout.temperature, config.train.logprob_impl
     seq_logp = jax.jit(functools.partial(trajectory_logps, policy.module, temperature=temperature, impl=impl),
                        static_argnums=(3,))
@@ -123,7 +138,8 @@ def preference_train(policy: Policy, kind: str, rollouts: Sequence[Trajectory], 
         for start in range(0, len(order), per_batch):
             chosen = [units[i] for i in order[start:start + per_batch]]
             trajectories = [t for unit in chosen for t in unit]
-            batch, segments = _steps_batch(trajectories, policy.processor, policy.module.cfg, pipeline)
+            batch, segments = _steps_batch(trajectories, policy.processor, policy.module.cfg, pipeline,
+                                           last_step_only)
             n = len(trajectories)
             ref = seq_logp(ref_params, batch, segments, n)
             desirable = jnp.asarray([t.reward >= 0.5 for t in trajectories])

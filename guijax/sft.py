@@ -11,7 +11,7 @@ from absl import logging
 
 from guijax import objectives, optim, train_step
 from guijax.checkpoint import Checkpointer
-from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
+from guijax.data.pipeline import PipelineConfig, StepRef, make_dataset, step_refs
 from guijax.models.policy import Policy
 from guijax.progress import Progress
 from guijax.rollout.trajectory import Trajectory
@@ -26,13 +26,15 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
               config: ml_collections.ConfigDict, pipeline: PipelineConfig, steps: int, batch_size: int, seed: int,
               log: Any = None, checkpoint_dir: str | pathlib.Path | None = None,
               checkpoint_every: int = 50, desc: str = "sft",
-              learning_rate: float | None = None) -> tuple[Any, list[float]]:
+              learning_rate: float | None = None, refs: Sequence[StepRef] | None = None) -> tuple[Any, list[float]]:
     """Supervised warm start on (converted expert) trajectories: token cross-entropy on the responses.
 
     `trajectories` may be a list or a TrajectoryStore. With `checkpoint_dir`, parameters, optimiser state,
     the losses so far and the grain iterator's position are saved every `checkpoint_every` steps, and a
     rerun continues from the newest save with the same batches an uninterrupted run would have seen.
     `learning_rate` overrides `sft.learning_rate` (the fresh model's warm-start rate) for fine-tuning runs.
+    `refs` picks the steps that carry loss (default: every step; the others still appear in later steps'
+    history).
     """
     sft_optim = ml_collections.ConfigDict(config.optim.to_dict())
     sft_optim.learning_rate = config.sft.learning_rate if learning_rate is None else learning_rate
@@ -42,7 +44,8 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
                                      router_aux_loss_coef=config.train.router_aux_loss_coef, dropout_seed=seed)
     step_fn = train_step.make_train_step(policy.module, tx, step_cfg, policy.mesh)
     state = train_step.init_state(policy.module, policy.params, tx, policy.mesh)
-    data = make_dataset(trajectories, step_refs(trajectories), processor, policy.module.cfg,
+    data = make_dataset(trajectories, step_refs(trajectories) if refs is None else list(refs), processor,
+                        policy.module.cfg,
                         dataclasses.replace(pipeline, batch_size=batch_size, seed=seed, num_epochs=None))
     it = iter(data)
     losses_seen: list[float] = []

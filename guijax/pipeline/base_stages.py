@@ -29,7 +29,8 @@ EVAL_READS = ROLLOUT_READS + ("eval",)
 SPLITS = ("tasks", "bepa_splits", "level1")  # each rewrites splits.json
 BASE_POLICY = ("base_model", "sft")
 RL_OUTPUTS = ("trained_model", "trained_model_adapter", "checkpoints", "metrics.jsonl", "trajectories",
-              "algorithm_trajectories", "expert_sft_checkpoints", "expert_sft_metrics.jsonl", "offline_metrics.jsonl")
+              "algorithm_trajectories", "expert_sft_checkpoints", "expert_sft_metrics.jsonl", "offline_metrics.jsonl",
+              "step_dpo_pairs.json")
 
 
 def _describe_base_model(run: Run) -> str:

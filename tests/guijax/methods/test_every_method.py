@@ -24,7 +24,8 @@ from guijax.pipeline.run import Run
 
 EVERY = ("stages=('base_model', 'tasks', 'expert', 'sft')", "env.num_tasks=6",
          "offline.steps=2", "offline.batch_trajectories=4", "expert_sft.epochs=1", "expert_sft.learning_rate=1e-3",
-         "offline.learning_rate=1e-3")
+         "offline.learning_rate=1e-3", "evocua.rft_steps=2", "evocua.dpo_steps=2", "evocua.batch_trajectories=4",
+         "evocua.rft_learning_rate=1e-3", "evocua.dpo_learning_rate=1e-3")
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,12 @@ def prepared(tiny_config, tmp_path_factory):
     fails = [dataclasses.replace(t, reward=0.0, steps=[dataclasses.replace(s, response="Thought: no.\nAction: wait()")
                                                        for s in t.steps]) for t in d_conv.values()]
     expert_stages._write_shard(workdir / "selection_rollouts", "rollouts", list(d_conv.values()) + fails)
+    # the budget stage's episodes: the expert's successes, and failures that wait twice on the first screen
+    # where the expert acted (a critical forking point at step 0 whose wrong action changed nothing)
+    waits = [dataclasses.replace(t, reward=0.0, steps=[
+        dataclasses.replace(t.steps[0], response="Thought: wait.\nAction: wait()", actions=["WAIT"])] * 2)
+        for t in d_conv.values()]
+    expert_stages._write_shard(workdir / "budget_rollouts", "rollouts", list(d_conv.values()) + waits)
     valuable = [train[0].id]
     (workdir / "valuable_tasks.json").write_text(json.dumps({"rollouts_per_task": 1, "valuable": valuable}))
     run.forget_tasks()
@@ -125,6 +132,22 @@ def _preference(loss_key: str):
     return check
 
 
+def _evocua(phases: tuple[str, ...]):
+    def check(run, workdir, policy, history, planted):
+        lines = [json.loads(x) for x in (workdir / "offline_metrics.jsonl").read_text().splitlines()]
+        assert history == [] and _moved(run, policy) > 0
+        if "rft" in phases:
+            (counts,) = [m for m in lines if "rft_steps_total" in m]
+            assert counts["rft_trajectories"] > 0 and counts["rft_steps_total"] > 0
+            assert sum("sft_loss" in m for m in lines) == 2
+        if "dpo" in phases:
+            pairs = json.loads((workdir / "step_dpo_pairs.json").read_text())
+            # every failure waits where its task's success acted: one correction and one reflection each
+            assert pairs["action_correction_pairs"] == pairs["reflection_pairs"] == pairs["failures"] > 0
+            assert sum("dpo_loss" in m for m in lines) == 2
+    return check
+
+
 EFFECTS = {
     "grpo": _no_expert_data,
     "arpo": _arpo,
@@ -139,12 +162,15 @@ EFFECTS = {
     "rft": _fine_tuned("offline_metrics.jsonl", rl=False),
     "dpo": _preference("dpo_loss"),
     "kto": _preference("kto_z0"),
+    "evocua_rft": _evocua(("rft",)),
+    "evocua_dpo": _evocua(("dpo",)),
+    "evocua": _evocua(("rft", "dpo")),
 }
 
 
 # DPO and KTO compile their own preference step (about 20 s each): they run with -m slow, and the default suite
-# checks the DPO objective in test_bepa_recipe.py and both losses in test_losses.py
-SLOW = {"dpo", "kto"}
+# checks the DPO objective in test_bepa_recipe.py, both losses in test_losses.py and step-level DPO in `evocua`
+SLOW = {"dpo", "kto", "evocua_dpo"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(EFFECTS)])

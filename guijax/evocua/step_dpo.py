@@ -1,0 +1,130 @@
+"""Step-level DPO at critical forking points (EvoCUA §5.3, Fig. 5, Eq. 2).
+
+For a failed rollout τ⁻ and a successful reference τ⁺ of the same task, the critical deviation step t* is
+the first step of τ⁻ whose state matches a reference state (within a window of w steps) while its action
+differs from the reference's there. States are compared exactly (equal screenshots), which is the
+environment's ground truth on the desk; steps whose actions agree are followed past.
+
+Two preference pairs come out of it, each scored on one step with τ⁻'s own history as context:
+- Pair I (action correction, at t*): the reference's response (thought and action, migrated from the
+  aligned step) preferred over τ⁻'s.
+- Pair II (reflection and recovery, at t*+1): a reflection that notices the screen did not move toward the
+  goal and takes the recovering action, preferred over τ⁻'s blind continuation. The offline synthesiser
+  knows the recovering action only where the erroneous action changed nothing (the state at t*+1 is the state
+  at t*, so the reference's action still applies); elsewhere no Pair II is made.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Sequence
+
+import numpy as np
+
+from envs.actions.uitars import parse_thought
+from guijax.evocua.denoise import action_part
+from guijax.rollout.trajectory import Source, Step, Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class Deviation:
+    """t* in the failed rollout and the aligned step of the reference."""
+
+    step: int
+    reference_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPair:
+    """Chosen and rejected trajectories that share their history and differ in their last step, the one
+    scored. `kind` is "action_correction" (Pair I) or "reflection" (Pair II)."""
+
+    chosen: Trajectory
+    rejected: Trajectory
+    kind: str
+    task_id: str
+
+
+def same_state(a: Step, b: Step) -> bool:
+    return a.screenshot.shape == b.screenshot.shape and np.array_equal(a.screenshot, b.screenshot)
+
+
+def same_action(a: Step, b: Step) -> bool:
+    """Equal parsed actions (an unparsable step agrees with nothing)."""
+    return bool(a.actions) and list(a.actions) == list(b.actions)
+
+
+def critical_deviation(failed: Trajectory, reference: Trajectory, window: int = 2) -> Deviation | None:
+    """The first step of `failed` whose state the reference also reached (within `window` steps of it) and
+    where the two act differently; None when the rollouts part without such a step (a state the reference
+    never showed, or every matched step agreeing)."""
+    for t, step in enumerate(failed.steps):
+        lo, hi = max(0, t - window), min(len(reference.steps), t + window + 1)
+        matches = sorted((j for j in range(lo, hi) if same_state(step, reference.steps[j])), key=lambda j: (abs(j - t), j))
+        if not matches:
+            return None
+        if any(same_action(step, reference.steps[j]) for j in matches):
+            continue
+        return Deviation(t, matches[0])
+    return None
+
+
+def _prefix(trajectory: Trajectory, last: Step, length: int, kind: str) -> Trajectory:
+    """`trajectory`'s first `length` steps followed by `last`: the history of a scored step, then the step."""
+    return dataclasses.replace(trajectory, steps=list(trajectory.steps[:length]) + [last], source=Source.ON_POLICY,
+                               meta=dict(trajectory.meta, step_dpo=kind))
+
+
+def reflection_response(failed_step: Step, reference_step: Step) -> str:
+    """The offline reflection: what went wrong (the last action left the screen unchanged), the remedy (the
+    reference's reasoning), then the reference's action."""
+    tried = action_part(failed_step.response).removeprefix("Action:").strip() or "the previous action"
+    remedy = parse_thought(reference_step.response)
+    thought = (f"The screen is exactly as it was before my last action ({tried}), so that action did not move "
+               f"the task forward. I need a different step here." + (f" {remedy}" if remedy else ""))
+    return f"Thought: {thought}\n{action_part(reference_step.response)}"
+
+
+def step_pairs(failed: Trajectory, reference: Trajectory, window: int = 2, reflection: bool = True) -> list[StepPair]:
+    """Pair I at t* and, where the recovery is known, Pair II at t*+1 (see the module docstring)."""
+    found = critical_deviation(failed, reference, window)
+    if found is None:
+        return []
+    t, j = found.step, found.reference_step
+    wrong, right = failed.steps[t], reference.steps[j]
+    corrected = dataclasses.replace(right, screenshot=wrong.screenshot)
+    pairs = [StepPair(_prefix(failed, corrected, t, "action_correction"), _prefix(failed, wrong, t, "action_correction"),
+                      "action_correction", failed.task_id)]
+    blind = failed.steps[t + 1] if t + 1 < len(failed.steps) else None
+    if reflection and blind is not None and same_state(blind, wrong) and not same_action(blind, right):
+        empty = np.zeros(0, np.int32)
+        recover = Step(blind.screenshot, reflection_response(wrong, right), empty, empty.astype(np.float32),
+                       list(right.actions))
+        pairs.append(StepPair(_prefix(failed, recover, t + 1, "reflection"), _prefix(failed, blind, t + 1, "reflection"),
+                              "reflection", failed.task_id))
+    return pairs
+
+
+def mine_pairs(rollouts: Sequence[Trajectory], window: int = 2, reflection: bool = True,
+               seed: int = 0) -> tuple[list[StepPair], dict]:
+    """Step pairs from every failed rollout that has a successful reference of its task (one drawn at random
+    per failure), and counts of what was found."""
+    rng = random.Random(seed)
+    by_task: dict[str, list[Trajectory]] = {}
+    for t in rollouts:
+        if t.steps:
+            by_task.setdefault(t.task_id, []).append(t)
+    pairs: list[StepPair] = []
+    failures = with_reference = 0
+    for task_id in sorted(by_task):
+        wins = [t for t in by_task[task_id] if t.success]
+        for failed in (t for t in by_task[task_id] if not t.success):
+            failures += 1
+            if not wins:
+                continue
+            with_reference += 1
+            pairs.extend(step_pairs(failed, rng.choice(wins), window, reflection))
+    counts = {"failures": failures, "failures_with_reference": with_reference,
+              "action_correction_pairs": sum(p.kind == "action_correction" for p in pairs),
+              "reflection_pairs": sum(p.kind == "reflection" for p in pairs)}
+    return pairs, counts
