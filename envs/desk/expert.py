@@ -19,7 +19,7 @@ from PIL import Image
 
 from envs.actions.model import Action
 from envs.actions.s2 import S2Action, s2_to_actions
-from envs.api import Task
+from envs.api import Task, TaskError, read_json
 from envs.atomic import write_text_atomic
 from envs.desk.a11y import BANNER, CONFIRM, GroundingError, describe, ground, parse_tree
 from envs.desk.scene import inside
@@ -229,14 +229,38 @@ class ExpertTrace:
         path = directory / "trace.json"
         if not path.exists():
             raise FileNotFoundError(f"no trace.json in {directory}")
-        data = json.loads(path.read_text())
+        data = read_json(path, "expert trace")
+        top = _fields(data, {"task_id": str, "instruction": str, "plan": list, "steps": list, "reward": (int, float)},
+                      f"{path}")
         steps = []
-        for s in data["steps"]:
-            boxes = {d: tuple(b) for d, b in zip(s["element_descriptions"], s["boxes"])}
-            action = parse_s2(s["s2"])
-            steps.append(ExpertStep(np.asarray(Image.open(directory / s["screenshot"]).convert("RGB")), s["a11y"], s["s2"],
-                                    s["element_descriptions"], s["boxes"], s2_to_actions(action, boxes.__getitem__)))
-        return cls(data["task_id"], data["instruction"], data["plan"], steps, data["reward"])
+        for i, s in enumerate(top["steps"]):
+            where = f"{path} step {i}"
+            s = _fields(s, {"screenshot": str, "a11y": str, "s2": str, "element_descriptions": list, "boxes": list},
+                        where)
+            image = directory / s["screenshot"]
+            try:
+                screenshot = np.asarray(Image.open(image).convert("RGB"))
+            except (OSError, ValueError) as err:  # missing, unreadable, or not an image
+                raise TaskError(f"{where}: cannot read screenshot {image}: {err}") from None
+            try:
+                boxes = {d: tuple(b) for d, b in zip(s["element_descriptions"], s["boxes"])}
+                actions = s2_to_actions(parse_s2(s["s2"]), boxes.__getitem__)
+            except (ValueError, KeyError, TypeError, GroundingError) as err:
+                raise TaskError(f"{where}: action {s['s2'][:120]!r} cannot be replayed: {err}") from None
+            steps.append(ExpertStep(screenshot, s["a11y"], s["s2"], s["element_descriptions"], s["boxes"], actions))
+        return cls(top["task_id"], top["instruction"], top["plan"], steps, float(top["reward"]))
+
+
+def _fields(data: Any, types: dict[str, Any], where: str) -> dict[str, Any]:
+    """`data` as an object with every key of `types`, each of its type; a TaskError naming `where` and the key."""
+    if not isinstance(data, dict):
+        raise TaskError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    for key, typ in types.items():
+        if key not in data:
+            raise TaskError(f"{where}: missing key {key!r}")
+        if not isinstance(data[key], typ) or isinstance(data[key], bool):
+            raise TaskError(f"{where}: key {key!r} has type {type(data[key]).__name__}")
+    return data
 
 
 def _descriptions(action: S2Action) -> list[str]:

@@ -2,11 +2,14 @@
 semantics, dynamic pop-ups, and bad-input errors."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from envs.actions.model import Action, ActionType
 from envs.actions.s2 import parse_s2
+from envs.api import TaskError
 from envs.desk import FAMILIES, DeskEnv, ExpertTrace, ScriptedExpert, run_expert
 from envs.desk.a11y import GroundingError, ground, parse_tree
 from envs.tasks import generate_desk_tasks
@@ -125,6 +128,33 @@ def test_trace_save_and_load(tasks, tmp_path):
     assert [s.actions for s in loaded.steps] == [s.actions for s in trace.steps]
     assert np.array_equal(loaded.steps[0].screenshot, trace.steps[0].screenshot)
     assert parse_s2(loaded.steps[0].s2).name == "click"
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda d, t: t.write_text(t.read_text()[:40]), "invalid JSON"),
+    (lambda d, t: t.write_bytes(b"\xff\xfe{}"), "not UTF-8"),
+    (lambda d, t: _edit(t, lambda j: j.pop("steps")), "missing key 'steps'"),
+    (lambda d, t: _edit(t, lambda j: j.update(reward="1")), "key 'reward' has type str"),
+    (lambda d, t: _edit(t, lambda j: j["steps"].__setitem__(0, 7)), "step 0: expected a JSON object"),
+    (lambda d, t: _edit(t, lambda j: j["steps"][0].pop("s2")), "step 0: missing key 's2'"),
+    (lambda d, t: _edit(t, lambda j: j["steps"][0].update(s2="agent.click(")), "step 0: action 'agent.click\(' "
+                                                                               "cannot be replayed"),
+    (lambda d, t: _edit(t, lambda j: j["steps"][0].update(boxes=[])), "step 0: action .* cannot be replayed"),
+    (lambda d, t: (d / json.loads(t.read_text())["steps"][0]["screenshot"]).unlink(), "step 0: cannot read screenshot"),
+])
+def test_a_corrupt_trace_is_refused_naming_the_file_and_the_field(tasks, tmp_path, corrupt, message):
+    task = next(t for t in tasks if t.domain == "choose_option")
+    run_expert(DeskEnv(popups=False), task, ScriptedExpert()).save(tmp_path / "trace")
+    corrupt(tmp_path / "trace", tmp_path / "trace" / "trace.json")
+    with pytest.raises(TaskError, match=message) as err:
+        ExpertTrace.load(tmp_path / "trace")
+    assert "trace.json" in str(err.value)
+
+
+def _edit(path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
 
 
 def test_noisy_expert_is_imperfect(tasks):
