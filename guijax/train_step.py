@@ -232,8 +232,7 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
         """`state.params`: the trained parameters (the adapters under LoRA, else all); `frozen`: the rest."""
         trained = state.params
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.dropout_seed), state.step) if use_dropout else None
-        objective = lambda t: loss_fn(t if lora is None else lora_lib.combine(frozen, t), batch, module, cfg,  # noqa: E731
-                                      mesh, key)
+        objective = lambda t: loss_fn(lora_lib.join(t, frozen, lora), batch, module, cfg, mesh, key)  # noqa: E731
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trained)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -246,7 +245,7 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
     if mesh is None:
         return _SplitStep(jax.jit(step, donate_argnums=(0,)), lora)
     shards = state_shardings(module, tx, mesh)
-    trained_shards, frozen_shards = _split_params(shards.params, lora)
+    trained_shards, frozen_shards = lora_lib.partition(shards.params, lora)
     trained_state = TrainState(trained_shards, shards.opt_state, shards.step)
     shardings = lambda state, frozen, batch: ((trained_state, frozen_shards,  # noqa: E731
                                                sharding.batch_shardings(batch, mesh)),
@@ -259,14 +258,8 @@ def reference_params(params: Any, lora: lora_lib.LoraConfig | None) -> Any:
     """A frozen copy of `params` that training steps cannot touch: the trained part copied (steps donate its
     buffers), the frozen base under LoRA shared (steps neither donate nor replace it), so a 7B LoRA run's
     reference policy costs the adapters' bytes, not a second model."""
-    trained, frozen = _split_params(params, lora)
-    copied = jax.tree.map(jnp.copy, trained)
-    return copied if lora is None else lora_lib.combine(frozen, copied)
-
-
-def _split_params(params: Any, lora: lora_lib.LoraConfig | None) -> tuple[Any, Any]:
-    """(trained, frozen): (adapters, base) under LoRA, (everything, {}) otherwise."""
-    return (params, {}) if lora is None else lora_lib.split(params)
+    trained, frozen = lora_lib.partition(params, lora)
+    return lora_lib.join(jax.tree.map(jnp.copy, trained), frozen, lora)
 
 
 class _SplitStep:
@@ -277,14 +270,13 @@ class _SplitStep:
         self.fn, self.lora = fn, lora
 
     def _args(self, state: TrainState) -> tuple[TrainState, Any]:
-        trained, frozen = _split_params(state.params, self.lora)
+        trained, frozen = lora_lib.partition(state.params, self.lora)
         return TrainState(trained, state.opt_state, state.step), frozen
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         trained_state, frozen = self._args(state)
         new, metrics = self.fn(trained_state, frozen, batch)
-        params = new.params if self.lora is None else lora_lib.combine(frozen, new.params)
-        return TrainState(params, new.opt_state, new.step), metrics
+        return TrainState(lora_lib.join(new.params, frozen, self.lora), new.opt_state, new.step), metrics
 
     def lower(self, state: TrainState, batch: Batch) -> Any:
         return self.fn.lower(*self._args(state), batch)

@@ -61,8 +61,8 @@ def budgeted_rollouts(run: RunEpisodes, tasks: Sequence[Task],
     for level, (k, tau) in enumerate(zip(ladder.budgets, ladder.thresholds)):
         if not pending:
             break
-        episodes = list(run(pending, k - previous, level))
         per_task = k - previous
+        episodes = list(run(pending, per_task, level))
         if len(episodes) != per_task * len(pending):
             raise ValueError(f"budget level {level}: {len(episodes)} episodes for {len(pending)} tasks x {per_task}")
         for i, task in enumerate(pending):

@@ -37,11 +37,8 @@ def reasoning_only(trajectory: Trajectory) -> Trajectory:
     thoughts = [t for t in (parse_thought(s.response) for s in trajectory.steps) if t]
     last = action_part(trajectory.steps[-1].response)
     response = (f"Thought: {' '.join(thoughts)}\n{last}" if thoughts else last).strip()
-    first = trajectory.steps[0]
-    empty = np.zeros(0, np.int32)
-    return dataclasses.replace(trajectory, steps=[Step(first.screenshot, response, empty, empty.astype(np.float32),
-                                                        list(trajectory.steps[-1].actions))],
-                               meta=dict(trajectory.meta, denoised="reasoning_only"))
+    step = Step.text(trajectory.steps[0].screenshot, response, trajectory.steps[-1].actions)
+    return dataclasses.replace(trajectory, steps=[step], meta=dict(trajectory.meta, denoised="reasoning_only"))
 
 
 @dataclasses.dataclass(frozen=True)

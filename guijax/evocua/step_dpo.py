@@ -97,9 +97,7 @@ def step_pairs(failed: Trajectory, reference: Trajectory, window: int = 2, refle
                       "action_correction", failed.task_id)]
     blind = failed.steps[t + 1] if t + 1 < len(failed.steps) else None
     if reflection and blind is not None and same_state(blind, wrong) and not same_action(blind, right):
-        empty = np.zeros(0, np.int32)
-        recover = Step(blind.screenshot, reflection_response(wrong, right), empty, empty.astype(np.float32),
-                       list(right.actions))
+        recover = Step.text(blind.screenshot, reflection_response(wrong, right), right.actions)
         pairs.append(StepPair(_prefix(failed, recover, t + 1, "reflection"), _prefix(failed, blind, t + 1, "reflection"),
                               "reflection", failed.task_id))
     return pairs

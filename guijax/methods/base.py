@@ -19,6 +19,7 @@ import ml_collections
 
 from envs.api import Task
 from guijax import objectives
+from guijax.data.store import TrajectoryStore
 from guijax.rng import Streams
 from guijax.rollout.trajectory import Trajectory
 
@@ -80,6 +81,16 @@ class Context:
     expert_traces: Callable[[], Mapping[str, Trajectory]] = dict
     train_tasks: Sequence[Task] = ()
     score: Scorer | None = None
+
+
+def stage_rollouts(ctx: Context, folder: str, stage: str, method: str) -> list[Trajectory]:
+    """The rollouts an earlier stage left in `ctx.run_dir / folder`; a missing or empty folder names the stage
+    to add before the one that trains `method`."""
+    source = ctx.run_dir / folder
+    if not any(source.glob("*.array_record")):
+        raise FileNotFoundError(f"{source} is empty: {method} trains on the {stage} stage's rollouts; add "
+                                f"'{stage}' to config.stages before the stage that trains it")
+    return list(TrajectoryStore(source))
 
 
 class Method:

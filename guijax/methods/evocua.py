@@ -15,7 +15,7 @@ import json
 from typing import Any, ClassVar
 
 from envs.atomic import write_text_atomic
-from guijax.methods.base import Context, Method
+from guijax.methods.base import Context, Method, stage_rollouts
 from guijax.metrics import MetricsWriter
 from guijax.progress import echo
 from guijax.schema import ranged
@@ -47,14 +47,9 @@ class _EvoCUA(Method):
     rl = False
 
     def rollouts(self, ctx: Context) -> list:
-        from guijax.data.store import TrajectoryStore  # here, not at the top: recipes import every method
-
-        source = ctx.run_dir / "budget_rollouts"
-        if not any(source.glob("*.array_record")):
-            raise FileNotFoundError(f"{source} is empty: {self.name} trains on the budget stage's rollouts; add "
-                                    "'budget' to config.stages before the stage that trains it")
         train_ids = {t.id for t in ctx.train_tasks}
-        return [t for t in TrajectoryStore(source) if not train_ids or t.task_id in train_ids]
+        return [t for t in stage_rollouts(ctx, "budget_rollouts", "budget", self.name)
+                if not train_ids or t.task_id in train_ids]
 
     def rft(self, ctx: Context, policy: Any, pipeline: Any, rollouts: list, writer: MetricsWriter) -> None:
         from guijax.evocua.denoise import denoise

@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from guijax.data.store import TrajectoryStore
-from guijax.methods.base import Context, Method
+from guijax.methods.base import Context, Method, stage_rollouts
 from guijax.metrics import MetricsWriter
 from guijax.progress import echo
 from guijax.schema import ranged
@@ -31,11 +30,7 @@ class _Offline(Method):
     rl = False
 
     def rollouts(self, ctx: Context) -> list:
-        source = ctx.run_dir / "selection_rollouts"
-        if not any(source.glob("*.array_record")):
-            raise FileNotFoundError(f"{source} is empty: {self.name} trains on the select stage's rollouts; add "
-                                    "'select' to config.stages before the stage that trains it")
-        return list(TrajectoryStore(source))
+        return stage_rollouts(ctx, "selection_rollouts", "select", self.name)
 
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
         writer = MetricsWriter(ctx.workdir, "offline_metrics.jsonl", console=False)

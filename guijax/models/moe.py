@@ -25,12 +25,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from guijax.models.layers import Linear, activation
+from guijax.sharding import DATA_AXES
 
 Dtype = Any
 ROUTER_STATS = "router_stats"
 DROPPED_PAIRS = "dropped_pairs"
 EXPERT_AXIS = "expert"
-TOKEN_AXES = ("data", "fsdp", EXPERT_AXIS)  # the mesh axes token rows are split over (guijax.sharding.DATA_AXES)
 
 
 def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -97,8 +97,9 @@ def _dispatch_and_combine(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     t, k = experts.shape
     hidden, local_experts = x.shape[-1], gate_up.shape[0]
     flat = experts.reshape(-1)
+    real = jnp.repeat(valid, k)  # pairs of real (not padding) token rows
     # destination device of each pair; padding rows go to a bucket past the last device and are never sent
-    dest = jnp.where(jnp.repeat(valid, k), flat // local_experts, devices)
+    dest = jnp.where(real, flat // local_experts, devices)
     capacity = expert_capacity(t * k, devices, capacity_factor)
     order = jnp.argsort(dest, stable=True)
     counts = jnp.bincount(dest, length=devices + 1)
@@ -121,8 +122,7 @@ def _dispatch_and_combine(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0)  # back[d]: what device d computed for our pairs
     pair_out = back.at[dest, slot].get(mode="fill", fill_value=0)
     pair_out = pair_out * weights.reshape(-1)[:, None].astype(pair_out.dtype)
-    dropped = jnp.sum(jnp.repeat(valid, k) & ~kept)
-    return jnp.sum(pair_out.reshape(t, k, hidden), axis=1), jax.lax.psum(dropped, TOKEN_AXES)
+    return jnp.sum(pair_out.reshape(t, k, hidden), axis=1), jax.lax.psum(jnp.sum(real & ~kept), DATA_AXES)
 
 
 def expert_parallel_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate_up: jax.Array,
@@ -135,7 +135,7 @@ def expert_parallel_experts(x: jax.Array, experts: jax.Array, weights: jax.Array
     devices = mesh.shape[EXPERT_AXIS]
     if gate_up.shape[0] % devices:
         raise ValueError(f"{gate_up.shape[0]} experts do not divide over the mesh's expert axis of {devices}")
-    token_axes = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+    token_axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
     shards = math.prod(mesh.shape[a] for a in token_axes)
     t = x.shape[0]
     pad = -t % shards

@@ -62,13 +62,8 @@ def convert_trace(trace: ExpertTrace, model: str = "uitars-1.5", thought_style: 
         hw = s.screenshot.shape[:2]
         response = render_uitars(s.actions, image_hw=hw, screen_hw=hw, model=model,
                                  thought=thought_for(s.s2, thought_style))
-        steps.append(Step(s.screenshot, response, response_tokens=_empty(), behaviour_logprobs=_empty(float)))
+        steps.append(Step.text(s.screenshot, response))
     status = Status.DONE if trace.reward > 0.5 else Status.STEP_LIMIT
     return Trajectory(trace.task_id, trace.instruction, steps, trace.reward, status, Source.EXPERT,
                       meta={"plan": trace.plan})
 
-
-def _empty(kind=int):
-    import numpy as np
-
-    return np.zeros((0,), np.int32 if kind is int else np.float32)

@@ -38,6 +38,12 @@ class Step:
     actions: list[str] = dataclasses.field(default_factory=list)  # parsed actions, rendered as pyautogui code
     error: str | None = None  # parse error text for this step, if any
 
+    @classmethod
+    def text(cls, screenshot: np.ndarray, response: str, actions: list[str] | None = None) -> "Step":
+        """An off-policy step written as text (an expert's, or one synthesised from others): no sampled ids
+        and no behaviour log-probs; the data pipeline tokenises the response."""
+        return cls(screenshot, response, np.zeros(0, np.int32), np.zeros(0, np.float32), list(actions or []))
+
 
 @dataclasses.dataclass
 class Trajectory:
