@@ -75,7 +75,51 @@ def _worker(conn: Connection, factory: Callable[[], Env], parent_pid: int | None
         pass
 
 
-class EnvPool:
+class SlotPool:
+    """Episodes on numbered slots over `call(method, {slot: args})`: what every fleet (worker processes here,
+    Ray actors in envs.ray_pool) shares, so the rollout engine drives any of them the same way."""
+
+    num_workers: int
+    timeout_s: float
+
+    def call(self, method: str, slot_args: dict[int, tuple], timeout_s: float | None = None) -> dict[int, Result]:
+        raise NotImplementedError
+
+    def reset(self, tasks: Sequence[Task], slots: Sequence[int] | None = None,
+              seeds: Sequence[int] | None = None, timeout_s: float | None = None) -> dict[int, Result]:
+        """Start one episode per task on slots 0..len(tasks)-1 (or the given slots); `seeds` makes each
+        episode's randomness (pop-ups) reproducible wherever it runs."""
+        slots = list(range(len(tasks))) if slots is None else list(slots)
+        if len(tasks) > self.num_workers or len(slots) != len(tasks):
+            raise ValueError(f"{len(tasks)} tasks for {len(slots)} slots of a pool of {self.num_workers}: "
+                             "run more episodes than workers in rounds")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"reset: slots {slots} repeat a slot")
+        if seeds is None:
+            return self.call("reset", {s: (t,) for s, t in zip(slots, tasks)}, timeout_s)
+        if len(seeds) != len(tasks):
+            raise ValueError(f"reset: {len(seeds)} seeds for {len(tasks)} tasks")
+        return self.call("reset", {s: (t, seed) for s, t, seed in zip(slots, tasks, seeds)}, timeout_s)
+
+    def step(self, actions: dict[int, Any], timeout_s: float | None = None) -> dict[int, Result]:
+        """actions: slot -> an Action or a list of Actions (one response); returns slot -> StepResult."""
+        return self.call("step", {s: (a,) for s, a in actions.items()}, timeout_s)
+
+    def evaluate(self, slots: Sequence[int], timeout_s: float | None = None) -> dict[int, Result]:
+        return self.call("evaluate", {s: () for s in slots}, timeout_s)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+
+class EnvPool(SlotPool):
     def __init__(self, factory: Callable[[], Env] | Sequence[Callable[[], Env]], num_workers: int, *,
                  timeout_s: float = 120.0, start_timeout_s: float = 120.0):
         """factory: one picklable factory for every worker, or one per worker (e.g. one remote desktop
@@ -202,29 +246,6 @@ class EnvPool:
             self._restart(slot)
         return {slot: results[slot] for slot in slot_args}
 
-    def reset(self, tasks: Sequence[Task], slots: Sequence[int] | None = None,
-              seeds: Sequence[int] | None = None, timeout_s: float | None = None) -> dict[int, Result]:
-        """Start one episode per task on slots 0..len(tasks)-1 (or the given slots); `seeds` makes each
-        episode's randomness (pop-ups) reproducible wherever it runs."""
-        slots = list(range(len(tasks))) if slots is None else list(slots)
-        if len(tasks) > self.num_workers or len(slots) != len(tasks):
-            raise ValueError(f"{len(tasks)} tasks for {len(slots)} slots of a pool of {self.num_workers}: "
-                             "run more episodes than workers in rounds")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"reset: slots {slots} repeat a slot")
-        if seeds is None:
-            return self.call("reset", {s: (t,) for s, t in zip(slots, tasks)}, timeout_s)
-        if len(seeds) != len(tasks):
-            raise ValueError(f"reset: {len(seeds)} seeds for {len(tasks)} tasks")
-        return self.call("reset", {s: (t, seed) for s, t, seed in zip(slots, tasks, seeds)}, timeout_s)
-
-    def step(self, actions: dict[int, Any], timeout_s: float | None = None) -> dict[int, Result]:
-        """actions: slot -> an Action or a list of Actions (one response); returns slot -> StepResult."""
-        return self.call("step", {s: (a,) for s, a in actions.items()}, timeout_s)
-
-    def evaluate(self, slots: Sequence[int], timeout_s: float | None = None) -> dict[int, Result]:
-        return self.call("evaluate", {s: () for s in slots}, timeout_s)
-
     def close(self) -> None:
         self._finalizer()
 
@@ -247,11 +268,6 @@ class EnvPool:
             if conn is not None:
                 conn.close()
 
-    def __enter__(self) -> "EnvPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,8 +278,11 @@ class DeskFactory:
     step_limit: int = 15
     seed: int = 0
     popups: bool = True
+    step_latency_s: float = 0.0  # every reset and step waits this long (envs.latency: a VM stand-in)
 
     def __call__(self) -> Env:
         from envs.desk.env import DeskEnv
+        from envs.latency import Slowed
 
-        return DeskEnv(self.screen_hw, self.step_limit, self.seed, self.popups)
+        env = DeskEnv(self.screen_hw, self.step_limit, self.seed, self.popups)
+        return Slowed(env, self.step_latency_s) if self.step_latency_s else env

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from guijax import advantages as adv_lib
 from guijax import losses
@@ -76,6 +77,34 @@ class WithCrossEntropy:
         return loss + self.coef * ce, dict(metrics, sft_ce=ce)
 
 
+@dataclasses.dataclass(frozen=True)
+class BehaviourCorrected:
+    """`inner` on rows sampled by older parameters than θ_old (asynchronous rollouts): the decoupled PPO
+    objective, whose clipped ratio is π_θ/π_old (the trust region around the parameters the update starts
+    from, old_logp recomputed by the learner) and whose every on-policy token is weighted by the importance
+    weight π_old/π_behaviour of the policy that actually sampled it (the batch's `behaviour_logprobs`),
+    detached and truncated at `cap`. Injected rows (`off_policy`: replay, cache, expert text) keep weight 1.
+
+    The weight multiplies the token's advantage: for a positive weight w, w·(−min(r·A, clip(r)·A)) equals
+    −min(r·wA, clip(r)·wA), dual clip included, so `inner` needs no change."""
+
+    inner: Any
+    cap: float = 5.0
+
+    def __call__(self, logp: jax.Array, entropy: jax.Array, batch: Batch) -> tuple[jax.Array, dict]:
+        mask = batch["loss_mask"]
+        valid = (mask > 0) & ~jnp.asarray(batch["off_policy"], bool)[:, None]
+        log_w = jnp.where(valid, batch["old_logp"] - batch["behaviour_logprobs"], 0.0)
+        raw = jnp.exp(log_w)
+        weight = jax.lax.stop_gradient(jnp.minimum(raw, self.cap))
+        advantages = jnp.broadcast_to(jnp.asarray(batch["advantages"]).reshape(mask.shape[0], -1), mask.shape)
+        loss, metrics = self.inner(logp, entropy, dict(batch, advantages=advantages * weight))
+        on = mask * valid
+        metrics["behaviour_weight_mean"] = losses.masked_mean(weight, on)
+        metrics["behaviour_weight_capped_frac"] = losses.masked_mean((raw > self.cap).astype(jnp.float32), on)
+        return loss, metrics
+
+
 def _reference(batch: Batch, clip: losses.ClipConfig) -> jax.Array | None:
     if clip.kl_coef and "ref_logp" not in batch:
         raise ValueError(f"kl_coef={clip.kl_coef} needs the batch's ref_logp (reference-policy log-probs); the "
@@ -120,6 +149,8 @@ class Objective:
     def reference_kl(self) -> bool:
         """Whether the loss has a KL term to a frozen reference policy (the trainer then scores every batch
         under the initial parameters as well)."""
-        inner = getattr(self.loss, "inner", self.loss)
+        inner = self.loss
+        while hasattr(inner, "inner"):
+            inner = inner.inner
         clip = getattr(inner, "clip", None)
         return bool(clip is not None and clip.kl_coef)

@@ -5,7 +5,8 @@ import pathlib
 from typing import Any, Sequence
 
 CURVES = (("success_rate", "train success"), ("reward_mean", "reward"), ("entropy", "entropy"),
-          ("approx_kl", "approx KL"), ("format_error_rate", "format errors"), ("grad_norm", "grad norm"))
+          ("approx_kl", "approx KL"), ("format_error_rate", "format errors"), ("grad_norm", "grad norm"),
+          ("env_busy_fraction", "environments busy"), ("staleness_mean", "staleness (updates)"))
 
 
 def plot_curves(records: Sequence[dict[str, Any]], path: str | pathlib.Path) -> pathlib.Path | None:

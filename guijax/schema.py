@@ -131,6 +131,10 @@ class Env:
     osworld_split: str = ""  # osworld: a split file ({domain: [ids]}); empty: every task in osworld_dir
     cache_dirs: tuple[str, ...] = ()  # osworld: local folders with files the tasks would download
     num_workers: int = ranged(2, low=1)
+    # where the workers run: processes on this machine (envs.pool) | Ray actors on any host of a Ray cluster
+    fleet: Literal["processes", "ray"] = "processes"
+    ray_address: str = ""  # fleet=ray: "auto", "HEAD:6379" or "ray://HEAD:10001"; empty: a local Ray instance
+    ray_cpus_per_worker: float = ranged(1.0, low=0, low_open=True)  # fleet=ray: CPUs each actor reserves
     timeout_s: float = ranged(120.0, low=0, low_open=True)
     screen: tuple[int, int] = ranged((280, 280), low=1)  # desk: (height, width)
     step_limit: int = ranged(15, low=1)
@@ -139,6 +143,8 @@ class Env:
     families: tuple[DeskFamily, ...] = ()  # desk: generated task families; empty: all
     held_out_families: tuple[str, ...] = ()  # task domains held out whole (desk families or OSWorld domains)
     held_out_fraction: float = ranged(0.2, low=0, high=1)
+    # desk: seconds every reset and step waits, standing in for a VM's screenshot / settle time (benchmarks)
+    step_latency_s: float = ranged(0.0, low=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +160,14 @@ class Rollout:
     format_reward: float = -1.0  # reward of an unparsable response (ARPO) ...
     format_weight: float = ranged(0.5, low=0)  # ... and its weight
     prompt: Literal["uitars_official", "compact"] = "uitars_official"  # UI-TARS-1.5's own prompt | compact
+    # sync: sample every group with the current parameters, then train (the papers' protocol); async: a thread
+    # keeps every environment busy and the learner trains on groups as they complete (guijax.rollout.stream)
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = ranged(4, low=0)  # async: groups sampled more than this many updates ago are dropped
+    async_groups_ahead: int = ranged(0, low=0)  # async: groups started and not yet trained on (0: 2 x tasks_per_iteration)
+    # async: the first N devices sample (their own mesh, parameters split over them), the others train with
+    # the `mesh` section's shape; parameters are copied across after each update. 0: both share every device
+    sampler_devices: int = ranged(0, low=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +204,8 @@ class Train:
     checkpoint_every: int = ranged(5, low=1)
     keep_checkpoints: int = ranged(3, low=1)
     max_nonfinite_in_row: int = ranged(3, low=1)
+    # rollout.mode=async: truncation of each token's importance weight π_old / π_behaviour
+    behaviour_weight_cap: float = ranged(5.0, low=1)
 
 
 @dataclasses.dataclass(frozen=True)

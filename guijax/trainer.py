@@ -28,7 +28,9 @@ from guijax.metrics import MetricsWriter
 from guijax.models.policy import Policy
 from guijax.progress import Progress
 from guijax.rng import Streams
+from guijax.data.store import SUFFIX as STORE_SUFFIX
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
+from guijax.rollout.stream import RolloutStream, group_index, sampling_version, shard_name
 from guijax.rollout.trajectory import Status, Trajectory
 from guijax.sampling import Sampler, SamplingConfig
 from guijax.sft import device_batch
@@ -38,6 +40,18 @@ Scorer = Callable[[Sequence[Trajectory]], list[float]]
 
 class TrainingError(RuntimeError):
     pass
+
+
+def _compress(indices: set[int]) -> dict[str, Any]:
+    """A set of group indices as {"below": n, "also": [...]}: every index < n, plus the listed ones."""
+    below = 0
+    while below in indices:
+        below += 1
+    return {"below": below, "also": sorted(i for i in indices if i > below)}
+
+
+def _expand(saved: dict[str, Any]) -> set[int]:
+    return set(range(int(saved.get("below", 0)))) | {int(i) for i in saved.get("also", ())}
 
 
 def rollout_config(config: ml_collections.ConfigDict, system_prompt: str) -> RolloutConfig:
@@ -87,6 +101,7 @@ class Components:
     system_prompt: str  # the template `rollout.prompt` names (Run.system_prompt)
     mesh: jax.sharding.Mesh | None
     streams: Streams = Streams(0)
+    sampler_mesh: jax.sharding.Mesh | None = None  # asynchronous rollouts on devices of their own
 
 
 class Trainer:
@@ -96,7 +111,11 @@ class Trainer:
         self.module = parts.policy.module
         self.tx, self.schedule = optim.make_optimizer(config.optim)
         self.objective = parts.objective
-        step_cfg = train_step.StepConfig(parts.objective.loss, config.rollout.temperature, config.train.logprob_impl,
+        self.asynchronous = config.rollout.get("mode", "sync") == "async"
+        loss = parts.objective.loss
+        if self.asynchronous:  # rows sampled by older parameters: weigh each token by π_old / π_behaviour
+            loss = objectives.BehaviourCorrected(loss, config.train.behaviour_weight_cap)
+        step_cfg = train_step.StepConfig(loss, config.rollout.temperature, config.train.logprob_impl,
                                          config.train.router_aux_loss_coef, parts.streams.seed_for("lora_dropout"))
         self.mesh = parts.mesh
         self.streams = parts.streams
@@ -109,7 +128,7 @@ class Trainer:
         self.ref_params = (train_step.reference_params(self.state.params, self.module.lora)
                            if parts.objective.reference_kl else None)
         self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature),
-                               mesh=parts.mesh)
+                               mesh=parts.sampler_mesh or parts.mesh)
         self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor,
                                     rollout_config(config, parts.system_prompt))
         self.pipeline = pipeline_config(config, parts.system_prompt)
@@ -119,6 +138,8 @@ class Trainer:
         self.iteration = 0
         self.nonfinite_in_row = 0
         self.hook = parts.make_hook(self.score_trajectories)
+        self.stream: RolloutStream | None = None  # the asynchronous mode's rollout thread, while fit() runs
+        self.consumed: set[int] = set()  # asynchronous mode: groups the learner has taken (trained or too stale)
 
     def _place(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Global arrays split over the data-parallel devices (padded to divide); as-is without a mesh."""
@@ -138,12 +159,15 @@ class Trainer:
     def save(self) -> None:
         meta = {"iteration": self.iteration, "hook": self.hook.state_dict(),
                 "nonfinite_in_row": self.nonfinite_in_row}
+        if self.asynchronous:
+            meta["consumed_groups"] = _compress(self.consumed)
         self.ckpt.save(self.iteration, train_step.checkpointed(self.state, self.module), meta)
 
     def maybe_restore(self) -> bool:
         def use(saved, meta):
             iteration, nonfinite = int(meta["iteration"]), int(meta.get("nonfinite_in_row", 0))
             self.hook.load_state_dict(meta["hook"])
+            self.consumed = _expand(meta.get("consumed_groups", {}))
             return train_step.restored(self.state, saved, self.module), iteration, nonfinite
 
         restored = self.ckpt.restore_latest(train_step.checkpointed(self.state, self.module), use)
@@ -170,17 +194,34 @@ class Trainer:
         return rng.sample(self.parts.train_tasks, k)
 
     def iterate(self) -> dict[str, float]:
+        """One iteration: rollouts (synchronous: sampled now with the current parameters; asynchronous: the
+        next complete groups from the rollout stream), then the update."""
+        if self.stream is not None:
+            return self._iterate_async()
         cfg = self.config
         t_start = time.perf_counter()
         tasks = self._tasks_for(self.iteration)
         rollouts, timing = self.engine.run(self.state.params, tasks, cfg.rollout.group_size,
                                            self.streams.key("sampling", self.iteration),
                                            seed=self.streams.seed_for("episodes", self.iteration))
+        g = cfg.rollout.group_size
+        task_groups = [(task, rollouts[i * g:(i + 1) * g]) for i, task in enumerate(tasks)]
+        t_store = time.perf_counter()
+        self.store.append(rollouts, name=f"iter-{self.iteration:06d}")  # every episode, failures included
+        timing = dict(timing, store_s=time.perf_counter() - t_store)
+        metrics = self._learn(task_groups, timing, t_start)
+        # rollouts are synchronous: every second in env calls is a second the trainer waits on environments
+        metrics["env_wait_fraction"] = timing["env_s"] / max(metrics["time_iteration_s"], 1e-9)
+        return metrics
+
+    def _learn(self, task_groups: Sequence[tuple[Task, Sequence[Trajectory]]], timing: dict[str, float],
+               t_start: float) -> dict[str, float]:
+        """The method's hook assembles each task's group, then advantages, metrics and the update."""
         groups: list[list[Trajectory]] = []
         auxiliary: list[Trajectory] = []  # rows for a term of the method's loss, outside every group
         dropped = []
-        for i, task in enumerate(tasks):
-            group = rollouts[i * cfg.rollout.group_size:(i + 1) * cfg.rollout.group_size]
+        rollouts = [t for _, group in task_groups for t in group]
+        for task, group in task_groups:
             dropped += [f"{t.task_id}: {t.error}" for t in group if t.status == Status.ENV_ERROR]
             group = [t for t in group if t.status != Status.ENV_ERROR]
             self.hook.observe(task, group)
@@ -188,9 +229,6 @@ class Trainer:
             auxiliary += self.hook.auxiliary(task)
         for reason in dropped:
             logging.warning("dropped an episode whose environment failed: %s", reason)
-        t_store = time.perf_counter()
-        self.store.append(rollouts, name=f"iter-{self.iteration:06d}")  # every episode, failures included
-        t_store = time.perf_counter() - t_store
         trajectories = [t for g in groups for t in g] + auxiliary
         group_ids = np.concatenate([np.full(len(g), i) for i, g in enumerate(groups)] + [np.zeros(0)]).astype(np.int32)
         rewards = np.asarray([t.reward for g in groups for t in g], np.float32)
@@ -206,8 +244,8 @@ class Trainer:
             "format_error_rate": float(np.mean([t.status == Status.PARSE_ERROR for t in on_policy])) if on_policy else 0.0,
             "env_errors": len(dropped), "zero_variance_groups": int(stats.zero_variance_groups),
             "episodes": len(rollouts), "time_env_s": timing["env_s"], "time_sampling_s": timing["sample_s"],
-            "time_store_s": t_store, "time_rollout_s": timing["wall_s"], "env_steps": timing["steps"],
-            "sampled_tokens": timing["sampled_tokens"],
+            "time_store_s": timing.get("store_s", 0.0), "time_rollout_s": timing["wall_s"],
+            "env_steps": timing["steps"], "sampled_tokens": timing["sampled_tokens"],
             "response_tokens_mean": float(np.mean([len(s.response_tokens) for t in on_policy for s in t.steps]))
             if on_policy else 0.0,
             "behaviour_logprob_mean": float(np.mean(np.concatenate(
@@ -219,10 +257,12 @@ class Trainer:
         metrics.update(self.hook.metrics())
         update = self._update(trajectories, advantages, keep) if keep else {}
         metrics.update(update)
-        metrics["time_iteration_s"] = time.perf_counter() - t_start
-        # rollouts are synchronous: every second in env calls is a second the trainer waits on environments
-        metrics["env_wait_fraction"] = timing["env_s"] / max(metrics["time_iteration_s"], 1e-9)
+        metrics["time_iteration_s"] = wall = time.perf_counter() - t_start
         metrics["tokens_per_s"] = metrics.get("trained_tokens", 0) / max(metrics.get("time_update_s", 0.0), 1e-9)
+        # utilisation: slot-seconds in environment calls over the workers' time, and the learner's compute time
+        metrics["env_busy_fraction"] = timing.get("env_slot_s", 0.0) / max(self.parts.pool.num_workers * wall, 1e-9)
+        metrics["learner_busy_fraction"] = (metrics.get("time_old_logprobs_s", 0.0)
+                                            + metrics.get("time_update_s", 0.0)) / max(wall, 1e-9)
         self.iteration += 1
         return metrics
 
@@ -276,16 +316,110 @@ class Trainer:
         """Iterate up to `train.iterations` from where the run stands (a restored checkpoint's iteration)."""
         history = []
         total = self.config.train.iterations
-        with Progress(total, desc, "iteration", initial=self.iteration) as bar:
-            while self.iteration < total:
-                metrics = self.iterate()
-                self.metrics.write(metrics)
-                history.append(metrics)
-                bar.update(1, success=f"{100 * metrics['success_rate']:.0f}%", reward=round(metrics["reward_mean"], 3))
-                if self.iteration % self.config.train.checkpoint_every == 0 or self.iteration == total:
-                    self.save()
+        if self.asynchronous and self.iteration < total:
+            self._start_stream()
+        try:
+            with Progress(total, desc, "iteration", initial=self.iteration) as bar:
+                while self.iteration < total:
+                    metrics = self.iterate()
+                    self.metrics.write(metrics)
+                    history.append(metrics)
+                    bar.update(1, success=f"{100 * metrics['success_rate']:.0f}%",
+                               reward=round(metrics["reward_mean"], 3))
+                    if self.iteration % self.config.train.checkpoint_every == 0 or self.iteration == total:
+                        self.save()
+        finally:
+            if self.stream is not None:
+                self.stream.close()
+                self.stream = None
         self.ckpt.wait()
         return history
+
+    # ------------------------------------------------------------------ asynchronous mode
+    @property
+    def groups_per_iteration(self) -> int:
+        return min(self.config.rollout.tasks_per_iteration, len(self.parts.train_tasks))
+
+    def group_spec(self, index: int) -> tuple[Task, list[int]]:
+        """Group `index` of the asynchronous stream: the task and episode seeds the synchronous mode gives the
+        same position (iteration index // k, task index % k), so both modes draw the same episodes."""
+        k = self.groups_per_iteration
+        block, position = divmod(index, k)
+        seed = self.streams.seed_for("episodes", block)
+        return (self._tasks_for(block)[position],
+                [seed * 1_000_003 + position * 7919 + g for g in range(self.config.rollout.group_size)])
+
+    def _start_stream(self) -> None:
+        r = self.config.rollout
+        self.store.refresh()
+        stored = sorted(i for i in (group_index(p.name) for p in self.store.shards) if i is not None)
+        pending = [i for i in stored if i not in self.consumed]  # completed, never trained on: first in line
+        ahead = r.async_groups_ahead or 2 * self.groups_per_iteration
+        self.stream = RolloutStream(self.engine, self.group_spec, r.group_size, self.store.directory,
+                                    self.streams.key("sampling_async", len(self.consumed)),
+                                    max_groups_ahead=max(ahead, len(pending)), skip=self.consumed | set(pending),
+                                    first=_compress(self.consumed)["below"])
+        self.stream.preload([shard_name(i) for i in pending])
+        if pending:
+            logging.info("resuming with %d completed group(s) not yet trained on: %s", len(pending), pending)
+        self.stream.publish(self._sampler_params(), self.iteration)
+        self._stream_mark = dict(self.stream.timings)
+        self.stream.start()
+
+    def _iterate_async(self) -> dict[str, float]:
+        cfg = self.config
+        t_start = time.perf_counter()
+        task_groups, lags, taken, stale, waited = [], [], [], [], 0.0
+        while len(task_groups) < self.groups_per_iteration:
+            t0 = time.perf_counter()
+            shard = self.stream.get()
+            waited += time.perf_counter() - t0
+            self.stream.release()
+            index = group_index(shard)
+            trajectories = [self.store.at(shard + STORE_SUFFIX, m) for m in range(cfg.rollout.group_size)]
+            self.consumed.add(index)
+            # parameters lost with a crash may have sampled a group a resumed run reads: never negative
+            lag = max(0, self.iteration - sampling_version(trajectories, self.iteration))
+            if lag > cfg.rollout.max_staleness:
+                stale.append(index)
+                logging.info("dropped group %d (task %s): sampled %d versions ago, rollout.max_staleness=%d",
+                             index, trajectories[0].task_id, lag, cfg.rollout.max_staleness)
+                continue
+            lags.append(lag)
+            taken.append(index)
+            task_groups.append((self.group_spec(index)[0], trajectories))
+        version = self.iteration
+        # the rollout thread works through the whole iteration, the update included: its counters are read
+        # once the update is done, from where the previous iteration's reading left them
+        now = dict(self.stream.timings)
+        timing = {k: now[k] - self._stream_mark[k] for k in ("env_s", "env_slot_s", "sample_s", "steps",
+                                                               "sampled_tokens")}
+        timing["wall_s"] = waited
+        metrics = self._learn(task_groups, timing, t_start)
+        after = dict(self.stream.timings)
+        for key, name in (("env_s", "time_env_s"), ("sample_s", "time_sampling_s"), ("steps", "env_steps"),
+                          ("sampled_tokens", "sampled_tokens")):
+            metrics[name] = after[key] - self._stream_mark[key]
+        metrics["env_busy_fraction"] = (after["env_slot_s"] - self._stream_mark["env_slot_s"]) / max(
+            self.parts.pool.num_workers * metrics["time_iteration_s"], 1e-9)
+        self._stream_mark = after
+        metrics.update(policy_version=version, groups=taken, staleness_mean=float(np.mean(lags)),
+                       staleness_max=int(max(lags)), stale_groups=stale,
+                       stale_dropped=len(stale) * cfg.rollout.group_size,
+                       # what the learner spent waiting for complete groups
+                       env_wait_fraction=waited / max(metrics["time_iteration_s"], 1e-9))
+        self.stream.publish(self._sampler_params(), self.iteration)
+        return metrics
+
+    def _sampler_params(self) -> Any:
+        """The parameters the rollout thread samples with until the next update: copied onto the sampler's own
+        devices when it has them, else a copy on the training devices that the next update cannot donate."""
+        if self.parts.sampler_mesh is None:
+            return train_step.reference_params(self.state.params, self.module.lora)
+        from guijax.models.weights import abstract_params
+
+        return jax.device_put(self.state.params,
+                              sharding.param_shardings(abstract_params(self.module), self.parts.sampler_mesh))
 
     def close(self) -> None:
         self.ckpt.close()

@@ -219,7 +219,7 @@ def train_with(run: Run, method: Any, workdir: pathlib.Path, desc: str) -> tuple
         return policy, []
     parts = Components(policy, run.pool(), policy.processor, method.training_tasks(ctx, run.tasks()["train"]),
                        lambda score: method.hook(dataclasses.replace(ctx, score=score)), method.objective(),
-                       run.system_prompt, run.mesh(), streams=ctx.streams)
+                       run.system_prompt, run.mesh(), streams=ctx.streams, sampler_mesh=run.sampler_mesh())
     trainer = Trainer(method.config, workdir, parts)
     trainer.maybe_restore()
     history = trainer.fit(desc=desc)

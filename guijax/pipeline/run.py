@@ -38,11 +38,35 @@ class Run:
         return prompt_template(self.config.rollout.prompt)
 
     def mesh(self):
+        """The training mesh: every device, or those past `rollout.sampler_devices` when the sampler has its own."""
         if "mesh" not in self._cache:
             from guijax.sharding import MeshConfig, make_mesh
 
-            self._cache["mesh"] = make_mesh(MeshConfig.from_run_config(self.config))
+            learner, _ = self._device_split()
+            self._cache["mesh"] = make_mesh(MeshConfig.from_run_config(self.config), devices=learner)
         return self._cache["mesh"]
+
+    def sampler_mesh(self):
+        """The asynchronous sampler's own mesh (parameters split over its devices), or None when it shares the
+        training mesh."""
+        from guijax.sharding import MeshConfig, make_mesh
+
+        _, sampler = self._device_split()
+        return None if sampler is None else make_mesh(MeshConfig(data=1, fsdp=-1), devices=sampler)
+
+    def _device_split(self) -> tuple[list | None, list | None]:
+        import jax
+
+        n = self.config.rollout.get("sampler_devices", 0)
+        if not n:
+            return None, None
+        if self.config.rollout.get("mode", "sync") != "async":
+            raise ValueError(f"rollout.sampler_devices={n} gives the sampler its own devices, which only "
+                             "asynchronous rollouts use: set rollout.mode=async or rollout.sampler_devices=0")
+        devices = jax.devices()
+        if n >= len(devices):
+            raise ValueError(f"rollout.sampler_devices={n} leaves no device to train on ({len(devices)} devices)")
+        return devices[n:], devices[:n]
 
     @property
     def base_model_dir(self) -> pathlib.Path:
@@ -93,7 +117,8 @@ class Run:
 
             e = self.config.env
             if e.kind == "desk":
-                factories = DeskFactory(tuple(e.screen), e.step_limit, self.streams.seed_for("env"), e.popups)
+                factories = DeskFactory(tuple(e.screen), e.step_limit, self.streams.seed_for("env"), e.popups,
+                                        e.step_latency_s)
                 workers = e.num_workers
             elif e.kind == "osworld":
                 import os
@@ -108,7 +133,13 @@ class Run:
                 workers = len(factories)
             else:
                 raise ValueError(f"unknown env.kind {e.kind!r}; choose 'desk' or 'osworld'")
-            self._cache["pool"] = EnvPool(factories, workers, timeout_s=e.timeout_s)
+            if e.fleet == "ray":
+                from envs.ray_pool import RayEnvPool
+
+                self._cache["pool"] = RayEnvPool(factories, workers, address=e.ray_address,
+                                                 cpus_per_worker=e.ray_cpus_per_worker, timeout_s=e.timeout_s)
+            else:
+                self._cache["pool"] = EnvPool(factories, workers, timeout_s=e.timeout_s)
         return self._cache["pool"]
 
     def engine(self, policy, temperature: float):

@@ -39,6 +39,14 @@ def response_text(tokenizer: Any, tokens: np.ndarray) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False).strip()
 
 
+def _count_env_call(timings: dict[str, float], t0: float, slots: int) -> None:
+    """Charge a pool call started at `t0` to the timings: its wall time (`env_s`, what the caller waited) and
+    its slot-seconds (`env_slot_s`, how busy the environment workers were)."""
+    elapsed = time.perf_counter() - t0
+    timings["env_s"] += elapsed
+    timings["env_slot_s"] = timings.get("env_slot_s", 0.0) + elapsed * slots
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     max_images: int = 5  # screenshots kept as images in the prompt (K); earlier steps stay as text
@@ -66,6 +74,7 @@ class _Episode:
     error: str | None = None
     reward: float = 0.0
     env_seconds: float = 0.0
+    versions: list[int] = dataclasses.field(default_factory=list)  # the policy version that sampled each step
 
 
 class RolloutEngine:
@@ -103,11 +112,19 @@ class RolloutEngine:
         if bar is not None:
             bar.close()
         timings["wall_s"] = time.perf_counter() - start
-        return [self._trajectory(e) for e in episodes], timings
+        return [self.trajectory(e) for e in episodes], timings
 
     def _run_round(self, params, eps: list[_Episode], rng, timings) -> None:
+        live = self.start(dict(enumerate(eps)), timings)
+        while live:
+            rng = self.advance(params, live, rng, timings)
+
+    def start(self, eps: dict[int, _Episode], timings: dict[str, float]) -> dict[int, _Episode]:
+        """Reset each episode on its slot (failed resets retried `reset_retries` times); returns those that
+        started, by slot. The others end as ENV_ERROR with the reset's error."""
+        slots = list(eps)
         t0 = time.perf_counter()
-        reset = self.pool.reset([e.task for e in eps], seeds=[e.seed for e in eps])
+        reset = self.pool.reset([eps[s].task for s in slots], slots=slots, seeds=[eps[s].seed for s in slots])
         for attempt in range(self.config.reset_retries):
             failed = [slot for slot, r in reset.items() if not r.ok]
             if not failed:
@@ -116,16 +133,25 @@ class RolloutEngine:
                             "; ".join(f"{eps[s].task.id}: {reset[s].error}" for s in failed)[:500])
             reset.update(self.pool.reset([eps[s].task for s in failed], slots=failed,
                                          seeds=[eps[s].seed for s in failed]))
-        timings["env_s"] += time.perf_counter() - t0
+        _count_env_call(timings, t0, len(slots))
         live: dict[int, _Episode] = {}
-        for slot, e in enumerate(eps):
+        for slot, e in eps.items():
             if reset[slot].ok:
                 e.screenshot = reset[slot].value.screenshot
                 live[slot] = e
             else:
                 e.status, e.error = Status.ENV_ERROR, reset[slot].error
-        while live:
+        return live
+
+    def advance(self, params: Any, live: dict[int, _Episode], rng: jax.Array, timings: dict[str, float],
+                version: int = 0) -> jax.Array:
+        """One step of every live episode: one sampler call for all of them, parse, one pool step, and the
+        evaluation of those that ended (they leave `live`). Each new step is marked as sampled by policy
+        `version`. Returns the advanced key."""
+        while True:
             slots = sorted(live)
+            if not slots:
+                return rng
             prompts = [self._prompt(live[s]) for s in slots]
             inputs = self.processor([p for p, _ in prompts], [imgs for _, imgs in prompts])
             if self.config.max_prompt_tokens:
@@ -134,49 +160,52 @@ class RolloutEngine:
                 if over:
                     self._end_overlong(live, over, timings)
                     continue  # re-encode the episodes still running
-            rng, key = jax.random.split(rng)
+            break
+        rng, key = jax.random.split(rng)
+        t0 = time.perf_counter()
+        out = self.sampler.generate(params, key, **inputs)
+        timings["sample_s"] += time.perf_counter() - t0
+        timings["sampled_tokens"] += int(out.lengths.sum())
+        actions: dict[int, Any] = {}
+        unparsable: list[int] = []
+        for row, slot in enumerate(slots):
+            e = live[slot]
+            tokens = out.tokens[row, :out.lengths[row]].copy()
+            text = response_text(self.processor.tokenizer, tokens)
+            step = Step(e.screenshot, text, tokens.astype(np.int32), out.logprobs[row, :out.lengths[row]].copy())
+            e.steps.append(step)
+            e.versions.append(version)
+            try:
+                parsed = parse_uitars(text, image_hw=e.screenshot.shape[:2], screen_hw=e.screenshot.shape[:2],
+                                      model=self.config.coordinate_model)
+                step.actions = [to_pyautogui(parsed)]
+                actions[slot] = parsed
+            except (ActionParseError, ValueError) as err:
+                step.error = str(err)
+                e.status, e.error = Status.PARSE_ERROR, f"step {len(e.steps)}: {err}"
+                unparsable.append(slot)  # ends here, unstepped, and is evaluated below
+        finished = []
+        results = {}
+        if actions:
             t0 = time.perf_counter()
-            out = self.sampler.generate(params, key, **inputs)
-            timings["sample_s"] += time.perf_counter() - t0
-            timings["sampled_tokens"] += int(out.lengths.sum())
-            actions: dict[int, Any] = {}
-            unparsable: list[int] = []
-            for row, slot in enumerate(slots):
-                e = live[slot]
-                tokens = out.tokens[row, :out.lengths[row]].copy()
-                text = response_text(self.processor.tokenizer, tokens)
-                step = Step(e.screenshot, text, tokens.astype(np.int32), out.logprobs[row, :out.lengths[row]].copy())
-                e.steps.append(step)
-                try:
-                    parsed = parse_uitars(text, image_hw=e.screenshot.shape[:2], screen_hw=e.screenshot.shape[:2],
-                                          model=self.config.coordinate_model)
-                    step.actions = [to_pyautogui(parsed)]
-                    actions[slot] = parsed
-                except (ActionParseError, ValueError) as err:
-                    step.error = str(err)
-                    e.status, e.error = Status.PARSE_ERROR, f"step {len(e.steps)}: {err}"
-                    unparsable.append(slot)  # ends here, unstepped, and is evaluated below
-            finished = []
-            results = {}
-            if actions:
-                t0 = time.perf_counter()
-                results = self.pool.step(actions)
-                timings["env_s"] += time.perf_counter() - t0
-                timings["steps"] += len(actions)
-            for slot, result in results.items():
-                e = live[slot]
-                if not result.ok:
-                    e.status, e.error = Status.ENV_ERROR, result.error
-                    del live[slot]
-                    continue
-                e.turns.append(Turn(e.screenshot, e.steps[-1].response))
-                e.screenshot = result.value.observation.screenshot
-                if result.value.done:
-                    kinds = {a.kind.value for a in actions[slot]}
-                    e.status = Status.DONE if "finished" in kinds else Status.FAIL if kinds & {"fail", "call_user"} \
-                        else Status.STEP_LIMIT
-                    finished.append(slot)
-            self._evaluate(live, finished + unparsable, timings)
+            results = self.pool.step(actions)
+            _count_env_call(timings, t0, len(actions))
+            timings["steps"] += len(actions)
+        for slot, result in results.items():
+            e = live[slot]
+            if not result.ok:
+                e.status, e.error = Status.ENV_ERROR, result.error
+                del live[slot]
+                continue
+            e.turns.append(Turn(e.screenshot, e.steps[-1].response))
+            e.screenshot = result.value.observation.screenshot
+            if result.value.done:
+                kinds = {a.kind.value for a in actions[slot]}
+                e.status = Status.DONE if "finished" in kinds else Status.FAIL if kinds & {"fail", "call_user"} \
+                    else Status.STEP_LIMIT
+                finished.append(slot)
+        self._evaluate(live, finished + unparsable, timings)
+        return rng
 
     def _evaluate(self, live: dict[int, _Episode], slots: list[int], timings) -> None:
         """End the episodes in `slots` with the environment's evaluation as their reward. An unparsable last
@@ -189,7 +218,7 @@ class RolloutEngine:
             return
         t0 = time.perf_counter()
         scores = self.pool.evaluate(slots)
-        timings["env_s"] += time.perf_counter() - t0
+        _count_env_call(timings, t0, len(slots))
         for slot in slots:
             e = live.pop(slot)
             if not scores[slot].ok:
@@ -210,6 +239,11 @@ class RolloutEngine:
         self._evaluate(live, list(over), timings)
 
     @staticmethod
-    def _trajectory(e: _Episode) -> Trajectory:
+    def episode(task: Task, seed: int, plan: Sequence[str] = ()) -> _Episode:
+        return _Episode(task, tuple(plan), seed)
+
+    @staticmethod
+    def trajectory(e: _Episode) -> Trajectory:
+        meta: dict[str, Any] = {"seed": e.seed, "domain": e.task.domain}
         return Trajectory(e.task.id, e.task.instruction, e.steps, e.reward, e.status, plan=e.plan, error=e.error,
-                          meta={"seed": e.seed, "domain": e.task.domain})
+                          meta=meta)

@@ -1,8 +1,6 @@
 """Rollout engine fault handling with stand-ins for the pool, sampler and processor (no model needed)."""
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ from envs.pool import Result
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
 from guijax.rollout.prompt import COMPACT_PROMPT
 from guijax.rollout.trajectory import Status
+from rollout_fakes import FakeProcessor, FakeSampler, FakeTokenizer, Out
 
 SHOT = np.zeros((28, 28, 3), np.uint8)
 
@@ -44,37 +43,6 @@ class FlakyPool:
 
     def evaluate(self, slots, timeout_s=None):
         return {s: Result(True, 1.0) for s in slots}
-
-
-@dataclasses.dataclass
-class Out:
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    lengths: np.ndarray
-
-
-class FakeSampler:
-    def generate(self, params, rng, **inputs):
-        b = inputs["rows"]
-        return Out(np.ones((b, 3), np.int32), np.full((b, 3), -0.1, np.float32), np.full((b,), 3))
-
-
-class FakeTokenizer:
-    def decode(self, tokens, skip_special_tokens=True):
-        return "Thought: done.\nAction: finished(content='ok')"
-
-    def convert_tokens_to_ids(self, token):
-        return 0
-
-
-class FakeProcessor:
-    tokenizer = FakeTokenizer()
-
-    def apply_chat_template(self, messages):
-        return "prompt"
-
-    def __call__(self, texts, images):
-        return {"rows": len(texts)}
 
 
 def test_failed_reset_is_retried_then_dropped_with_its_reason():

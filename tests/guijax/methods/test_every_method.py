@@ -8,6 +8,7 @@ policy had rolled them. ARPO's replay of its own successes needs an on-policy su
 never samples; the replay itself is tested on the hook (test_hooks.py)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import pathlib
@@ -176,3 +177,21 @@ SLOW = {"dpo", "kto", "evocua_dpo"}
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(EFFECTS)])
 def test_method_trains_with_its_own_effect(prepared, name):
     EFFECTS[name](*_train(prepared, name))
+
+
+@pytest.mark.parametrize("name", ["bepa", "luffy"])
+def test_hooks_inject_their_rows_with_asynchronous_rollouts(prepared, name):
+    """BEPA's cache and LUFFY's expert traces reach the groups the learner takes from the rollout stream, and
+    LUFFY's injected rows keep importance weight 1 in the behaviour-corrected loss."""
+    config, run, planted = prepared
+    config = copy.deepcopy(config)
+    with config.unlocked():
+        config.rollout.mode = "async"
+    method = get_method(name, config)
+    workdir = run.workdir / "methods" / f"{name}_async"
+    _, history = base_stages.train_with(run, method, workdir, name)
+    (r,) = history
+    assert r["policy_version"] == 0 and len(r["groups"]) == 2
+    injected = r["cache_injections"] if name == "bepa" else r["expert_injections"]
+    assert injected >= 1 and r["injected"] == injected
+    assert r["behaviour_weight_mean"] > 0  # an update ran through the corrected loss

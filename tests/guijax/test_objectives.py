@@ -1,0 +1,78 @@
+"""The objectives' wrappers against numpy: the decoupled (behaviour-corrected) policy loss of asynchronous runs."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from guijax import losses, objectives
+
+
+def _decoupled_reference(logp, old, behaviour, adv, mask, off_policy, cap, eps_low, eps_high, dual):
+    """numpy: per token −w·min(r·A, clip(r)·A) (dual-clipped), w = min(π_old/π_behaviour, cap) on on-policy
+    rows and 1 on injected ones, r = π_θ/π_old; token-normalised."""
+    w = np.where(off_policy[:, None], 1.0, np.minimum(np.exp(old - behaviour), cap))
+    r = np.exp(logp - old)
+    a = adv[:, None] * np.ones_like(logp)
+    per = -np.minimum(r * a, np.clip(r, 1 - eps_low, 1 + eps_high) * a)
+    if dual:
+        per = np.where(a < 0, np.minimum(per, -dual * a), per)
+    per = w * per
+    return float((per * mask).sum() / mask.sum()), w
+
+
+@pytest.mark.parametrize("seed,dual", [(0, 0.0), (1, 3.0)])
+def test_behaviour_corrected_loss_value_gradient_and_weights(seed, dual):
+    rng = np.random.default_rng(seed)
+    b, s = 4, 7
+    logp = rng.normal(-1.5, 0.4, (b, s)).astype(np.float32)
+    old = (logp + rng.normal(0, 0.2, (b, s))).astype(np.float32)
+    behaviour = (old + rng.normal(0, 1.0, (b, s))).astype(np.float32)  # some weights far above the cap
+    adv = rng.normal(0, 1, b).astype(np.float32)
+    mask = (rng.random((b, s)) > 0.3).astype(np.float32)
+    off_policy = np.array([False, True, False, False])
+    cap = 2.0
+    clip = losses.ClipConfig(dual_clip=dual)
+    loss_fn = objectives.BehaviourCorrected(objectives.ClippedPolicyLoss(clip), cap)
+    batch = {"old_logp": jnp.asarray(old), "behaviour_logprobs": jnp.asarray(behaviour), "loss_mask": jnp.asarray(mask),
+             "advantages": jnp.asarray(adv[:, None] * mask), "off_policy": jnp.asarray(off_policy)}
+
+    def value(lp):
+        return loss_fn(lp, jnp.zeros_like(lp), batch)
+
+    (loss, metrics), grad = jax.value_and_grad(value, has_aux=True)(jnp.asarray(logp))
+    want, w = _decoupled_reference(logp, old, behaviour, adv, mask, off_policy, cap, clip.eps_low, clip.eps_high, dual)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    # the gradient is the weighted one: the weight is a constant (π_behaviour and π_old are not trained)
+    eps = 1e-3
+    for i, j in [(0, 1), (2, 3), (1, 0)]:
+        bumped = logp.copy()
+        bumped[i, j] += eps
+        num = (_decoupled_reference(bumped, old, behaviour, adv, mask, off_policy, cap, clip.eps_low, clip.eps_high,
+                                    dual)[0] - want) / eps
+        np.testing.assert_allclose(float(grad[i, j]), num, rtol=2e-2, atol=2e-4)
+    on = mask * ~off_policy[:, None]
+    np.testing.assert_allclose(float(metrics["behaviour_weight_mean"]), (w * on).sum() / on.sum(), rtol=1e-5)
+    capped = (np.exp(old - behaviour) > cap) * on
+    assert 0 < float(metrics["behaviour_weight_capped_frac"]) == pytest.approx(capped.sum() / on.sum())
+
+
+def test_on_policy_rows_sampled_by_the_same_parameters_change_nothing():
+    rng = np.random.default_rng(3)
+    logp = jnp.asarray(rng.normal(-1, 0.3, (3, 5)), jnp.float32)
+    old = logp + 0.1
+    mask = jnp.ones((3, 5))
+    batch = {"old_logp": old, "behaviour_logprobs": old, "loss_mask": mask, "advantages": jnp.asarray([1.0, -0.5, 2.0]),
+             "off_policy": jnp.zeros(3, bool)}
+    plain = objectives.ClippedPolicyLoss()
+    loss, _ = objectives.BehaviourCorrected(plain, 5.0)(logp, jnp.zeros_like(logp), batch)
+    want, _ = plain(logp, jnp.zeros_like(logp), batch)
+    chex.assert_trees_all_close(loss, want, rtol=1e-6)
+
+
+def test_a_wrapped_loss_still_asks_for_reference_log_probs():
+    inner = objectives.WithCrossEntropy(objectives.ClippedPolicyLoss(losses.ClipConfig(kl_coef=0.1)), 0.5)
+    assert objectives.Objective(objectives.BehaviourCorrected(inner)).reference_kl
+    assert not objectives.Objective(objectives.BehaviourCorrected(objectives.ClippedPolicyLoss())).reference_kl
