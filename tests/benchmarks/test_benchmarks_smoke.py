@@ -108,3 +108,22 @@ def test_rollout_benchmark_end_to_end(tmp_path):
     for key in ("episodes_per_hour", "env_wait_fraction", "time_iteration_s", "time_env_s", "time_sampling_s"):
         assert key in e, key
     assert e["episodes"] == 2 and 0 <= e["env_wait_fraction"] <= 1
+
+
+@pytest.mark.slow
+def test_async_rollout_benchmark(tmp_path):
+    sys.path.insert(0, str(BENCH.parent / "tests" / "guijax"))
+    from conftest import TINY
+
+    mod = _load("async_rollout")
+    payload = mod.main(["--seeds", "0", "--latency", "0.02", "--iterations", "2", "--last", "1",
+                        "--plot", str(tmp_path / "async.png"), *(f"--override={o}" for o in TINY)]
+                       + _outputs(tmp_path, "async_rollout"))
+    data = _read(tmp_path, "async_rollout")
+    for key in ("sync_episodes_per_hour", "async_episodes_per_hour", "speedup", "mean_staleness",
+                "env_busy_fraction", "learner_busy_fraction"):
+        assert key in data, key
+    seed = data["per_seed"]["0"]
+    assert seed["sync"]["episodes_trained"] == seed["async"]["episodes_trained"] == 2 * 2 * 2
+    assert data["speedup"] == pytest.approx(seed["async"]["episodes_per_hour"] / seed["sync"]["episodes_per_hour"])
+    assert payload["env_busy_fraction"]["async"] > 0 and (tmp_path / "async.png").stat().st_size > 0
