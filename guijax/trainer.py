@@ -23,12 +23,11 @@ from envs.api import Task
 from guijax import objectives, optim, sharding, train_step
 from guijax.checkpoint import Checkpointer
 from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
-from guijax.data.store import TrajectoryStore
+from guijax.data.store import SUFFIX as STORE_SUFFIX, TrajectoryStore
 from guijax.metrics import MetricsWriter
 from guijax.models.policy import Policy
 from guijax.progress import Progress
 from guijax.rng import Streams
-from guijax.data.store import SUFFIX as STORE_SUFFIX
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
 from guijax.rollout.stream import RolloutStream, group_index, sampling_version, shard_name
 from guijax.rollout.trajectory import Status, Trajectory
