@@ -75,6 +75,17 @@ def _worker(conn: Connection, factory: Callable[[], Env], parent_pid: int | None
         pass
 
 
+def per_worker(factory: Callable[[], Env] | Sequence[Callable[[], Env]], num_workers: int
+               ) -> list[Callable[[], Env]]:
+    """One factory for every worker, or one per worker (e.g. one remote desktop server URL each)."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    factories = list(factory) if isinstance(factory, (list, tuple)) else [factory] * num_workers
+    if len(factories) != num_workers:
+        raise ValueError(f"{len(factories)} factories for {num_workers} workers; give one or one per worker")
+    return factories
+
+
 class SlotPool:
     """Episodes on numbered slots over `call(method, {slot: args})`: what every fleet (worker processes here,
     Ray actors in envs.ray_pool) shares, so the rollout engine drives any of them the same way."""
@@ -118,17 +129,12 @@ class SlotPool:
         self.close()
 
 
-
 class EnvPool(SlotPool):
     def __init__(self, factory: Callable[[], Env] | Sequence[Callable[[], Env]], num_workers: int, *,
                  timeout_s: float = 120.0, start_timeout_s: float = 120.0):
         """factory: one picklable factory for every worker, or one per worker (e.g. one remote desktop
         server URL each)."""
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        self.factories = list(factory) if isinstance(factory, (list, tuple)) else [factory] * num_workers
-        if len(self.factories) != num_workers:
-            raise ValueError(f"{len(self.factories)} factories for {num_workers} workers; give one or one per worker")
+        self.factories = per_worker(factory, num_workers)
         self.factory = self.factories[0]
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
@@ -267,7 +273,6 @@ class EnvPool(SlotPool):
         for conn in conns:
             if conn is not None:
                 conn.close()
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from envs.api import Env
-from envs.pool import Result, SlotPool
+from envs.pool import Result, SlotPool, per_worker
 
 
 class _EnvActor:
@@ -56,11 +56,7 @@ class RayEnvPool(SlotPool):
     def __init__(self, factory: Callable[[], Env] | Sequence[Callable[[], Env]], num_workers: int, *,
                  address: str = "", cpus_per_worker: float = 1.0, timeout_s: float = 120.0,
                  start_timeout_s: float = 300.0):
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        self.factories = list(factory) if isinstance(factory, (list, tuple)) else [factory] * num_workers
-        if len(self.factories) != num_workers:
-            raise ValueError(f"{len(self.factories)} factories for {num_workers} workers; give one or one per worker")
+        self.factories = per_worker(factory, num_workers)
         ray = _ray()
         self._ray = ray
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s

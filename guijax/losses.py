@@ -48,7 +48,7 @@ def _check_like(reference_name: str, reference: jax.Array, **arrays: jax.Array |
                              f"per-token inputs must all be [batch, seq]")
 
 
-def _token_advantages(advantages: jax.Array, logp: jax.Array) -> jax.Array:
+def token_advantages(advantages: jax.Array, logp: jax.Array) -> jax.Array:
     """[b] per trajectory (broadcast over its tokens, BEPA Eq. 5's Â_τ) or [b, s] per token (STEP0 Eq. 4)."""
     if advantages.ndim == 1 and advantages.shape[0] == logp.shape[0]:
         return advantages[:, None]
@@ -139,7 +139,7 @@ def clipped_policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Ar
     """
     check_clip_config(cfg)
     _check_like("logp", logp, old_logp=old_logp, mask=mask, ref_logp=ref_logp, entropy=entropy)
-    adv = _token_advantages(advantages, logp)
+    adv = token_advantages(advantages, logp)
     valid = mask > 0
     logp = jnp.where(valid, logp, 0.0)
     log_ratio, ratio = _ratio(logp, old_logp, valid)
@@ -175,7 +175,7 @@ def luffy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask
     _check_like("logp", logp, old_logp=old_logp, mask=mask, ref_logp=ref_logp, entropy=entropy)
     if tuple(off_policy.shape) != (logp.shape[0],):
         raise ValueError(f"off_policy must be [batch] = ({logp.shape[0]},), got {tuple(off_policy.shape)}")
-    adv = _token_advantages(advantages, logp)
+    adv = token_advantages(advantages, logp)
     valid = mask > 0
     off = off_policy.astype(bool)[:, None]
     on_valid = valid & ~off

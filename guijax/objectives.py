@@ -97,8 +97,8 @@ class BehaviourCorrected:
         log_w = jnp.where(valid, batch["old_logp"] - batch["behaviour_logprobs"], 0.0)
         raw = jnp.exp(log_w)
         weight = jax.lax.stop_gradient(jnp.minimum(raw, self.cap))
-        advantages = jnp.broadcast_to(jnp.asarray(batch["advantages"]).reshape(mask.shape[0], -1), mask.shape)
-        loss, metrics = self.inner(logp, entropy, dict(batch, advantages=advantages * weight))
+        advantages = losses.token_advantages(jnp.asarray(batch["advantages"]), logp) * weight
+        loss, metrics = self.inner(logp, entropy, dict(batch, advantages=advantages))
         on = mask * valid
         metrics["behaviour_weight_mean"] = losses.masked_mean(weight, on)
         metrics["behaviour_weight_capped_frac"] = losses.masked_mean((raw > self.cap).astype(jnp.float32), on)

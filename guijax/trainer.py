@@ -28,7 +28,7 @@ from guijax.metrics import MetricsWriter
 from guijax.models.policy import Policy
 from guijax.progress import Progress
 from guijax.rng import Streams
-from guijax.rollout.engine import RolloutConfig, RolloutEngine
+from guijax.rollout.engine import RolloutConfig, RolloutEngine, episode_seed
 from guijax.rollout.stream import RolloutStream, group_index, sampling_version, shard_name
 from guijax.rollout.trajectory import Status, Trajectory
 from guijax.sampling import Sampler, SamplingConfig
@@ -139,6 +139,7 @@ class Trainer:
         self.hook = parts.make_hook(self.score_trajectories)
         self.stream: RolloutStream | None = None  # the asynchronous mode's rollout thread, while fit() runs
         self.consumed: set[int] = set()  # asynchronous mode: groups the learner has taken (trained or too stale)
+        self._stream_mark: dict[str, float] = {}  # the rollout thread's counters when last read
 
     def _place(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Global arrays split over the data-parallel devices (padded to divide); as-is without a mesh."""
@@ -189,8 +190,7 @@ class Trainer:
     # ------------------------------------------------------------------ one iteration
     def _tasks_for(self, iteration: int) -> list[Task]:
         rng = self.streams.python("tasks", iteration)
-        k = min(self.config.rollout.tasks_per_iteration, len(self.parts.train_tasks))
-        return rng.sample(self.parts.train_tasks, k)
+        return rng.sample(self.parts.train_tasks, self.groups_per_iteration)
 
     def iterate(self) -> dict[str, float]:
         """One iteration: rollouts (synchronous: sampled now with the current parameters; asynchronous: the
@@ -208,13 +208,13 @@ class Trainer:
         t_store = time.perf_counter()
         self.store.append(rollouts, name=f"iter-{self.iteration:06d}")  # every episode, failures included
         timing = dict(timing, store_s=time.perf_counter() - t_store)
-        metrics = self._learn(task_groups, timing, t_start)
+        metrics = self._learn(task_groups, t_start)
+        self._add_rollout_metrics(metrics, timing)
         # rollouts are synchronous: every second in env calls is a second the trainer waits on environments
         metrics["env_wait_fraction"] = timing["env_s"] / max(metrics["time_iteration_s"], 1e-9)
         return metrics
 
-    def _learn(self, task_groups: Sequence[tuple[Task, Sequence[Trajectory]]], timing: dict[str, float],
-               t_start: float) -> dict[str, float]:
+    def _learn(self, task_groups: Sequence[tuple[Task, Sequence[Trajectory]]], t_start: float) -> dict[str, float]:
         """The method's hook assembles each task's group, then advantages, metrics and the update."""
         groups: list[list[Trajectory]] = []
         auxiliary: list[Trajectory] = []  # rows for a term of the method's loss, outside every group
@@ -242,9 +242,7 @@ class Trainer:
             "success_rate": float(np.mean([t.success for t in on_policy])) if on_policy else 0.0,
             "format_error_rate": float(np.mean([t.status == Status.PARSE_ERROR for t in on_policy])) if on_policy else 0.0,
             "env_errors": len(dropped), "zero_variance_groups": int(stats.zero_variance_groups),
-            "episodes": len(rollouts), "time_env_s": timing["env_s"], "time_sampling_s": timing["sample_s"],
-            "time_store_s": timing.get("store_s", 0.0), "time_rollout_s": timing["wall_s"],
-            "env_steps": timing["steps"], "sampled_tokens": timing["sampled_tokens"],
+            "episodes": len(rollouts),
             "response_tokens_mean": float(np.mean([len(s.response_tokens) for t in on_policy for s in t.steps]))
             if on_policy else 0.0,
             "behaviour_logprob_mean": float(np.mean(np.concatenate(
@@ -258,12 +256,19 @@ class Trainer:
         metrics.update(update)
         metrics["time_iteration_s"] = wall = time.perf_counter() - t_start
         metrics["tokens_per_s"] = metrics.get("trained_tokens", 0) / max(metrics.get("time_update_s", 0.0), 1e-9)
-        # utilisation: slot-seconds in environment calls over the workers' time, and the learner's compute time
-        metrics["env_busy_fraction"] = timing.get("env_slot_s", 0.0) / max(self.parts.pool.num_workers * wall, 1e-9)
         metrics["learner_busy_fraction"] = (metrics.get("time_old_logprobs_s", 0.0)
                                             + metrics.get("time_update_s", 0.0)) / max(wall, 1e-9)
         self.iteration += 1
         return metrics
+
+    def _add_rollout_metrics(self, metrics: dict[str, Any], timing: dict[str, float]) -> None:
+        """The rollouts' share of the iteration: time in environment calls and sampling, steps, and how busy
+        the environment workers were (slot-seconds in their calls over the workers' time)."""
+        metrics.update(time_env_s=timing["env_s"], time_sampling_s=timing["sample_s"],
+                       time_store_s=timing.get("store_s", 0.0), time_rollout_s=timing["wall_s"],
+                       env_steps=timing["steps"], sampled_tokens=timing["sampled_tokens"],
+                       env_busy_fraction=timing.get("env_slot_s", 0.0) / max(
+                           self.parts.pool.num_workers * metrics["time_iteration_s"], 1e-9))
 
     def _update(self, trajectories: Sequence[Trajectory], advantages: np.ndarray,
                 keep: Sequence[int]) -> dict[str, float]:
@@ -342,11 +347,10 @@ class Trainer:
     def group_spec(self, index: int) -> tuple[Task, list[int]]:
         """Group `index` of the asynchronous stream: the task and episode seeds the synchronous mode gives the
         same position (iteration index // k, task index % k), so both modes draw the same episodes."""
-        k = self.groups_per_iteration
-        block, position = divmod(index, k)
+        block, position = divmod(index, self.groups_per_iteration)
         seed = self.streams.seed_for("episodes", block)
         return (self._tasks_for(block)[position],
-                [seed * 1_000_003 + position * 7919 + g for g in range(self.config.rollout.group_size)])
+                [episode_seed(seed, position, g) for g in range(self.config.rollout.group_size)])
 
     def _start_stream(self) -> None:
         r = self.config.rollout
@@ -388,20 +392,13 @@ class Trainer:
             taken.append(index)
             task_groups.append((self.group_spec(index)[0], trajectories))
         version = self.iteration
+        metrics = self._learn(task_groups, t_start)
         # the rollout thread works through the whole iteration, the update included: its counters are read
         # once the update is done, from where the previous iteration's reading left them
         now = dict(self.stream.timings)
-        timing = {k: now[k] - self._stream_mark[k] for k in ("env_s", "env_slot_s", "sample_s", "steps",
-                                                               "sampled_tokens")}
-        timing["wall_s"] = waited
-        metrics = self._learn(task_groups, timing, t_start)
-        after = dict(self.stream.timings)
-        for key, name in (("env_s", "time_env_s"), ("sample_s", "time_sampling_s"), ("steps", "env_steps"),
-                          ("sampled_tokens", "sampled_tokens")):
-            metrics[name] = after[key] - self._stream_mark[key]
-        metrics["env_busy_fraction"] = (after["env_slot_s"] - self._stream_mark["env_slot_s"]) / max(
-            self.parts.pool.num_workers * metrics["time_iteration_s"], 1e-9)
-        self._stream_mark = after
+        timing = {k: now[k] - self._stream_mark[k] for k in now}
+        self._stream_mark = now
+        self._add_rollout_metrics(metrics, dict(timing, wall_s=waited))
         metrics.update(policy_version=version, groups=taken, staleness_mean=float(np.mean(lags)),
                        staleness_max=int(max(lags)), stale_groups=stale,
                        stale_dropped=len(stale) * cfg.rollout.group_size,

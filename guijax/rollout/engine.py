@@ -39,6 +39,11 @@ def response_text(tokenizer: Any, tokens: np.ndarray) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False).strip()
 
 
+def episode_seed(seed: int, task_index: int, member: int) -> int:
+    """The environment seed of episode `member` of the `task_index`-th task of a batch drawn with `seed`."""
+    return seed * 1_000_003 + task_index * 7919 + member
+
+
 def _count_env_call(timings: dict[str, float], t0: float, slots: int) -> None:
     """Charge a pool call started at `t0` to the timings: its wall time (`env_s`, what the caller waited) and
     its slot-seconds (`env_slot_s`, how busy the environment workers were)."""
@@ -95,7 +100,7 @@ class RolloutEngine:
         from guijax.progress import Progress
 
         plans = plans or {}
-        episodes = [_Episode(t, tuple(plans.get(t.id, ())), seed * 1_000_003 + i * 7919 + g)
+        episodes = [_Episode(t, tuple(plans.get(t.id, ())), episode_seed(seed, i, g))
                     for i, t in enumerate(tasks) for g in range(group_size)]
         timings = {"env_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
         bar = Progress(len(episodes), desc, "episode", transient=True) if self.config.show_progress else None
@@ -244,6 +249,5 @@ class RolloutEngine:
 
     @staticmethod
     def trajectory(e: _Episode) -> Trajectory:
-        meta: dict[str, Any] = {"seed": e.seed, "domain": e.task.domain}
         return Trajectory(e.task.id, e.task.instruction, e.steps, e.reward, e.status, plan=e.plan, error=e.error,
-                          meta=meta)
+                          meta={"seed": e.seed, "domain": e.task.domain})

@@ -50,6 +50,7 @@ def sampling_version(trajectories: Iterable[Trajectory], default: int) -> int:
 @dataclasses.dataclass
 class _Building:
     task: Task
+    seeds: Sequence[int]  # one episode seed per member
     members: list[Trajectory | None]
     issued: int = 0  # members started so far
 
@@ -74,9 +75,7 @@ class RolloutStream:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.timings = {"env_s": 0.0, "env_slot_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0,
-                        "episodes": 0, "groups": 0}
-        self.started_at = 0.0
+        self.timings = {"env_s": 0.0, "env_slot_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
 
     # ------------------------------------------------------------------ learner side
     def publish(self, params: Any, version: int) -> None:
@@ -89,7 +88,6 @@ class RolloutStream:
     def start(self) -> None:
         if self._params is None:
             raise RuntimeError("publish() the first parameters before start()")
-        self.started_at = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="rollout-stream", daemon=True)
         self._thread.start()
 
@@ -139,9 +137,8 @@ class RolloutStream:
         member of a new group when back-pressure allows; None when neither."""
         for gi, b in building.items():
             if b.issued < self.group_size:
-                seeds = self.group_spec(gi)[1]
                 b.issued += 1
-                return gi, b.issued - 1, b.task, int(seeds[b.issued - 1])
+                return gi, b.issued - 1, b.task, int(b.seeds[b.issued - 1])
         with self._cond:
             if self._outstanding >= self.max_groups_ahead:
                 return None
@@ -153,7 +150,7 @@ class RolloutStream:
         task, seeds = self.group_spec(gi)
         if len(seeds) != self.group_size:
             raise ValueError(f"group {gi}: {len(seeds)} episode seeds for a group of {self.group_size}")
-        building[gi] = _Building(task, [None] * self.group_size, issued=1)
+        building[gi] = _Building(task, seeds, [None] * self.group_size, issued=1)
         return gi, 0, task, int(seeds[0])
 
     def _run(self) -> None:
@@ -231,10 +228,8 @@ class RolloutStream:
         traj.meta["group"] = gi
         b = building[gi]
         b.members[member] = traj
-        self.timings["episodes"] += 1
         if all(m is not None for m in b.members):
             del building[gi]
             self.store.append(b.members, name=shard_name(gi))
-            self.timings["groups"] += 1
             self._ready.put(shard_name(gi))
 

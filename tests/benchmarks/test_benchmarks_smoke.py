@@ -112,8 +112,7 @@ def test_rollout_benchmark_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_async_rollout_benchmark(tmp_path):
-    sys.path.insert(0, str(BENCH.parent / "tests" / "guijax"))
-    from conftest import TINY
+    from tiny_recipe import TINY
 
     mod = _load("async_rollout")
     payload = mod.main(["--seeds", "0", "--latency", "0.02", "--iterations", "2", "--last", "1",
