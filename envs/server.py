@@ -145,6 +145,15 @@ class DesktopServer(ThreadingHTTPServer):
         finally:
             self._slots.release()
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that hangs up mid-reply is one log line, not a traceback on stderr; anything else is
+        logged with its traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            log.info("%s: connection ended early (%s)", client_address[0], type(error).__name__)
+        else:
+            log.exception("%s: request failed", client_address[0])
+
 
 class Handler(BaseHTTPRequestHandler):
     server: DesktopServer

@@ -238,6 +238,16 @@ class TrajectoryStore:
             self._readers[path] = reader
         return self._readers[path]
 
+    def _read(self, path: pathlib.Path, records: Sequence[int] | None = None) -> list[bytes]:
+        """The raw records (all when `records` is None); a chunk whose checksum fails (a flipped bit) is a
+        StoreError naming the shard, not the reader's bare RuntimeError."""
+        reader = self._reader(path)
+        try:
+            return reader.read_all() if records is None else reader.read(list(records))
+        except RuntimeError as e:
+            raise StoreError(f"trajectory shard {path} is corrupted ({e}); move it away (its trajectories are "
+                             "lost) or restore it from a copy") from e
+
     @property
     def shards(self) -> list[pathlib.Path]:
         return list(self._shards)
@@ -255,7 +265,7 @@ class TrajectoryStore:
 
     def _record(self, index: int) -> tuple[bytes, str]:
         path, local = self._locate(index)
-        return self._reader(path).read([local])[0], f"{path.name} record {local}"
+        return self._read(path, [local])[0], f"{path.name} record {local}"
 
     def __getitem__(self, index: int) -> Trajectory:
         record, where = self._record(index)
@@ -273,7 +283,7 @@ class TrajectoryStore:
         if not 0 <= record < reader.num_records():
             raise StoreError(f"trajectory shard {path} holds {reader.num_records()} records; record {record} "
                              "was referenced")
-        return decode_trajectory(reader.read([record])[0], where=f"{path.name} record {record}")
+        return decode_trajectory(self._read(path, [record])[0], where=f"{path.name} record {record}")
 
     def __iter__(self) -> Iterator[Trajectory]:
         for i in range(len(self)):
@@ -284,9 +294,8 @@ class TrajectoryStore:
         out = []
         for path in self._shards:
             if path not in self._summaries:
-                reader = self._reader(path)
                 self._summaries[path] = [_summary(r, f"{path.name} record {i}")
-                                         for i, r in enumerate(reader.read_all())]
+                                         for i, r in enumerate(self._read(path))]
             out.extend(self._summaries[path])
         return out
 

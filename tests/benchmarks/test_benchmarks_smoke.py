@@ -2,39 +2,16 @@
 JSON + markdown with the keys the published tables are built from. Speed figures themselves are not checked."""
 from __future__ import annotations
 
-import importlib.util
-import json
-import pathlib
-import sys
-
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _outputs(tmp_path, name):
-    return ["--json", str(tmp_path / f"{name}.json"), "--markdown", str(tmp_path / f"{name}.md")]
-
-
-def _read(tmp_path, name) -> dict:
-    assert (tmp_path / f"{name}.md").read_text().strip()
-    return json.loads((tmp_path / f"{name}.json").read_text())
+from benchmark_scripts import load as load_script, outputs, read as read_outputs
 
 
 def test_train_step_benchmark(tmp_path):
-    mod = _load("train_step")
+    mod = load_script("train_step")
     assert mod.main(["--presets", "tiny", "--batch", "1", "--seq", "16", "--repeats", "1", "--peak-n", "256",
-                     "--peak-repeats", "1"] + _outputs(tmp_path, "ts")) == 0
-    out = _read(tmp_path, "ts")
+                     "--peak-repeats", "1"] + outputs(tmp_path, "ts")) == 0
+    out = read_outputs(tmp_path, "ts")
     assert {"backend", "device_kind", "cpu_count"} <= set(out["meta"]["machine"])
     assert out["meta"]["peak"]["flops_per_s"] > 0
     (row,) = out["rows"]
@@ -45,11 +22,11 @@ def test_train_step_benchmark(tmp_path):
 
 
 def test_train_step_benchmark_with_screenshots(tmp_path):
-    mod = _load("train_step")
+    mod = load_script("train_step")
     assert mod.main(["--presets", "tiny", "--batch", "1", "--screenshots", "2", "--screenshot-hw", "56,84",
                      "--response", "8", "--repeats", "1", "--peak-n", "256", "--peak-repeats", "1"]
-                    + _outputs(tmp_path, "shots")) == 0
-    (row,) = _read(tmp_path, "shots")["rows"]
+                    + outputs(tmp_path, "shots")) == 0
+    (row,) = read_outputs(tmp_path, "shots")["rows"]
     # 56x84 -> a 4x6 patch grid: 24 patches, 6 image tokens per screenshot; 2 x (6 + 64) + 8 = 148 -> 1024
     assert (row["screenshots"], row["patch_grid"], row["patches"]) == (2, [4, 6], 48)
     assert (row["image_tokens_per_screenshot"], row["used_tokens"], row["seq"]) == (6, 148, 1024)
@@ -57,7 +34,7 @@ def test_train_step_benchmark_with_screenshots(tmp_path):
 
 
 def test_screenshot_batch_places_one_pad_token_per_merged_patch():
-    mod = _load("train_step")
+    mod = load_script("train_step")
     cfg = mod.model_config("tiny")
     data, info = mod.screenshot_batch(cfg, 2, 3, (56, 84), response=5)
     assert (data["input_ids"] == cfg.image_token_id).sum() == 2 * 3 * info["image_tokens_per_screenshot"]
@@ -68,7 +45,7 @@ def test_screenshot_batch_places_one_pad_token_per_merged_patch():
 
 
 def test_qwen_0_5b_shape():
-    mod = _load("train_step")
+    mod = load_script("train_step")
     cfg = mod.model_config(mod.QWEN_0_5B)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (896, 24, 14, 2, 4864, 151936, True)
@@ -77,10 +54,10 @@ def test_qwen_0_5b_shape():
 def test_vs_torch_benchmark(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    mod = _load("vs_torch")
+    mod = load_script("vs_torch")
     assert mod.main(["--preset", "tiny", "--batch", "1", "--seq", "16", "--repeats", "1"]
-                    + _outputs(tmp_path, "vt")) == 0
-    out = _read(tmp_path, "vt")
+                    + outputs(tmp_path, "vt")) == 0
+    out = read_outputs(tmp_path, "vt")
     for key in ("guijax_tokens_per_s", "torch_tokens_per_s", "ratio", "preset", "batch", "seq", "machine"):
         assert key in out, key
     assert out["ratio"] == pytest.approx(out["guijax_tokens_per_s"] / out["torch_tokens_per_s"])
@@ -89,10 +66,10 @@ def test_vs_torch_benchmark(tmp_path):
 
 
 def test_rollout_benchmark_env_and_sampler(tmp_path):
-    mod = _load("rollout")
+    mod = load_script("rollout")
     assert mod.main(["--parts", "env,sampler", "--env-steps", "30", "--batches", "2", "--prompt-len", "16",
-                     "--new-tokens", "4", "--repeats", "1"] + _outputs(tmp_path, "ro")) == 0
-    out = _read(tmp_path, "ro")
+                     "--new-tokens", "4", "--repeats", "1"] + outputs(tmp_path, "ro")) == 0
+    out = read_outputs(tmp_path, "ro")
     assert out["env"]["steps_per_second_per_core"] > 0
     (row,) = out["sampler"]
     assert row["batch"] == 2 and row["generated"] == 8 and row["tokens_per_s"] > 0
@@ -100,11 +77,11 @@ def test_rollout_benchmark_env_and_sampler(tmp_path):
 
 @pytest.mark.slow
 def test_rollout_benchmark_end_to_end(tmp_path):
-    mod = _load("rollout")
+    mod = load_script("rollout")
     assert mod.main(["--parts", "e2e", "--warmup-iterations", "0", "--e2e-workers", "2", "--e2e-group-size", "2",
                      "--e2e-tasks", "1", "--e2e-step-limit", "2", "--e2e-max-new-tokens", "8", "--sft-steps", "0",
-                     "--workdir", str(tmp_path / "run")] + _outputs(tmp_path, "e2e")) == 0
-    e = _read(tmp_path, "e2e")["e2e"]
+                     "--workdir", str(tmp_path / "run")] + outputs(tmp_path, "e2e")) == 0
+    e = read_outputs(tmp_path, "e2e")["e2e"]
     for key in ("episodes_per_hour", "env_wait_fraction", "time_iteration_s", "time_env_s", "time_sampling_s"):
         assert key in e, key
     assert e["episodes"] == 2 and 0 <= e["env_wait_fraction"] <= 1
@@ -114,11 +91,11 @@ def test_rollout_benchmark_end_to_end(tmp_path):
 def test_async_rollout_benchmark(tmp_path):
     from tiny_recipe import TINY
 
-    mod = _load("async_rollout")
+    mod = load_script("async_rollout")
     payload = mod.main(["--seeds", "0", "--latency", "0.02", "--iterations", "2", "--last", "1",
                         "--plot", str(tmp_path / "async.png"), *(f"--override={o}" for o in TINY)]
-                       + _outputs(tmp_path, "async_rollout"))
-    data = _read(tmp_path, "async_rollout")
+                       + outputs(tmp_path, "async_rollout"))
+    data = read_outputs(tmp_path, "async_rollout")
     for key in ("sync_episodes_per_hour", "async_episodes_per_hour", "speedup", "mean_staleness",
                 "env_busy_fraction", "learner_busy_fraction"):
         assert key in data, key
@@ -126,3 +103,42 @@ def test_async_rollout_benchmark(tmp_path):
     assert seed["sync"]["episodes_trained"] == seed["async"]["episodes_trained"] == 2 * 2 * 2
     assert data["speedup"] == pytest.approx(seed["async"]["episodes_per_hour"] / seed["sync"]["episodes_per_hour"])
     assert payload["env_busy_fraction"]["async"] > 0 and (tmp_path / "async.png").stat().st_size > 0
+
+
+def test_vision_gather_memory_benchmark(tmp_path):
+    mod = load_script("vision_gather_memory")
+    assert mod.main(["--devices", "1,2", "--per-device-patches", "256", "--heads", "2", "--head-dim", "8",
+                     "--window", "16"] + outputs(tmp_path, "vg")) == 0
+    rows = read_outputs(tmp_path, "vg")["rows"]
+    assert [(r["devices"], r["layout"]) for r in rows] == [(1, "global"), (1, "block-local"), (2, "global"),
+                                                          (2, "block-local")]
+    assert all(r["temp_bytes_per_device"] > 0 and r["patches"] == 256 * r["devices"] for r in rows)
+
+
+def test_block_local_window_attention_equals_the_global_one():
+    """The benchmark's block-local layout computes the same attention as the model's global gather."""
+    import jax
+    import numpy as np
+
+    from guijax.models.vision import window_attention
+
+    mod = load_script("vision_gather_memory")
+    blocks, per, heads, hd, window = 2, 32, 2, 4, 8
+    rs = np.random.RandomState(0)
+    q, k, v = (rs.standard_normal((blocks * per, heads, hd)).astype(np.float32) for _ in range(3))
+    local = np.stack([rs.permutation(per) for _ in range(blocks)]).reshape(blocks, per // window, window)
+    local[:, -1, -3:] = -1  # a padded window tail
+    covered = [np.sort(local[b][local[b] >= 0]) for b in range(blocks)]
+    slots_local = np.zeros((blocks, per), np.int32)
+    for b in range(blocks):
+        flat = local[b].reshape(-1)
+        slots_local[b, flat[flat >= 0]] = np.flatnonzero(flat >= 0)
+    global_tokens = np.where(local >= 0, local + (np.arange(blocks) * per)[:, None, None], -1).reshape(-1, window)
+    global_slots = (slots_local + (np.arange(blocks) * per)[:, None]).reshape(-1)
+    want = window_attention(q, k, v, global_tokens, global_slots, "xla")
+    got = mod.block_local_attention(q, k, v, local.reshape(-1, window), slots_local.reshape(-1), blocks, "xla")
+    uncovered = np.ones(blocks * per, bool)
+    for b in range(blocks):
+        uncovered[covered[b] + b * per] = False
+    np.testing.assert_allclose(np.asarray(got)[~uncovered], np.asarray(want)[~uncovered], rtol=1e-5, atol=1e-6)
+    assert jax.numpy.isfinite(got).all()

@@ -8,6 +8,8 @@ from hypothesis import given, settings, strategies as st
 from envs.actions import ActionParseError, parse_computer_use, parse_s2, parse_uitars, smart_resize
 from envs.actions import resize
 
+pytestmark = pytest.mark.hostile  # the standing hostile-input and fault suite
+
 HW = (480, 640)
 # Fragments of each grammar so generated text reaches deep into the parsers, not only the first check.
 UITARS_BITS = ["Thought: ", "Action: ", "click(", "drag(", "scroll(", "type(", "hotkey(", "finished(", "wait()",

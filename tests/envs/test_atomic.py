@@ -1,5 +1,9 @@
 """write_text_atomic replaces a file whole and leaves no temporary file behind."""
+import pytest
+
 from envs.atomic import write_text_atomic
+
+pytestmark = pytest.mark.hostile  # the standing hostile-input and fault suite
 
 
 def test_replaces_the_file_and_leaves_no_tmp(tmp_path):
@@ -11,7 +15,6 @@ def test_replaces_the_file_and_leaves_no_tmp(tmp_path):
 
 
 def test_a_failed_write_keeps_the_old_file_and_no_temporary(tmp_path):
-    import pytest
 
     path = tmp_path / "splits.json"
     path.write_text("old")

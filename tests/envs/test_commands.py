@@ -12,6 +12,8 @@ import pytest
 from envs.desktop.controller import directory_tree, run_command
 from envs.server import Reply, _timeout
 
+pytestmark = pytest.mark.hostile  # the standing hostile-input and fault suite
+
 
 def test_a_child_left_in_another_session_does_not_hold_the_reply():
     start = time.monotonic()

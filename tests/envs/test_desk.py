@@ -142,6 +142,7 @@ def test_trace_save_and_load(tasks, tmp_path):
     (lambda d, t: _edit(t, lambda j: j["steps"][0].update(boxes=[])), "step 0: action .* cannot be replayed"),
     (lambda d, t: (d / json.loads(t.read_text())["steps"][0]["screenshot"]).unlink(), "step 0: cannot read screenshot"),
 ])
+@pytest.mark.hostile
 def test_a_corrupt_trace_is_refused_naming_the_file_and_the_field(tasks, tmp_path, corrupt, message):
     task = next(t for t in tasks if t.domain == "choose_option")
     run_expert(DeskEnv(popups=False), task, ScriptedExpert()).save(tmp_path / "trace")

@@ -2,6 +2,8 @@
 traceback from deep inside subprocess (runs everywhere: the programs are hidden, not needed)."""
 import pytest
 
+pytestmark = pytest.mark.hostile  # the standing hostile-input and fault suite
+
 
 def test_missing_xvfb_is_a_clear_error(monkeypatch):
     from envs.desktop import display

@@ -13,6 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from envs import multipart
 
+pytestmark = pytest.mark.hostile  # the standing hostile-input and fault suite
+
 urllib3 = pytest.importorskip("urllib3")
 
 

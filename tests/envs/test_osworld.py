@@ -49,6 +49,7 @@ def test_split_file_names_existing_tasks():
     assert len(tasks) == 369 and len({t.id for t in tasks}) == 369
 
 
+@pytest.mark.hostile
 def test_malformed_task_errors_name_file_and_key(tmp_path):
     bad = tmp_path / "os" / "x.json"
     bad.parent.mkdir()
@@ -363,6 +364,7 @@ def test_actions_before_a_control_action_still_run(tmp_path):
     assert env.evaluate() == 0.0  # infeasible task ended with DONE, not FAIL
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("bad_id", ["../victim", "/tmp/victim", "a/../../victim", "..", "a/b", ""])
 def test_a_task_id_cannot_reach_outside_the_cache(tmp_path, bad_id):
     """reset empties the cache directory named by the task id: an id with separators or '..' would delete
@@ -383,6 +385,7 @@ def _command_task():
                   "expected": {"type": "rule", "rules": {"expected": "done"}}})
 
 
+@pytest.mark.hostile
 def test_an_unreachable_server_during_evaluation_is_an_environment_error_not_a_zero(tmp_path):
     """A server that died mid-episode used to score the episode 0, a failure the policy was trained on."""
     ctl = FakeController()
@@ -396,6 +399,7 @@ def test_an_unreachable_server_during_evaluation_is_an_environment_error_not_a_z
     assert env.evaluate() == 0.0  # an answered failure is still the task's failure
 
 
+@pytest.mark.hostile
 def test_http_controller_calls_to_a_dead_server_raise_instead_of_answering_none():
     import socket
 

@@ -103,6 +103,7 @@ def test_same_seed_same_episode_in_any_worker(tasks):
         assert a[0].value.a11y_tree == a[1].value.a11y_tree
 
 
+@pytest.mark.hostile
 def test_killed_worker_is_restarted_and_episode_errored(tasks):
     pool = EnvPool(DeskFactory(popups=False), 2, timeout_s=30)
     try:
@@ -122,6 +123,7 @@ def test_killed_worker_is_restarted_and_episode_errored(tasks):
     assert not any(_alive(p) for p in pids)
 
 
+@pytest.mark.hostile
 def test_hung_worker_times_out_without_stalling_others(tasks):
     with EnvPool(SlowDeskFactory(), 2, timeout_s=3) as pool:
         pool.reset(tasks[:2])
@@ -131,6 +133,7 @@ def test_hung_worker_times_out_without_stalling_others(tasks):
         assert not out[0].ok and "timed out" in out[0].error and out[1].ok and pool.restarts == 1
 
 
+@pytest.mark.hostile
 def test_bad_input_errors(tasks):
     with EnvPool(DeskFactory(), 1, timeout_s=30) as pool:
         with pytest.raises(ValueError, match="run more episodes than workers in rounds"):
@@ -140,6 +143,7 @@ def test_bad_input_errors(tasks):
         assert not out[0].ok and "expects Action objects" in out[0].error
 
 
+@pytest.mark.hostile
 def test_worker_killed_mid_step(tasks):
     """SIGKILL while the worker is inside env.step: the call returns promptly with that episode errored."""
     with EnvPool(SlowDeskFactory(), 2, timeout_s=30) as pool:
@@ -156,6 +160,7 @@ def test_worker_killed_mid_step(tasks):
         assert pool.reset([tasks[3]], slots=[0])[0].ok
 
 
+@pytest.mark.hostile
 def test_unbuildable_worker_is_reported_not_raised(tasks, tmp_path):
     marker = tmp_path / "down"
     with EnvPool(FlakyFactory(str(marker)), 2, timeout_s=30) as pool:
@@ -197,6 +202,7 @@ if __name__ == "__main__":  # spawned workers re-import this file
 """
 
 
+@pytest.mark.hostile
 def test_no_orphans_when_the_trainer_is_killed(tmp_path):
     """SIGKILL the trainer while its workers are busy in env.step: they must not outlive it."""
     script = tmp_path / "trainer.py"
@@ -220,11 +226,13 @@ def test_no_orphans_when_the_trainer_is_killed(tmp_path):
     assert not alive
 
 
+@pytest.mark.hostile
 def test_a_worker_dying_at_start_is_an_error_naming_it():
     with pytest.raises(RuntimeError, match=r"env worker 0 died while starting \(exit code 3\)"):
         EnvPool(DyingFactory(), 1, timeout_s=10)
 
 
+@pytest.mark.hostile
 def test_a_crash_reports_how_the_worker_ended(tasks):
     with EnvPool(DeskFactory(), 1, timeout_s=30) as pool:
         pool.reset(tasks[:1])
@@ -233,6 +241,7 @@ def test_a_crash_reports_how_the_worker_ended(tasks):
         assert not out[0].ok and "killed by signal 9" in out[0].error and "None" not in out[0].error
 
 
+@pytest.mark.hostile
 def test_restarting_a_down_slot_does_not_eat_a_healthy_slots_time(tasks, tmp_path):
     """The restart of slot 1 takes 3 s of a 2 s call timeout; slot 0's episode must still come back."""
     marker = tmp_path / "slow"

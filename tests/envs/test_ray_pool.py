@@ -49,6 +49,7 @@ def test_actors_run_the_same_episodes_as_worker_processes(local_cluster, tasks):
         assert fleet.evaluate([0, 1, 2]).keys() == {0, 1, 2}
 
 
+@pytest.mark.hostile
 def test_an_actor_killed_mid_episode_ends_that_episode_with_the_reason_and_is_replaced(local_cluster, tasks):
     with RayEnvPool(DeskFactory(popups=False, step_latency_s=1.5), 3, cpus_per_worker=0.5, timeout_s=60) as fleet:
         assert all(r.ok for r in fleet.reset(tasks[:3]).values())
@@ -62,6 +63,7 @@ def test_an_actor_killed_mid_episode_ends_that_episode_with_the_reason_and_is_re
         assert again[1].ok
 
 
+@pytest.mark.hostile
 def test_a_hung_actor_times_out_and_an_environment_error_keeps_its_actor(local_cluster, tasks):
     with RayEnvPool(DeskFactory(popups=False, step_latency_s=30), 2, cpus_per_worker=0.5, timeout_s=1.0,
                     start_timeout_s=120) as fleet:
@@ -74,6 +76,7 @@ def test_a_hung_actor_times_out_and_an_environment_error_keeps_its_actor(local_c
         assert fleet.restarts == 1 and fleet.worker_pids()[1] != pids[1]
 
 
+@pytest.mark.hostile
 def test_a_factory_that_fails_is_named_at_start(local_cluster):
     with pytest.raises(RuntimeError, match=r"env actor 0 failed to start: .*ConnectionError"):
         RayEnvPool(_DownServer(), 1, cpus_per_worker=0.5)

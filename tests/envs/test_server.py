@@ -201,6 +201,7 @@ def test_remote_env_runs_an_osworld_task_end_to_end(server):
         env.close()
 
 
+@pytest.mark.hostile
 def test_non_loopback_bind_without_token_is_refused():
     r = subprocess.run([sys.executable, "-m", "envs.server", "--host", "0.0.0.0", "--port", "0"], capture_output=True,
                        text=True, timeout=30)
@@ -330,6 +331,7 @@ def loopback_server():
     ({"Host": "evil.example:5000"}, 403),  # DNS rebinding: the page's own name resolves to 127.0.0.1
     ({"Host": "evil.example"}, 403),
 ])
+@pytest.mark.hostile
 def test_loopback_server_refuses_requests_from_web_pages(loopback_server, headers, status):
     r = requests.post(loopback_server + "/platform", headers=headers, data="x", timeout=10) if status == 403 else \
         requests.get(loopback_server + "/platform", headers=headers, timeout=10)

@@ -13,6 +13,8 @@ import pytest
 
 from envs.server import DesktopServer
 
+pytestmark = pytest.mark.hostile  # the standing hostile-input and fault suite
+
 
 class _Echo:
     """The controller calls these tests make: /platform, and a JSON and a form endpoint that touch nothing."""
@@ -153,3 +155,15 @@ def test_wrong_json_types_are_the_clients_error(serve, path, body, key):
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     response = _request(address, head, body)
     assert _status(response) == 400 and key.encode() in response, response
+
+
+def test_a_client_hanging_up_mid_reply_is_a_log_line_not_a_traceback(capsys, caplog):
+    """Under load, clients refused unread often reset the connection while the refusal is written."""
+    server = DesktopServer.__new__(DesktopServer)  # handle_error reads nothing from the instance
+    with caplog.at_level("INFO", logger="envs.server"):
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except ConnectionResetError:
+            server.handle_error(None, ("127.0.0.1", 40000))
+    assert capsys.readouterr().err == ""
+    assert "connection ended early (ConnectionResetError)" in caplog.text

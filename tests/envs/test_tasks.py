@@ -41,6 +41,7 @@ def test_task_files_round_trip_and_errors(tasks, tmp_path):
     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     (b"", "invalid JSON"),
 ])
+@pytest.mark.hostile
 def test_unreadable_task_files_are_named(tmp_path, content, message):
     from envs.osworld.loader import load_split
 

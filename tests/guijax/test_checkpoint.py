@@ -10,6 +10,8 @@ import pytest
 
 from guijax.checkpoint import Checkpointer
 
+pytestmark = pytest.mark.hostile  # the standing hostile-input and fault suite
+
 
 def _state(value: float) -> dict:
     return {"w": np.full((4,), value, np.float32)}
@@ -77,3 +79,33 @@ def test_an_empty_directory_restores_nothing(tmp_path):
 @pytest.fixture(autouse=True)
 def _quiet_orbax(caplog):
     caplog.set_level("ERROR", logger="absl")
+
+
+def test_a_flipped_bit_in_the_array_data_falls_back_instead_of_restoring_a_wrong_weight(tmp_path):
+    """Orbax checks its indexes but not the array bytes: random (incompressible) weights are stored as they
+    are, so a flipped bit in the data file used to restore as a silently different weight."""
+    weights = {s: {"w": np.random.RandomState(s).standard_normal(4096).astype(np.float32)} for s in (1, 2)}
+    ckpt = Checkpointer(tmp_path, keep=5, async_save=False)
+    for step, state in weights.items():
+        ckpt.save(step, state, {"iteration": step})
+    ckpt.close()
+    data = max((p for p in (tmp_path / "2" / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    flipped = bytearray(data.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x01
+    data.write_bytes(bytes(flipped))
+    ckpt = Checkpointer(tmp_path, keep=5, async_save=False)
+    step, (w, iteration) = ckpt.restore_latest(_state(0.0) | {"w": np.zeros(4096, np.float32)},
+                                               lambda s, m: (np.asarray(s["w"]), m["iteration"]))
+    assert (step, iteration) == (1, 1) and (tmp_path / "2.unreadable-0").is_dir()
+    np.testing.assert_array_equal(w, weights[1]["w"])
+    ckpt.close()
+
+
+def test_a_changed_json_item_is_caught(tmp_path):
+    """A digit changed in the JSON item (still valid JSON) would resume at another iteration."""
+    ckpt = _saved(tmp_path, steps=(1, 2))
+    for f in _meta_files(tmp_path, 2):
+        if '"iteration": 2' in f.read_text():
+            f.write_text(f.read_text().replace('"iteration": 2', '"iteration": 7'))
+    assert ckpt.restore_latest(_state(0.0), _use) == (1, (1.0, 1))
+    ckpt.close()

@@ -1,7 +1,11 @@
 """metrics.jsonl stays one record per iteration across a resume."""
 import json
 
+import pytest
+
 from guijax.metrics import MetricsWriter, read_metrics
+
+pytestmark = pytest.mark.hostile  # the standing hostile-input and fault suite
 
 
 def test_drop_from_removes_redone_iterations_and_keeps_appending(tmp_path):
@@ -41,7 +45,6 @@ def test_appending_after_a_torn_tail_does_not_glue_records(tmp_path):
 
 
 def test_a_broken_line_before_the_end_names_the_file_and_line(tmp_path):
-    import pytest
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"iteration": 0}\nnot json\n{"iteration": 1}\n')

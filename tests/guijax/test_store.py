@@ -118,6 +118,7 @@ def test_grain_reads_the_shards(tmp_path):
     assert [decode_trajectory(source[i]).task_id for i in range(3)] == ["t0", "t1", "t5"]
 
 
+@pytest.mark.hostile
 def test_exception_mid_write_leaves_no_shard(tmp_path):
     store = TrajectoryStore(tmp_path)
     store.append([make_trajectory(0)])
@@ -131,6 +132,7 @@ def test_exception_mid_write_leaves_no_shard(tmp_path):
     assert len(store) == 2 and store[1].meta["seed"] == 4
 
 
+@pytest.mark.hostile
 def test_sigkill_mid_write_leaves_no_shard(tmp_path):
     """A process killed (os._exit, no cleanup) half-way through a shard leaves only a hidden temp file."""
     store = TrajectoryStore(tmp_path)
@@ -158,6 +160,7 @@ def test_sigkill_mid_write_leaves_no_shard(tmp_path):
     assert len(fresh) == 2
 
 
+@pytest.mark.hostile
 def test_bad_records_name_the_place(tmp_path):
     with pytest.raises(StoreError, match="shard-x record 3: not a msgpack"):
         decode_trajectory(b"\xc1garbage", where="shard-x record 3")
@@ -170,6 +173,7 @@ def test_bad_records_name_the_place(tmp_path):
         encode_trajectory(dataclasses.replace(make_trajectory(0, task_id="odd"), meta={"x": object()}))
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("damage", ["truncate", "zero"])
 def test_a_damaged_shard_is_an_error_naming_it_not_zero_records(tmp_path, damage):
     """A damaged shard used to read as 0 records: every later record moved to another global index, and a
@@ -189,3 +193,28 @@ def test_an_empty_shard_is_not_damage(tmp_path):
     store.append([], name="d_self")
     store.append([make_trajectory(3, task_id="c")])
     assert [t.task_id for t in TrajectoryStore(tmp_path)] == ["c"]
+
+
+@pytest.mark.hostile
+def test_a_flipped_bit_is_an_error_naming_the_shard_or_changes_nothing(tmp_path):
+    """ArrayRecord checks each chunk's hash; a flip used to escape as the reader's bare RuntimeError. A flip
+    in padding changes nothing; no flip may return a different trajectory."""
+    written = [make_trajectory(i, task_id=f"t{i}") for i in range(3)]
+    TrajectoryStore(tmp_path / "clean").append(written, name="iter-000000")
+    data = (tmp_path / "clean" / "iter-000000.array_record").read_bytes()
+    outcomes = set()
+    for n, position in enumerate(range(7, len(data), max(1, len(data) // 40))):
+        copy = tmp_path / f"copy{n}"
+        copy.mkdir()
+        flipped = bytearray(data)
+        flipped[position] ^= 0x10
+        (copy / "iter-000000.array_record").write_bytes(bytes(flipped))
+        try:
+            store = TrajectoryStore(copy)
+            for a, b in zip(written, store, strict=True):
+                assert_same(a, b)
+            outcomes.add("unchanged")
+        except StoreError as e:
+            assert "iter-000000.array_record" in str(e)
+            outcomes.add("error")
+    assert "error" in outcomes  # the sweep reached the records

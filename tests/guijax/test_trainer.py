@@ -100,6 +100,7 @@ def test_rerun_with_the_same_config_reuses_every_stage(rl_run, capsys):
         ("base_model", "tasks", "sft", "rl", "eval_final"), "done")
 
 
+@pytest.mark.hostile
 def test_a_run_killed_before_its_first_checkpoint_starts_over(rl_run, tmp_path):
     """Its episodes and metrics were written but no checkpoint: the rerun redoes those iterations from the
     start, replacing what they left instead of refusing to overwrite an immutable shard."""
@@ -154,6 +155,7 @@ RESUME = ("stages=('base_model', 'tasks', 'sft', 'rl')", "train.iterations=4", "
           "env.families=('click_button',)")
 
 
+@pytest.mark.hostile
 @pytest.mark.slow
 def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_flags):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -154,6 +154,7 @@ def test_arpo_replays_a_buffered_success_into_an_all_failure_group(tmp_path):
     assert tags(again.buffers["t1"]) == tags(arpo.buffers["t1"]) and again.draws == arpo.draws
 
 
+@pytest.mark.hostile
 def test_a_lost_shard_fails_its_own_references_and_moves_no_other(tmp_path):
     """References name their shard: with the first shard moved away (what a corrupted shard's error advises),
     the buffer held in the second restores the same trajectories; one that pointed into the lost shard fails
