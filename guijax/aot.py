@@ -73,16 +73,26 @@ def batch_shape(config: ml_collections.ConfigDict, model_cfg: Any) -> BatchShape
     return BatchShape(config.train.minibatch_size, length, k, (h, w), grid, width)
 
 
-def host_batch(shape: BatchShape, model_cfg: Any) -> dict[str, Any]:
+def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1) -> dict[str, Any]:
     """A batch with the pipeline's keys and shapes. The vision layout's index arrays are computed for real on
     the host (cheap, and their shapes follow the image grids); every other input stays abstract. Every
-    screenshot is distinct (no deduplication: the largest vision batch a step can meet)."""
+    screenshot is distinct (no deduplication: the largest vision batch a step can meet). With
+    `vision_blocks` > 1 the vision inputs are per-device blocks of rows / vision_blocks rows each."""
     from guijax.models.positions import vision_layout
+    from guijax.models.vision_blocks import stack_blocks
 
     b, s = shape.rows, shape.tokens_per_row
-    grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (b * shape.screenshots_per_row, 1))
+    if b % vision_blocks:
+        raise ValueError(f"{b} rows per step cannot be split into {vision_blocks} per-device vision blocks")
+    per_block = b // vision_blocks * shape.screenshots_per_row
+    grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (per_block, 1))
     layout = vision_layout(grids, model_cfg.vision)
-    vision = layout.inputs(jax.ShapeDtypeStruct((layout.num_patches, model_cfg.vision.patch_dim), jnp.float32))
+    pixels = (layout.num_patches, model_cfg.vision.patch_dim)
+    if vision_blocks == 1:
+        vision = layout.inputs(jax.ShapeDtypeStruct(pixels, jnp.float32))
+    else:
+        vision = stack_blocks([layout.inputs(np.zeros((pixels[0], 0), np.float32))] * vision_blocks)
+        vision["pixel_values"] = jax.ShapeDtypeStruct((vision_blocks, *pixels), jnp.float32)
     f32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)  # noqa: E731
     i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
     return {"input_ids": i32(b, s), "attention_mask": i32(b, s), "positions": i32(3, b, s), "vision": vision,
@@ -164,7 +174,8 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
                                   _abstract(jax.eval_shape(tx.init, trainable(params, lora)), shards.opt_state),
                                   jax.ShapeDtypeStruct((), jnp.int32, sharding=shards.step))
     shape = batch_shape(config, model_cfg)
-    batch = host_batch(shape, model_cfg)
+    blocks = sharding.data_parallel_size(mesh) if config.pipeline.get("vision_per_device", False) else 1
+    batch = host_batch(shape, model_cfg, blocks)
     if config.train.kl_coef:  # the KL term's reference log-probs ride in the batch
         batch["ref_logp"] = batch["old_logp"]
     batch = _abstract(batch, sharding.batch_shardings(batch, mesh))
@@ -180,6 +191,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     report = {"compile_target": target.name, "exact": target.exact, "note": target.note, "devices": num_devices,
               "mesh": dict(zip(sharding.MESH_AXES, mesh.devices.shape)), "batch": shape.as_dict(),
               "remat": config.model.remat, "attention": config.model.attention, "logprob_impl": step_cfg.impl,
+              "vision_blocks": blocks,
               "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
               "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
               "capacity_bytes_per_device": target.capacity_bytes}

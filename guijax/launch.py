@@ -126,7 +126,8 @@ def print_compiled(r: dict[str, Any]) -> None:
         return
     print(f"  train step compiled for {r['compile_target']} in {r['compile_s']:.0f}s ({r['note']})")
     print(f"  batch: {b['rows']} rows x {b['tokens_per_row']} tokens, {b['screenshots_per_row']} screenshots of "
-          f"{b['screenshot_hw'][1]}x{b['screenshot_hw'][0]} per row ({b['patches_per_screenshot']} patches each)")
+          f"{b['screenshot_hw'][1]}x{b['screenshot_hw'][0]} per row ({b['patches_per_screenshot']} patches each)"
+          + (f"; vision inputs in {r['vision_blocks']} per-device blocks" if r.get("vision_blocks", 1) > 1 else ""))
     fits = {None: "no capacity known for this target", True: "fits", False: "does NOT fit"}[r["fits"]]
     capacity = f" of {format_bytes(r['capacity_bytes_per_device'])}" if r["capacity_bytes_per_device"] else ""
     print(f"  peak bytes per device: {format_bytes(r['peak_bytes_per_device'])}{capacity} ({fits}); "

@@ -256,9 +256,12 @@ def batch_shardings(batch: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
 
 def vision_shardings(vision: Mapping[str, Any] | None, mesh: Mesh) -> dict[str, Any] | None:
     """Pixels split over the data-parallel devices along patches (where the patch count divides), so no device
-    holds every screenshot of the global batch; the layout's index arrays (a few bytes per patch) replicated."""
+    holds every screenshot of the global batch; the layout's index arrays (a few bytes per patch) replicated.
+    Per-device blocks (a leading block axis) are split along it, every array, like the rows."""
     if vision is None:
         return None
+    if np.ndim(vision["pixel_values"]) == 3:  # per-device blocks (guijax.models.vision_blocks): split like rows
+        return {k: batch_sharding(mesh, np.ndim(v)) for k, v in vision.items()}
     out = {k: replicated(mesh) for k in vision}
     pixels = vision.get("pixel_values")
     if pixels is not None and np.shape(pixels)[0] % data_parallel_size(mesh) == 0:
@@ -327,6 +330,14 @@ def _is_placed_tree(tree: Any) -> bool:
     return bool(leaves) and all(is_placed(x) for x in leaves)
 
 
+def local_vision_blocks(config: Any, mesh: Mesh | None) -> int:
+    """How many per-device vision blocks this process's batches hold: its share of the mesh's data-parallel
+    devices under `pipeline.vision_per_device`, else 1 (one layout over the whole batch; always without a mesh)."""
+    if mesh is None or not config.pipeline.get("vision_per_device", False):
+        return 1
+    return max(data_parallel_size(mesh) // jax.process_count(), 1)
+
+
 def place_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any = None, attention_mask: Any = None,
                  image_token_id: int | None = None) -> dict[str, jax.Array] | None:
     """Vision inputs on the mesh: pixels split along patches over the data-parallel devices, the layout's
@@ -337,6 +348,10 @@ def place_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any = 
     same devices by logical constraints, so its FLOPs and activations shrink with data parallelism. With
     several processes the local patch arrays are all-gathered on the host and merged (`merge_vision`) in
     global row order, and each process places its own shards of the merged arrays."""
+    blocked = vision is not None and np.ndim(vision["pixel_values"]) == 3
+    if blocked and jax.process_count() > 1:  # each process holds the blocks of its own rows
+        shardings = vision_shardings(vision, mesh)
+        return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v)) for k, v in vision.items()}
     if jax.process_count() > 1:
         vision = _gather_vision(vision, mesh, input_ids, attention_mask, image_token_id)
     if vision is None:

@@ -75,14 +75,18 @@ def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperatu
                           patch_bucket=config.pipeline.patch_bucket, max_rows=config.rollout.max_sampler_rows)
 
 
-def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str) -> PipelineConfig:
+def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str,
+                    mesh: jax.sharding.Mesh | None = None) -> PipelineConfig:
+    """The batch pipeline of a recipe; `mesh` (the one the batches are placed on) sets the per-device vision
+    blocks of `pipeline.vision_per_device`."""
     return PipelineConfig(batch_size=config.train.minibatch_size, max_images=config.rollout.max_images,
                           length_buckets=tuple(config.pipeline.length_buckets),
                           patch_bucket=config.pipeline.patch_bucket, system_prompt=system_prompt,
                           seed=config.seed, worker_count=config.pipeline.worker_count,
                           response_bucket=config.pipeline.get("response_bucket", 64),
                           dedupe_images=config.pipeline.get("dedupe_images", True),
-                          shuffle_block=config.pipeline.get("shuffle_block", 1))
+                          shuffle_block=config.pipeline.get("shuffle_block", 1),
+                          vision_blocks=sharding.local_vision_blocks(config, mesh))
 
 
 @dataclasses.dataclass
@@ -130,7 +134,7 @@ class Trainer:
                                mesh=parts.sampler_mesh or parts.mesh)
         self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor,
                                     rollout_config(config, parts.system_prompt))
-        self.pipeline = pipeline_config(config, parts.system_prompt)
+        self.pipeline = pipeline_config(config, parts.system_prompt, parts.mesh)
         self.ckpt = Checkpointer(self.workdir / "checkpoints", keep=config.train.keep_checkpoints)
         self.metrics = MetricsWriter(self.workdir)
         self.store = TrajectoryStore(self.workdir / "trajectories")

@@ -41,6 +41,7 @@ import numpy as np
 
 from guijax.models.config import ModelConfig
 from guijax.models.positions import mrope_positions, vision_layout
+from guijax.models.vision_blocks import stack_blocks
 from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages
 from guijax.rollout.trajectory import Source, Trajectory
 from guijax.sampling import bucket_for, pad_images
@@ -67,6 +68,9 @@ class PipelineConfig:
     max_response_tokens: int | None = None  # a fixed width instead (one shape); a row with more loss tokens raises
     dedupe_images: bool = True  # encode each distinct screenshot of a batch once (see `unique_images`)
     shuffle_block: int = 1  # shuffle runs of up to this many consecutive steps of a trajectory (see BlockShuffle)
+    # > 1: the vision inputs come in this many per-device blocks of consecutive rows, each laid out over its own
+    # rows' screenshots (guijax.models.vision_blocks); the batch's rows must divide by it
+    vision_blocks: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,19 +334,48 @@ class Collate:
         image-pad tokens to its features."""
         if not len(grids):
             return None, 0
-        merge = self.model_cfg.vision.spatial_merge_size
-        index = None
-        if self.config.dedupe_images:
+        blocks = self.config.vision_blocks
+        if blocks == 1:
+            pixels, grids, index = self._pixels(examples, ids, grids)
+            return self._layout(pixels, grids, index, self.config.patch_bucket), len(grids)
+        # block b holds rows [b * rows, (b + 1) * rows): the rows each device gets once the batch is padded to
+        # a multiple of the devices (`sharding.pad_rows`); a short batch leaves the last blocks short or empty
+        rows = -(-len(examples) // blocks)
+        parts = [self._pixels(examples[i:i + rows], ids[i:i + rows],
+                              np.concatenate([e["image_grid_thw"] for e in examples[i:i + rows]]
+                                             or [np.zeros((0, 3), np.int64)]).reshape(-1, 3))
+                 for i in range(0, blocks * rows, rows)]
+        bucket = self.config.patch_bucket
+        common = max(max(-(-len(pixels) // bucket) * bucket, bucket) for pixels, _, _ in parts)
+        return stack_blocks([self._layout(*part, common) for part in parts]), sum(len(g) for _, g, _ in parts)
+
+    def _pixels(self, examples: Sequence[dict[str, Any]], ids: np.ndarray,
+                grids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The rows' patches (each distinct image once under `dedupe_images`), their grids, and the feature
+        each image-pad token takes (None: in order)."""
+        if self.config.dedupe_images and len(grids):
             images = unique_images(examples)
-            pixels, grids = images.pixel_values, images.grids
-            index = token_features(ids, self.model_cfg.image_token_id, images, merge)
-        else:
-            pixels = np.concatenate([e["pixel_values"] for e in examples])
-        pixels, padded_grids = pad_images(pixels, grids, self.config.patch_bucket, merge)
-        vision = vision_layout(padded_grids, self.model_cfg.vision).inputs(pixels)
-        if index is not None:
-            vision["token_features"] = index
-        return vision, len(grids)
+            index = token_features(ids, self.model_cfg.image_token_id, images,
+                                   self.model_cfg.vision.spatial_merge_size)
+            return images.pixel_values, images.grids, index
+        if not len(grids):
+            width = self.model_cfg.vision.patch_dim
+            return np.zeros((0, width), np.float32), grids.reshape(0, 3), None
+        return np.concatenate([e["pixel_values"] for e in examples]), grids, None
+
+    def _layout(self, pixels: np.ndarray, grids: np.ndarray, index: np.ndarray | None,
+                multiple: int) -> dict[str, np.ndarray]:
+        """Vision inputs over `pixels`, padded with a filler image to a multiple of `multiple` patches."""
+        merge = self.model_cfg.vision.spatial_merge_size
+        if len(pixels):
+            pixels, grids = pad_images(pixels, grids, multiple, merge)
+        else:  # a block whose rows show no screenshot: the filler alone
+            pixels = np.zeros((multiple, pixels.shape[1]), np.float32)
+            grids = np.asarray([[1, merge, multiple // merge]])
+        vision = vision_layout(grids, self.model_cfg.vision).inputs(pixels)
+        if self.config.dedupe_images:
+            vision["token_features"] = np.zeros(0, np.int32) if index is None else index
+        return vision
 
     def response_positions(self, loss_mask: np.ndarray, examples: Sequence[dict[str, Any]]) -> np.ndarray:
         try:

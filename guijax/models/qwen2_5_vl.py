@@ -25,7 +25,7 @@ from guijax.models.lora import LoraConfig
 from guijax.models.moe import SparseMoE
 from guijax.models.scan import ATTENTION_OUT, MLP_IN, maybe_remat, scanned_layers
 from guijax.models.vision import VisionFeatures, VisionTower
-from guijax.sharding import constrain
+from guijax.sharding import DATA_AXES, constrain
 
 Dtype = Any
 
@@ -124,22 +124,31 @@ def _write_layer(stacked: jax.Array, new: jax.Array, layer, index) -> jax.Array:
     return jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype), start)
 
 
+# logical axes that split a batch's patches, windows or image frames over the data-parallel devices; with
+# per-device vision blocks the block axis does that and these stay whole within a block
+BLOCK_LOCAL_AXES = ("vision_tokens", "vision_windows")
+
+
 class DeepStack(NamedTuple):
     """Qwen3-VL's extra image features for the first decoder layers: after layer i < taps, the image-pad
     tokens' hidden states gain features[i][index] (index: each token's feature, as `Qwen2_5_VL.embed` places
     the merged ones)."""
 
-    features: jax.Array  # [taps, image features, hidden]
-    index: jax.Array  # [b, s] int
+    features: jax.Array  # [taps, image features, hidden]; per-device blocks: [blocks, taps, features, hidden]
+    index: jax.Array  # [b, s] int; per-device blocks: [blocks, b / blocks, s], into the row's block
     is_image: jax.Array  # [b, s] bool
 
     def add(self, x: jax.Array, layer) -> jax.Array:
-        taps = self.features.shape[0]
+        taps = self.features.shape[-3]
 
         def added(x):
-            tap = jax.lax.dynamic_index_in_dim(self.features, jnp.minimum(layer, taps - 1), 0, keepdims=False)
-            feats = jnp.take(tap, self.index, axis=0).astype(x.dtype)
-            return jnp.where(self.is_image[..., None], x + feats, x)
+            if self.features.ndim == 4:  # per-device blocks [blocks, taps, F, H], index [blocks, rows, s]
+                tap = jax.lax.dynamic_index_in_dim(self.features, jnp.minimum(layer, taps - 1), 1, keepdims=False)
+                feats = jax.vmap(lambda f, i: jnp.take(f, i, axis=0))(tap, self.index).reshape(*x.shape[:2], -1)
+            else:
+                tap = jax.lax.dynamic_index_in_dim(self.features, jnp.minimum(layer, taps - 1), 0, keepdims=False)
+                feats = jnp.take(tap, self.index, axis=0)
+            return jnp.where(self.is_image[..., None], x + feats.astype(x.dtype), x)
 
         if isinstance(layer, int):  # unrolled: known here
             return added(x) if layer < taps else x
@@ -235,8 +244,20 @@ class Qwen2_5_VL(nn.Module):
         x = jnp.take(self.embed_tokens, input_ids, axis=0).astype(self.dtype)
         if image_features is None:
             return x
-        is_image, index = self.image_feature_index(input_ids, image_features.shape[0], token_features)
-        feats = jnp.take(image_features.astype(self.dtype), index, axis=0)
+        if image_features.ndim == 3:  # per-device blocks: each block's rows read that block's features
+            blocks = image_features.shape[0]
+            ids = input_ids.reshape(blocks, -1, input_ids.shape[1])
+
+            def block(features, ids, token_features):
+                is_image, index = self.image_feature_index(ids, features.shape[0], token_features)
+                return is_image, jnp.take(features.astype(self.dtype), index, axis=0)
+
+            is_image, feats = jax.vmap(block, in_axes=(0, 0, None if token_features is None else 0))(
+                image_features, ids, token_features)
+            is_image, feats = is_image.reshape(input_ids.shape), feats.reshape(*input_ids.shape, -1)
+        else:
+            is_image, index = self.image_feature_index(input_ids, image_features.shape[0], token_features)
+            feats = jnp.take(image_features.astype(self.dtype), index, axis=0)
         return jnp.where(is_image[..., None], feats, x)
 
     def image_feature_index(self, input_ids: jax.Array, n_features: int,
@@ -249,8 +270,18 @@ class Qwen2_5_VL(nn.Module):
         return is_image, jnp.clip(order, 0, n_features - 1).reshape(input_ids.shape)
 
     def encode_images(self, **vision: jax.Array) -> VisionFeatures:
-        """Features of every image in the batch: the `vision` inputs of `VisionLayout.inputs`."""
-        return self.visual(**vision)
+        """Features of every image in the batch: the `vision` inputs of `VisionLayout.inputs`, or those of
+        per-device blocks stacked on a leading axis (`guijax.models.vision_blocks`), which the tower encodes
+        vmapped over the blocks, so every gather stays within a device's own patches."""
+        if vision["pixel_values"].ndim == 2:
+            return self.visual(**vision)
+        rules = nn.get_logical_axis_rules()
+        # the block axis carries the data-parallel split; inside a block nothing is split along patches
+        inner = tuple((name, None if name in BLOCK_LOCAL_AXES else axes) for name, axes in rules)
+        encode = nn.vmap(lambda tower, v: tower(**v), variable_axes={"params": None}, split_rngs={"params": False},
+                         spmd_axis_name=DATA_AXES if rules else None)
+        with nn.logical_axis_rules(inner):
+            return encode(self.visual, vision)
 
     def __call__(
         self,
@@ -280,7 +311,14 @@ class Qwen2_5_VL(nn.Module):
             token_features = vision.pop("token_features", None)
             features = self.encode_images(**vision)
             image_features = features.merged
-            if features.deepstack is not None:
+            if features.deepstack is not None and image_features.ndim == 3:
+                blocks = image_features.shape[0]
+                is_image, index = jax.vmap(
+                    lambda ids, tf: self.image_feature_index(ids, image_features.shape[1], tf),
+                    in_axes=(0, None if token_features is None else 0))(
+                        input_ids.reshape(blocks, -1, input_ids.shape[1]), token_features)
+                deepstack = DeepStack(features.deepstack, index, is_image.reshape(input_ids.shape))
+            elif features.deepstack is not None:
                 is_image, index = self.image_feature_index(input_ids, image_features.shape[0], token_features)
                 deepstack = DeepStack(features.deepstack, index, is_image)
         x = self.embed(input_ids, image_features, token_features)

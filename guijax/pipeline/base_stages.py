@@ -154,7 +154,7 @@ def sft(run: Run) -> str:
     trajectories = sft_trajectories(run)
     writer = MetricsWriter(run.workdir, "sft_metrics.jsonl", console=False)
     params, losses_seen = sft_steps(policy, trajectories, policy.processor, run.config,
-                                    pipeline_config(run.config, run.system_prompt), run.config.sft.steps,
+                                    pipeline_config(run.config, run.system_prompt, policy.mesh), run.config.sft.steps,
                                     run.config.sft.batch_size, seed=run.streams.seed_for("sft", "data"),
                                     log=writer.write,
                                     checkpoint_dir=run.workdir / "sft_checkpoints",
@@ -214,7 +214,7 @@ def train_with(run: Run, method: Any, workdir: pathlib.Path, desc: str) -> tuple
 
     ctx = method_context(run, method.config, workdir, method.name)
     policy = run.load_policy(policy_dir(run), trains=method.config)
-    method.before_rl(ctx, policy, pipeline_config(method.config, run.system_prompt))
+    method.before_rl(ctx, policy, pipeline_config(method.config, run.system_prompt, policy.mesh))
     if not method.rl:
         return policy, []
     parts = Components(policy, run.pool(), policy.processor, method.training_tasks(ctx, run.tasks()["train"]),

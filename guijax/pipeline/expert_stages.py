@@ -237,7 +237,7 @@ def diagnostics(run: Run) -> str:
     sets = {"on_policy": successes or [t for t in plain if t.steps],
             "D_self": [t.without_plan() for t in TrajectoryStore(run.workdir / "level1_trajectories")],
             "D_conv": [t for k, t in run.expert_traces().items() if k in train_ids]}
-    pipeline = pipeline_config(run.config, run.system_prompt)
+    pipeline = pipeline_config(run.config, run.system_prompt, policy.mesh)
     probs = {k: diag.token_probabilities(logprob_fn, policy.params, v, policy.processor, policy.module.cfg, pipeline)
              for k, v in sets.items() if v}
     summary = diag.summarize(probs, "on_policy")

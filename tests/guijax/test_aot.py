@@ -68,3 +68,23 @@ def test_the_tpu_compilers_refusal_is_read_as_figures():
     assert aot._compiler_oom_figures(message) == {"temp_bytes_per_device": int(142.96 * 2 ** 30),
                                                   "compiler_available_bytes": int(95.73 * 2 ** 30)}
     assert aot._compiler_oom_figures("RESOURCE_EXHAUSTED: something else") == {}
+
+
+def test_per_device_vision_blocks_of_the_tpu_recipe():
+    """bepa_tpu's 64 rows as 64 blocks, one row's five screenshots each, every index local to its block."""
+    config = launch.resolve("bepa_tpu", ["pipeline.vision_per_device=True"])
+    cfg = get_preset("qwen2_5_vl_7b")
+    batch = aot.host_batch(aot.batch_shape(config, cfg), cfg, vision_blocks=64)
+    vision = batch["vision"]
+    assert vision["pixel_values"].shape == (64, 5 * 10764, 1176)
+    assert vision["window_tokens"].shape[0] == 64 and (vision["window_tokens"] < 5 * 10764).all()
+    assert vision["window_slots"].shape == (64, 5 * 10764) and vision["image_tokens"].shape[:2] == (64, 5)
+    with pytest.raises(ValueError, match="64 rows per step cannot be split into 48"):
+        aot.host_batch(aot.batch_shape(config, cfg), cfg, vision_blocks=48)
+
+
+def test_the_dry_run_compiles_per_device_vision_blocks():
+    config = launch.resolve("grpo_cpu", ["mesh.num_devices=8", "pipeline.vision_per_device=True",
+                                         "dry_run.topology="])
+    report = aot.compile_train_step(config, get_preset("small"))
+    assert report["compiled"] is True and report["vision_blocks"] == 8

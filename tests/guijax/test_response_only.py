@@ -173,3 +173,51 @@ def test_response_only_cuts_compiled_flops(proc, cfg, module_params):
     fn = lambda p, b: train_step.batch_logprobs(module, p, b)  # noqa: E731
     full, resp = _flops(fn, params, without(batch, "response_positions")), _flops(fn, params, batch)
     assert full - resp == pytest.approx(head_full - head_resp, rel=0.05), (resp, full)
+
+
+def test_per_device_vision_blocks_give_the_same_hidden_states(proc, cfg, module_params):
+    """Rows in two blocks, each laid out over its own screenshots (a block's indices reach only its own
+    patches): the tower runs vmapped over the blocks and the language model sees the same features."""
+    module, params = module_params
+    trajs = trajectories(proc)
+    encode = EncodeStep(trajs, proc, CONFIG)
+    examples = [encode.map(r) for r in step_refs(trajs, [1.0, -0.5])][:6]
+    whole = Collate(cfg, dataclasses.replace(CONFIG, dedupe_images=False))(examples)
+    forward = jax.jit(lambda p, v: module.apply({"params": p}, whole["input_ids"], whole["positions"],
+                                                whole["attention_mask"], v, return_logits=False)[0])
+    want = forward(params, whole["vision"])
+    for dedupe in (True, False):
+        blocked = Collate(cfg, dataclasses.replace(CONFIG, vision_blocks=2, dedupe_images=dedupe))(examples)
+        vision = blocked["vision"]
+        assert vision["pixel_values"].shape[0] == 2 and vision["window_tokens"].ndim == 3
+        per_block = vision["pixel_values"].shape[1]
+        assert (vision["window_tokens"] < per_block).all() and (vision["image_tokens"] < per_block).all()
+        np.testing.assert_allclose(forward(params, vision), want, atol=1e-5)
+    # six rows in four blocks of two: the last block, whose rows are padding on the mesh, holds the filler only
+    short = Collate(cfg, dataclasses.replace(CONFIG, vision_blocks=4))(examples)
+    assert short["vision"]["pixel_values"].shape[0] == 4 and (short["vision"]["token_features"][3] == -1).all()
+    padded = sharding.pad_rows({k: v for k, v in short.items() if k != "meta"}, 4)
+    hidden = module.apply({"params": params}, padded["input_ids"], padded["positions"], padded["attention_mask"],
+                          padded["vision"], return_logits=False)[0]
+    np.testing.assert_allclose(np.asarray(hidden)[:6], want, atol=1e-5)
+
+
+def test_sharded_vision_blocks_stay_on_their_devices_and_equal_one_device(proc, cfg, module_params):
+    """Eight rows, one block per device of a data 2 x fsdp 4 mesh: every vision array is split along the
+    block axis like the rows, and the log-probs equal the single-device whole-batch ones."""
+    module, params = module_params
+    trajs = trajectories(proc)
+    encode = EncodeStep(trajs, proc, CONFIG)
+    examples = [encode.map(r) for r in step_refs(trajs, [1.0, -0.5])]
+    whole = Collate(cfg, dataclasses.replace(CONFIG, dedupe_images=False))(examples)
+    blocked = Collate(cfg, dataclasses.replace(CONFIG, vision_blocks=8))(examples)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4, tensor=1))
+    fn = train_step.make_logprob_fn(module, mesh=mesh)
+    batch = {k: v for k, v in blocked.items() if k != "meta"}
+    placed = fn.place(batch)
+    for key, value in placed["vision"].items():
+        assert value.sharding.spec[0] == ("data", "fsdp", "expert") or value.sharding.spec[0] == ("data", "fsdp"), key
+        assert value.addressable_shards[0].data.shape[0] == 1, key
+    got = fn(params, batch)
+    want = train_step.make_logprob_fn(module)(params, {k: v for k, v in whole.items() if k != "meta"})
+    chex.assert_trees_all_close((np.asarray(got[0]), np.asarray(got[1])), want, atol=1e-5)

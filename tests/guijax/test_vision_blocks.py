@@ -1,0 +1,66 @@
+"""Per-device vision blocks: every family's forward equals the one-layout forward, with each block laid out
+over its own rows' images (the DeepStack taps of Qwen3-VL included), and stacking pads what differs."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from guijax.models import weights
+from guijax.models.config import PRESETS
+from guijax.models.positions import mrope_positions, vision_layout
+from guijax.models.vision_blocks import is_blocked, stack_blocks
+from guijax.sampling import pad_images
+
+GRIDS = np.array([[1, 4, 6], [1, 8, 8]])  # row 0 shows the first image, row 1 the second
+
+
+def _rows(cfg, rs):
+    seqs = [list(rs.randint(0, 900, 5)) + [cfg.vision_start_token_id] + [cfg.image_token_id] * (int(g.prod()) // 4)
+            + [cfg.vision_end_token_id] + list(rs.randint(0, 900, 3)) for g in GRIDS]
+    length = max(map(len, seqs))
+    ids, mask = np.zeros((2, length), np.int32), np.zeros((2, length), np.int32)
+    for b, seq in enumerate(seqs):
+        ids[b, :len(seq)], mask[b, :len(seq)] = seq, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny_qwen2_vl", "tiny_qwen3_vl", "tiny_qwen3_vl_moe"])
+def test_blocked_forward_equals_one_layout(family):
+    cfg = PRESETS[family]
+    rs = np.random.RandomState(0)
+    ids, mask = _rows(cfg, rs)
+    pixels = rs.randn(int(GRIDS.prod(1).sum()), cfg.vision.patch_dim).astype(np.float32)
+    merge = cfg.vision.spatial_merge_size
+    whole = vision_layout(GRIDS, cfg.vision).inputs(pixels)
+    sizes = GRIDS.prod(1)
+    blocks = []
+    for b, (start, size) in enumerate(zip([0, sizes[0]], sizes)):
+        block_pixels, block_grids = pad_images(pixels[start:start + size], GRIDS[b:b + 1], int(sizes.max()), merge)
+        blocks.append(vision_layout(block_grids, cfg.vision).inputs(block_pixels))
+    blocked = stack_blocks(blocks)
+    assert is_blocked(blocked) and not is_blocked(whole)
+    module = weights.build_module(cfg)
+    params = weights.init_params(module, jax.random.PRNGKey(0))
+    positions, _ = mrope_positions(ids, mask, GRIDS, cfg)
+    forward = jax.jit(lambda v: module.apply({"params": params}, ids, positions, mask, v, return_logits=False)[0])
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(forward(blocked))[valid], np.asarray(forward(whole))[valid], atol=2e-5)
+
+
+def test_stacking_pads_batches_and_readdresses_their_slots():
+    a = {"pixel_values": np.zeros((4, 2)), "image_tokens": np.array([[0, 1, 2, 3]]), "image_slots": np.arange(4),
+         "token_features": np.array([0, 0])}
+    b = {"pixel_values": np.ones((4, 2)), "image_tokens": np.array([[0, 1], [2, 3]]),
+         "image_slots": np.array([0, 1, 2, 3]), "token_features": np.array([1, 0, 1])}
+    out = stack_blocks([a, b])
+    np.testing.assert_array_equal(out["image_tokens"][1], [[0, 1, -1, -1], [2, 3, -1, -1]])
+    np.testing.assert_array_equal(out["image_slots"][1], [0, 1, 4, 5])  # row * 4 + column in the wider batch
+    np.testing.assert_array_equal(out["image_tokens"][0], [[0, 1, 2, 3], [-1, -1, -1, -1]])
+    np.testing.assert_array_equal(out["token_features"], [[0, 0, -1], [1, 0, 1]])
+    flat = out["image_tokens"][1].reshape(-1)
+    np.testing.assert_array_equal(flat[out["image_slots"][1]], np.arange(4))  # each token finds itself
+    with pytest.raises(ValueError, match="different patch counts"):
+        stack_blocks([a, dict(b, pixel_values=np.ones((8, 2)))])
+    with pytest.raises(ValueError, match="block 1 has keys"):
+        stack_blocks([a, {k: v for k, v in b.items() if k != "token_features"}])
