@@ -340,3 +340,34 @@ def test_loopback_server_refuses_requests_from_web_pages(loopback_server, header
         assert "refused" in r.json()["message"] or "loopback" in r.json()["message"]
     else:
         assert r.text == "Linux"
+
+
+@pytest.mark.hostile
+@pytest.mark.desktop
+@needs_desktop
+def test_a_server_killed_mid_episode_is_an_environment_error_not_an_observation_or_a_score(tmp_path):
+    """The desktop's server dies between steps (a VM that crashed): the next step and the evaluation raise,
+    so the pool drops the episode instead of training on a stale screen or a 0 that was never scored."""
+    from envs.actions.model import Action, ActionType
+    from envs.api import Task
+    from envs.client import RemoteEnv
+    from envs.desktop.controller import ControllerError
+    from envs.osworld.env import EvaluationError
+
+    proc, url, token = _start([], tmp_path)
+    task = Task.from_dict({"id": "remote-killed", "instruction": "Create the folder ~/made",
+                           "evaluator": {"func": "exact_match",
+                                         "result": {"type": "vm_command_line", "command": "echo no", "shell": True},
+                                         "expected": {"type": "rule", "rules": {"expected": "yes\n"}}}})
+    env = RemoteEnv(url, token, controller_kwargs={"retry_times": 2, "retry_interval_s": 0.1}, settle_s=0.1)
+    try:
+        assert env.reset(task).screenshot.shape == (480, 640, 3)
+        proc.kill()
+        proc.wait(timeout=15)
+        with pytest.raises(ControllerError, match="no answer from"):
+            env.step(Action(ActionType.CLICK, point=(10, 10)))
+        with pytest.raises(EvaluationError):
+            env.evaluate()
+    finally:
+        env.close()
+        proc.kill()

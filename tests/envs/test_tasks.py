@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from envs.api import Task, TaskError
 from envs.desk import FAMILIES, DeskEnv
@@ -75,3 +76,39 @@ def test_evaluator_typos_name_the_task_and_key(tasks):
         env.reset(bad)
         with pytest.raises(TaskError, match=rf"task {task.id} \(bad\.json\): evaluator: desk_state: {message}"):
             env.evaluate()
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                         st.sampled_from(["id", "instruction", "config", "evaluator", "func", "result", "expected",
+                                          "type", "parameters", "options", "family", "x"]) | st.text(max_size=4),
+                         inner, max_size=5), max_leaves=20)
+
+
+def _loads_or_names_the_file(path):
+    from envs.osworld.loader import parse_task
+
+    try:
+        for task in load_tasks(path):
+            parse_task(task)
+    except TaskError as e:
+        assert path.name in str(e), str(e)
+
+
+@pytest.mark.hostile
+@settings(max_examples=150, deadline=None)
+@given(content=st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+def test_any_bytes_load_as_tasks_or_a_task_error_naming_the_file(tmp_path_factory, content):
+    path = tmp_path_factory.mktemp("fuzz") / "task.json"
+    path.write_bytes(content)
+    _loads_or_names_the_file(path)
+
+
+@pytest.mark.hostile
+@settings(max_examples=150, deadline=None)
+@given(data=_JSON | st.fixed_dictionaries({"id": st.text(max_size=6), "instruction": st.text(max_size=6)},
+                                          optional={"config": _JSON, "evaluator": _JSON}))
+def test_any_json_loads_as_tasks_or_a_task_error_naming_the_file(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("fuzz") / "task.json"
+    path.write_text(json.dumps(data))
+    _loads_or_names_the_file(path)

@@ -175,6 +175,7 @@ def test_response_only_cuts_compiled_flops(proc, cfg, module_params):
     assert full - resp == pytest.approx(head_full - head_resp, rel=0.05), (resp, full)
 
 
+@pytest.mark.slow  # 46 s; blocks through the trainer and sharded stay in the default suite
 def test_per_device_vision_blocks_give_the_same_hidden_states(proc, cfg, module_params):
     """Rows in two blocks, each laid out over its own screenshots (a block's indices reach only its own
     patches): the tower runs vmapped over the blocks and the language model sees the same features."""

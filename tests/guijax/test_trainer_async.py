@@ -104,6 +104,7 @@ def test_a_resumed_run_first_trains_the_groups_completed_before_it_stopped(resum
     assert set(range(saved["below"])) | set(saved["also"]) == set(taken)
 
 
+@pytest.mark.slow  # 24 s; the Ray pool itself is tested in tests/envs/test_ray_pool.py
 def test_an_asynchronous_run_on_a_ray_fleet(tiny_config, tmp_path):
     pytest.importorskip("ray")
     config = tiny_config("grpo_cpu", "stages=('base_model', 'tasks', 'rl')", "rollout.mode=async", "env.fleet=ray",
