@@ -174,7 +174,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
                                   _abstract(jax.eval_shape(tx.init, trainable(params, lora)), shards.opt_state),
                                   jax.ShapeDtypeStruct((), jnp.int32, sharding=shards.step))
     shape = batch_shape(config, model_cfg)
-    blocks = sharding.data_parallel_size(mesh) if config.pipeline.get("vision_per_device", False) else 1
+    blocks = sharding.local_vision_blocks(config, mesh)
     batch = host_batch(shape, model_cfg, blocks)
     if config.train.kl_coef:  # the KL term's reference log-probs ride in the batch
         batch["ref_logp"] = batch["old_logp"]

@@ -182,8 +182,8 @@ class Pipeline:
     # >1: batches of runs of consecutive steps, which share screenshots (fewer patches)
     shuffle_block: int = ranged(1, low=1)
     # vision inputs in per-device blocks (each data-parallel device lays out its own rows' screenshots), so the
-    # vision tower's gathers stay on-device instead of being replicated across the mesh; batches must then
-    # hold a multiple of the data-parallel devices' rows. Screenshots are deduplicated within a block only.
+    # vision tower's gathers stay on-device instead of being replicated across the mesh. Screenshots are
+    # deduplicated within a block only.
     vision_per_device: bool = False
 
 

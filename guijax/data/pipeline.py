@@ -69,7 +69,7 @@ class PipelineConfig:
     dedupe_images: bool = True  # encode each distinct screenshot of a batch once (see `unique_images`)
     shuffle_block: int = 1  # shuffle runs of up to this many consecutive steps of a trajectory (see BlockShuffle)
     # > 1: the vision inputs come in this many per-device blocks of consecutive rows, each laid out over its own
-    # rows' screenshots (guijax.models.vision_blocks); the batch's rows must divide by it
+    # rows' screenshots (guijax.models.vision_blocks); a short batch leaves the last blocks short or empty
     vision_blocks: int = 1
 
 

@@ -129,6 +129,15 @@ def _write_layer(stacked: jax.Array, new: jax.Array, layer, index) -> jax.Array:
 BLOCK_LOCAL_AXES = ("vision_tokens", "vision_windows")
 
 
+def gather_features(features: jax.Array, index: jax.Array, rows_shape: tuple[int, ...]) -> jax.Array:
+    """Each token's image feature [*rows_shape, hidden]: features [F, hidden] with index [b, s], or per-device
+    blocks [blocks, F, hidden] with index [blocks, b / blocks, s] into the row's own block (a batched gather,
+    so it stays on the block's device)."""
+    if features.ndim == 3:
+        return jax.vmap(lambda f, i: jnp.take(f, i, axis=0))(features, index).reshape(*rows_shape, -1)
+    return jnp.take(features, index, axis=0)
+
+
 class DeepStack(NamedTuple):
     """Qwen3-VL's extra image features for the first decoder layers: after layer i < taps, the image-pad
     tokens' hidden states gain features[i][index] (index: each token's feature, as `Qwen2_5_VL.embed` places
@@ -142,13 +151,10 @@ class DeepStack(NamedTuple):
         taps = self.features.shape[-3]
 
         def added(x):
-            if self.features.ndim == 4:  # per-device blocks [blocks, taps, F, H], index [blocks, rows, s]
-                tap = jax.lax.dynamic_index_in_dim(self.features, jnp.minimum(layer, taps - 1), 1, keepdims=False)
-                feats = jax.vmap(lambda f, i: jnp.take(f, i, axis=0))(tap, self.index).reshape(*x.shape[:2], -1)
-            else:
-                tap = jax.lax.dynamic_index_in_dim(self.features, jnp.minimum(layer, taps - 1), 0, keepdims=False)
-                feats = jnp.take(tap, self.index, axis=0)
-            return jnp.where(self.is_image[..., None], x + feats.astype(x.dtype), x)
+            tap = jax.lax.dynamic_index_in_dim(self.features, jnp.minimum(layer, taps - 1), self.features.ndim - 3,
+                                               keepdims=False)
+            feats = gather_features(tap, self.index, x.shape[:2]).astype(x.dtype)
+            return jnp.where(self.is_image[..., None], x + feats, x)
 
         if isinstance(layer, int):  # unrolled: known here
             return added(x) if layer < taps else x
@@ -244,25 +250,26 @@ class Qwen2_5_VL(nn.Module):
         x = jnp.take(self.embed_tokens, input_ids, axis=0).astype(self.dtype)
         if image_features is None:
             return x
-        if image_features.ndim == 3:  # per-device blocks: each block's rows read that block's features
-            blocks = image_features.shape[0]
-            ids = input_ids.reshape(blocks, -1, input_ids.shape[1])
-
-            def block(features, ids, token_features):
-                is_image, index = self.image_feature_index(ids, features.shape[0], token_features)
-                return is_image, jnp.take(features.astype(self.dtype), index, axis=0)
-
-            is_image, feats = jax.vmap(block, in_axes=(0, 0, None if token_features is None else 0))(
-                image_features, ids, token_features)
-            is_image, feats = is_image.reshape(input_ids.shape), feats.reshape(*input_ids.shape, -1)
-        else:
-            is_image, index = self.image_feature_index(input_ids, image_features.shape[0], token_features)
-            feats = jnp.take(image_features.astype(self.dtype), index, axis=0)
+        is_image, index = self.image_feature_index(input_ids, image_features, token_features)
+        feats = gather_features(image_features.astype(self.dtype), index, input_ids.shape)
         return jnp.where(is_image[..., None], feats, x)
 
-    def image_feature_index(self, input_ids: jax.Array, n_features: int,
+    def image_feature_index(self, input_ids: jax.Array, image_features: jax.Array,
                             token_features: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """Which tokens are image pads [b, s], and the feature each takes [b, s] (see `embed`)."""
+        """Which tokens are image pads [b, s], and the feature each takes [b, s] (see `embed`). With per-device
+        blocks (features [blocks, F, hidden], token_features [blocks, ...]) each block's rows count their own
+        image-pad tokens and the index is [blocks, b / blocks, s], into the row's block."""
+        if image_features.ndim == 3:
+            blocks = image_features.shape[0]
+            is_image, index = jax.vmap(
+                lambda ids, tf: self._feature_index(ids, image_features.shape[1], tf),
+                in_axes=(0, None if token_features is None else 0))(
+                    input_ids.reshape(blocks, -1, input_ids.shape[1]), token_features)
+            return is_image.reshape(input_ids.shape), index
+        return self._feature_index(input_ids, image_features.shape[0], token_features)
+
+    def _feature_index(self, input_ids: jax.Array, n_features: int,
+                       token_features: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         is_image = input_ids == self.cfg.image_token_id
         order = jnp.cumsum(is_image.reshape(-1)) - 1
         if token_features is not None:
@@ -311,15 +318,8 @@ class Qwen2_5_VL(nn.Module):
             token_features = vision.pop("token_features", None)
             features = self.encode_images(**vision)
             image_features = features.merged
-            if features.deepstack is not None and image_features.ndim == 3:
-                blocks = image_features.shape[0]
-                is_image, index = jax.vmap(
-                    lambda ids, tf: self.image_feature_index(ids, image_features.shape[1], tf),
-                    in_axes=(0, None if token_features is None else 0))(
-                        input_ids.reshape(blocks, -1, input_ids.shape[1]), token_features)
-                deepstack = DeepStack(features.deepstack, index, is_image.reshape(input_ids.shape))
-            elif features.deepstack is not None:
-                is_image, index = self.image_feature_index(input_ids, image_features.shape[0], token_features)
+            if features.deepstack is not None:
+                is_image, index = self.image_feature_index(input_ids, image_features, token_features)
                 deepstack = DeepStack(features.deepstack, index, is_image)
         x = self.embed(input_ids, image_features, token_features)
         x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))

@@ -48,10 +48,10 @@ def stack_blocks(blocks: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.nda
         width = max(np.shape(b[rows_key])[1] for b in blocks)
         rows, slots = [], []
         for b in blocks:
-            r = np.asarray(b[rows_key])
+            r, s = np.asarray(b[rows_key]), np.asarray(b[slots_key])
             rows.append(np.pad(r, [(0, height - r.shape[0]), (0, width - r.shape[1])], constant_values=-1))
-            s = np.asarray(b[slots_key]).astype(np.int64)
-            slots.append(((s // max(r.shape[1], 1)) * width + s % max(r.shape[1], 1)).astype(np.asarray(b[slots_key]).dtype))
+            own = max(r.shape[1], 1)  # the block's own width: its slots are row * own + column
+            slots.append((s // own * width + s % own).astype(s.dtype))
         out[rows_key], out[slots_key] = np.stack(rows), np.stack(slots)
     if "token_features" in keys:
         length = max(len(b["token_features"]) for b in blocks)
