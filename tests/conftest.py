@@ -5,6 +5,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
+# With libtpu installed, the TPU compiler's tests (ahead-of-time compiles) may run in both test processes at once;
+# libtpu otherwise refuses a second process through its lockfile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import pytest  # noqa: E402
 
 try:  # property tests are reproducible by default; HYPOTHESIS_PROFILE=explore searches fresh examples

@@ -21,6 +21,7 @@ def test_train_step_benchmark(tmp_path):
     assert fpt["total"] == pytest.approx(fpt["dense"] + fpt["lm_head"] + fpt["attention"])
 
 
+@pytest.mark.slow
 def test_train_step_benchmark_with_screenshots(tmp_path):
     mod = load_script("train_step")
     assert mod.main(["--presets", "tiny", "--batch", "1", "--screenshots", "2", "--screenshot-hw", "56,84",
@@ -51,6 +52,7 @@ def test_qwen_0_5b_shape():
             cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (896, 24, 14, 2, 4864, 151936, True)
 
 
+@pytest.mark.slow
 def test_vs_torch_benchmark(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

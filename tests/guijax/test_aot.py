@@ -28,6 +28,7 @@ def test_gpu_recipe_shape_is_five_full_hd_screenshots_per_row():
     assert batch["input_ids"].shape == (1, 16384) and batch["positions"].shape == (3, 1, 16384)
 
 
+@pytest.mark.slow
 def test_cli_compiles_the_cpu_recipe_and_writes_the_report(tmp_path):
     out = tmp_path / "dry.json"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -83,6 +84,7 @@ def test_per_device_vision_blocks_of_the_tpu_recipe():
         aot.host_batch(aot.batch_shape(config, cfg), cfg, vision_blocks=48)
 
 
+@pytest.mark.slow
 def test_the_dry_run_compiles_per_device_vision_blocks():
     config = launch.resolve("grpo_cpu", ["mesh.num_devices=8", "pipeline.vision_per_device=True",
                                          "dry_run.topology="])

@@ -114,6 +114,7 @@ def test_padding_queries_and_empty_rows_give_zero_without_nans():
     assert not np.asarray(out[0, 6:]).any() and not np.asarray(out[1]).any()
 
 
+@pytest.mark.slow
 def test_defaults_mean_no_padding_and_auto_is_blockwise_off_gpu():
     rs = np.random.RandomState(4)
     q, k, v = _qkv(rs, 1, 40, 40, 4, 4, 8)
@@ -188,6 +189,7 @@ def test_window_batch_covers_every_token_once():
         assert real.size == (layout.window_segments == w).sum()
 
 
+@pytest.mark.slow
 def test_vision_windows_batched_equal_the_dense_window_mask():
     vcfg = _tiny_vision()
     grids = np.array([[1, 4, 6], [1, 10, 6], [2, 6, 4]])  # partial windows at the edges, two frames

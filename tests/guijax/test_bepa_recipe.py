@@ -45,6 +45,7 @@ def expert_run(make_config, tmp_path_factory):
     return config, workdir
 
 
+@pytest.mark.slow
 def test_expert_stage_solves_converts_and_plans_every_task(expert_run):
     _, workdir = expert_run
     expert = json.loads((workdir / "expert.json").read_text())["tasks"]
@@ -54,6 +55,7 @@ def test_expert_stage_solves_converts_and_plans_every_task(expert_run):
     assert all(len(t.steps) == expert[t.task_id]["steps"] and t.reward == 1.0 for t in converted)
 
 
+@pytest.mark.slow
 def test_level1_expert_only_split_is_plan_solved_minus_base_solved(expert_run):
     _, workdir = expert_run
     level1 = json.loads((workdir / "level1.json").read_text())
@@ -66,6 +68,7 @@ def test_level1_expert_only_split_is_plan_solved_minus_base_solved(expert_run):
     assert level1["d_self"] == sum(level1["plan_conditioned_successes"].values())
 
 
+@pytest.mark.slow
 def test_expert_mixing_methods_train_one_iteration_with_their_expert_data(expert_run):
     _, workdir = expert_run
     for name in RL_METHODS:
@@ -79,6 +82,7 @@ def test_expert_mixing_methods_train_one_iteration_with_their_expert_data(expert
     assert luffy["injected"] == 2  # LUFFY adds the converted expert trace to every group (2 tasks)
 
 
+@pytest.mark.slow
 def test_table_rows_are_the_evaluations(expert_run):
     config, workdir = expert_run
     data = json.loads((workdir / "table.json").read_text())
@@ -96,6 +100,7 @@ def test_table_rows_are_the_evaluations(expert_run):
     assert all(f"| {name} |" in table for name in data) and "expert_only (" in table
 
 
+@pytest.mark.slow
 def test_sft_baseline_fine_tunes_at_its_own_rate(expert_run):
     _, workdir = expert_run
     sft = (workdir / "methods/sft/expert_sft_metrics.jsonl").read_text().splitlines()  # SFT baseline: 3 epochs, no RL
@@ -105,6 +110,7 @@ def test_sft_baseline_fine_tunes_at_its_own_rate(expert_run):
     assert base.keys() == tuned.keys() and all(np.array_equal(base[k], tuned[k]) for k in base)  # lr 0
 
 
+@pytest.mark.slow
 def test_diagnostics_compare_token_probabilities_to_the_base_policy(expert_run):
     _, workdir = expert_run
     diag = json.loads((workdir / "diagnostics.json").read_text())
@@ -118,6 +124,7 @@ def test_diagnostics_compare_token_probabilities_to_the_base_policy(expert_run):
     assert (workdir / "diagnostics.png").exists() and (workdir / "curves_methods.png").exists()
 
 
+@pytest.mark.slow
 def test_changed_evaluation_re_evaluates_without_retraining(expert_run, make_config, capsys):
     config, workdir = expert_run
     model = workdir / "methods/luffy/trained_model/model.safetensors"
@@ -291,6 +298,7 @@ def test_dpo_starts_at_log2_and_learns_the_preference(tmp_path, make_config):
     run.close()
 
 
+@pytest.mark.slow
 def test_bepa_splits_train_on_the_solvable_pool(tmp_path, make_config):
     config = make_config(("grpo",))
     config.unlock()
@@ -311,6 +319,7 @@ def test_bepa_splits_train_on_the_solvable_pool(tmp_path, make_config):
     run.close()
 
 
+@pytest.mark.slow
 def test_trajectory_scores_are_mean_token_logprobs(tmp_path, make_config):
     from guijax import diagnostics as diag
     from guijax.train_step import make_logprob_fn

@@ -13,7 +13,9 @@ from guijax.models.fresh import create_checkpoint
 @pytest.mark.parametrize("preset, hf_class, mean", [("tiny", "Qwen2_5_VL", 0.48145466),
                                                    ("tiny_qwen2_vl", "Qwen2VL", 0.48145466),
                                                    ("tiny_qwen3_vl", "Qwen3VL", 0.5),
-                                                   ("tiny_qwen3_vl_moe", "Qwen3VLMoe", 0.5)])
+                                                   # the dense Qwen3-VL's processor and layout, with experts (30 s)
+                                                   pytest.param("tiny_qwen3_vl_moe", "Qwen3VLMoe", 0.5,
+                                                                marks=pytest.mark.slow)])
 def test_fresh_tiny_checkpoint_loads_and_runs_on_an_image(tmp_path, preset, hf_class, mean):
     path = create_checkpoint(tmp_path / "ckpt", preset, seed=0, tokenizer_vocab=1024)
     policy = from_pretrained(path)

@@ -202,6 +202,7 @@ def test_batch_sharded_chunked_under_plain_jit():
     assert_close(got_g, want_g, **TOL)
 
 
+@pytest.mark.slow
 def test_vocab_sharded_lm_head_chunked_under_plain_jit():
     mesh = _mesh((4, 2), ("data", "tensor"))
     h, w, t, m, cot = make_inputs(batch=4)

@@ -195,6 +195,7 @@ def test_training_updates_the_adapters_alone_with_the_base_frozen_in_its_dtype()
     assert jax.tree.structure(saved.params) == jax.tree.structure(new_adapters)
 
 
+@pytest.mark.slow
 def test_dropout_acts_in_training_steps_only():
     cfg = PRESETS["tiny"]
     module = weights.build_module(cfg, lora=LoraConfig(4, 8.0, dropout=0.5))
@@ -209,6 +210,7 @@ def test_dropout_acts_in_training_steps_only():
     chex.assert_trees_all_close(merged_logp, plain, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_recipe_trains_with_lora_and_saves_both_forms(tiny_config, tmp_path):
     from guijax.pipeline.registry import run_stages
 
@@ -229,6 +231,7 @@ def test_a_recipe_trains_with_lora_and_saves_both_forms(tiny_config, tmp_path):
     assert size < base / 2
 
 
+@pytest.mark.slow
 def test_sharded_lora_step_equals_single_device():
     """On a mesh the adapters and their moments are laid out by the logical rules like their kernels."""
     from guijax import sharding
@@ -249,7 +252,8 @@ def test_sharded_lora_step_equals_single_device():
     chex.assert_trees_all_close(split(sharded.params)[0], split(single.params)[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("on_mesh", [False, True])
+# one device repeats the mesh's check without the sharding (30 s): -m slow
+@pytest.mark.parametrize("on_mesh", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_steps_leave_the_base_in_place_so_a_reference_policy_shares_it(on_mesh):
     """The frozen base is neither donated nor copied by a LoRA step: the new state holds the same arrays, and
     a KL reference policy taken before the steps shares them and keeps its own adapters."""

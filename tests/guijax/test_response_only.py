@@ -83,6 +83,7 @@ def test_grpo_loss_and_gradients_equal_all_positions(proc, cfg, module_params):
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_sharded_response_only_equals_single_device(proc, cfg, module_params):
     """Rows (6, padded to 8 with -1 positions) split over data x fsdp; the [b, R] indices shard like rows."""
     module, params = module_params
@@ -117,6 +118,7 @@ def test_a_missed_loss_position_poisons_the_loss(proc, cfg, module_params):
     assert not np.isfinite(float(loss))
 
 
+@pytest.mark.slow
 def test_deduplicated_screenshots_give_identical_hidden_states(proc, cfg, module_params):
     """Two trajectories' overlapping histories: each screenshot encoded once, the same hidden states and
     log-probs as encoding every row's screenshots, with fewer patches through the vision tower."""
@@ -133,6 +135,7 @@ def test_deduplicated_screenshots_give_identical_hidden_states(proc, cfg, module
     chex.assert_trees_all_close(fn(params, deduped), fn(params, full), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_merged_deduplicated_blocks_equal_the_whole_batch(proc, cfg, module_params):
     """What several processes do (sharding.merge_vision over their local vision inputs) with deduplicated
     blocks: each block's distinct screenshots stay, its token -> feature map is shifted to where they land,

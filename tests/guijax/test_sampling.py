@@ -113,6 +113,7 @@ def _teacher_forced_logits(policy, inputs, tokens):
     return np.array(logits[:, prompt_len - 1:-1])  # position t predicts token t + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suppress", [False, True])
 def test_cached_logprobs_equal_full_forward(checkpoint, suppress):
     """Behaviour log-probs from the decode loop equal a fresh full forward over prompt + response (with the
@@ -163,6 +164,7 @@ def test_behaviour_logprobs_at_temperature_are_the_tempered_softmax(checkpoint):
     assert (out.tokens != logits.argmax(-1)).any()  # sampled, not greedy
 
 
+@pytest.mark.slow
 def test_vision_placeholders_are_never_sampled_even_when_most_likely(checkpoint):
     path, _ = checkpoint
     policy = policy_lib.from_pretrained(path)
@@ -181,6 +183,7 @@ def test_vision_placeholders_are_never_sampled_even_when_most_likely(checkpoint)
     assert (raw.generate(params, jax.random.PRNGKey(1), **_prompts()).tokens == cfg.image_token_id).mean() > 0.5
 
 
+@pytest.mark.slow
 def test_stop_token_ends_rows_independently(checkpoint):
     path, _ = checkpoint
     policy = policy_lib.from_pretrained(path)
@@ -246,6 +249,7 @@ def test_odd_batches_pad_to_a_power_of_two_and_keep_their_rows(checkpoint):
         np.testing.assert_allclose(alone.logprobs[0], out.logprobs[row], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_max_rows_generates_in_chunks_with_each_rows_own_images(checkpoint):
     """4 image rows (two prompts twice) with max_rows=1 and 3: the same greedy tokens as one call."""
     path, _ = checkpoint

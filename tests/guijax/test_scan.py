@@ -137,6 +137,7 @@ def reference_gradients(scanned_params):
     return value, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 def test_remat_policies_give_equal_gradients(scanned_params, reference_gradients, policy):
     _, params = scanned_params
@@ -159,6 +160,7 @@ def _saved_residuals(policy: str, scan: bool) -> list[str]:
     return out.getvalue().splitlines()
 
 
+@pytest.mark.slow
 def test_attention_saveable_keeps_the_named_values():
     unrolled = "\n".join(_saved_residuals("attention_saveable", scan=False))
     assert unrolled.count("named 'attention_out'") == unrolled.count("named 'mlp_in'") == CFG.num_hidden_layers
@@ -199,6 +201,7 @@ def test_vision_program_does_not_grow_with_depth():
 
 
 # -------------------------------------------------------------------------------------- KV cache
+@pytest.mark.slow
 def test_cache_decode_equals_full_forward(scanned_params):
     module, params = scanned_params
     rs = np.random.RandomState(3)
@@ -220,6 +223,7 @@ def test_cache_decode_equals_full_forward(scanned_params):
     chex.assert_trees_all_close(jnp.concatenate(steps, 1), full, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_bf16_models_get_a_bf16_cache():
     assert default_cache_dtype(jnp.bfloat16) == jnp.bfloat16 and default_cache_dtype(jnp.float32) == jnp.float32
     assert init_cache(CFG, 1, 4, compute_dtype=jnp.bfloat16).k.dtype == jnp.bfloat16

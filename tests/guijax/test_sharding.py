@@ -173,8 +173,9 @@ def _step_flops(module, mesh) -> float:
     return compiled.cost_analysis()["flops"]
 
 
-# the second mesh shape repeats the first's check on another split (11 s): -m slow
-@pytest.mark.parametrize("data,fsdp", [(1, 8), pytest.param(2, 4, marks=pytest.mark.slow)])
+# the per-device FLOPs of a compiled step on 8 devices (about 55 s): -m slow
+@pytest.mark.slow
+@pytest.mark.parametrize("data,fsdp", [(1, 8), (2, 4)])
 def test_per_device_flops_fall_with_the_data_parallel_size(single_device_flops, data, fsdp):
     module, one = single_device_flops
     ratio = one / _step_flops(module, _mesh(data, fsdp))
@@ -196,6 +197,7 @@ def _vision_flops(mesh) -> float:
         return jax.jit(jax.grad(loss)).lower(params, placed).compile().cost_analysis()["flops"]
 
 
+@pytest.mark.slow
 def test_vision_tower_work_falls_with_the_data_parallel_size():
     one, eight = _vision_flops(_mesh(1, 1)), _vision_flops(_mesh(1, 8))
     assert one / eight > 5.0, one / eight  # patches, windows and image frames split over the 8 devices
@@ -214,7 +216,9 @@ def test_logical_constraints_reach_the_program(tiny):
     assert constraints(sharded) >= 2
 
 
-@pytest.mark.parametrize("batch_fn", [_text_batch, _vision_batch], ids=["text", "vision"])
+# the vision batch repeats the text batch's check with screenshots (60 s): -m slow
+@pytest.mark.parametrize("batch_fn", [_text_batch, pytest.param(_vision_batch, marks=pytest.mark.slow)],
+                         ids=["text", "vision"])
 def test_sharded_step_equals_single_device(tiny, batch_fn):
     module, params = tiny
     tx = _tx(eps=1e-3)
@@ -256,6 +260,7 @@ def test_rows_that_do_not_divide_are_padded_and_handed_back(tiny):
     np.testing.assert_allclose(float(m8["loss"]), float(m1["loss"]), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_pallas_interpret_kernel_runs_under_shard_map_on_the_mesh(tiny):
     module, params = tiny
     tx, mesh = _tx(), _mesh(2, 4)
@@ -273,6 +278,7 @@ def test_pallas_interpret_kernel_runs_under_shard_map_on_the_mesh(tiny):
     np.testing.assert_allclose(float(m8["loss"]), float(m1["loss"]), rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "tiny_qwen3_vl"])
 def test_merged_vision_of_row_blocks_equals_the_whole_batch(preset):
     """What several processes do with their local patches (all-gather, then merge_vision) gives the language

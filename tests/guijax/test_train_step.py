@@ -111,6 +111,7 @@ def test_sharded_step_equals_single_device(module_params):
                                single.params["layers"]["mlp"]["up_proj"]["kernel"], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "dots_saveable", "attention_saveable"])
 def test_remat_policies_give_the_same_loss_and_gradients(module_params, policy):
     module, params = module_params

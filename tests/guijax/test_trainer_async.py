@@ -117,6 +117,7 @@ def test_an_asynchronous_run_on_a_ray_fleet(tiny_config, tmp_path):
     assert not ray.is_initialized()  # the fleet shut down the local Ray instance it started
 
 
+@pytest.mark.slow
 def test_the_sampler_on_devices_of_its_own_gets_each_update(tiny_config, tmp_path, monkeypatch):
     import jax
 

@@ -87,6 +87,7 @@ def test_a_kl_loss_without_reference_log_probs_is_refused():
         loss(np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32), batch)
 
 
+@pytest.mark.slow
 def test_per_device_vision_blocks_train_the_same_update(prepared):
     """The trainer's batches in per-device vision blocks (one per simulated device, rows padded to the mesh)
     give the update of one layout over the whole batch."""
