@@ -50,6 +50,30 @@ def markdown(result: dict[str, dict[str, dict[str, float]]], seeds: Sequence[int
     return "\n".join(lines)
 
 
+def aggregate_csr(reports: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The csr stage's reports of every seed -> {policy: {"csr": mean/std/n, "tasks": per-seed pool sizes}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        for name, r in report.get("results", {}).items():
+            entry = out.setdefault(name, {"values": [], "tasks": []})
+            entry["tasks"].append(len(report["tasks"]))
+            if r.get("csr") is not None:
+                entry["values"].append(r["csr"])
+    return {name: {"csr": {"mean": float(np.mean(e["values"])), "std": float(np.std(e["values"])),
+                           "n": len(e["values"])} if e["values"] else None, "tasks": e["tasks"]}
+            for name, e in out.items()}
+
+
+def csr_markdown(result: dict[str, dict[str, Any]], seeds: Sequence[int]) -> str:
+    lines = [f"Continuation Success Rate (%), mean ± std over seeds {list(seeds)} (on each seed's tasks the base "
+             "policy fails)", "", "| policy | CSR | tasks per seed |", "|---|---|---|"]
+    for name, r in result.items():
+        c = r["csr"]
+        cell = f"{100 * c['mean']:.1f} ± {100 * c['std']:.1f}" if c else "–"
+        lines.append(f"| {name} | {cell} | {', '.join(map(str, r['tasks']))} |")
+    return "\n".join(lines)
+
+
 def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: Sequence[str],
         workdir: pathlib.Path) -> dict[str, Any]:
     from guijax.methods import REGISTRY
@@ -58,7 +82,7 @@ def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: S
     unknown = [m for m in methods if m not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; available: {sorted(REGISTRY)}")
-    tables = []
+    tables, continuation = [], []
     for seed in seeds:
         config = launch.resolve(config_name, overrides + [f"seed={seed}", f"compare.methods={tuple(methods)!r}"])
         if "table" not in config.stages or "methods" not in config.stages:
@@ -67,11 +91,16 @@ def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: S
         print(f"compare: seed {seed} -> {seed_dir}")
         run_stages(config, seed_dir)
         tables.append(json.loads((seed_dir / "table.json").read_text()))
+        if (seed_dir / "csr.json").exists():
+            continuation.append(json.loads((seed_dir / "csr.json").read_text()))
     result = aggregate(tables)
     text = markdown(result, seeds)
+    summary = {"seeds": list(seeds), "methods": list(methods), "result": result}
+    if continuation:
+        summary["continuation_success"] = aggregate_csr(continuation)
+        text += "\n\n" + csr_markdown(summary["continuation_success"], seeds)
     (workdir / "compare.md").write_text(text + "\n")
-    (workdir / "compare.json").write_text(json.dumps({"seeds": list(seeds), "methods": list(methods),
-                                                      "result": result}, indent=1))
+    (workdir / "compare.json").write_text(json.dumps(summary, indent=1))
     print("\n" + text)
     return result
 

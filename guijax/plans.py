@@ -7,10 +7,7 @@
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import urllib.request
 from typing import Protocol, Sequence
 
 from envs.actions.s2 import ActionParseError, parse_s2
@@ -88,25 +85,17 @@ class ChatPlanExtractor:
     """φ backed by an LLM (the paper uses GPT-4o) at an OpenAI-compatible URL."""
 
     def __init__(self, url: str, model: str, api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0):
-        if not url:
-            raise ValueError("ChatPlanExtractor needs a URL (e.g. https://api.openai.com/v1)")
-        self.url, self.model, self.api_key_env, self.timeout_s = url.rstrip("/"), model, api_key_env, timeout_s
+        from guijax.chat import ChatClient
+
+        self.client = ChatClient(url, model, api_key_env, timeout_s)
 
     def __call__(self, trace: ExpertTrace) -> list[str]:
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise RuntimeError(f"plan extractor: set the API key in the environment variable {self.api_key_env}")
-        body = {"model": self.model, "temperature": 0.0,
-                "messages": [{"role": "user", "content": PLAN_PROMPT + "\n" + trace_text(trace)}]}
-        request = urllib.request.Request(self.url + "/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            reply = json.loads(response.read())
-        try:
-            return parse_numbered_plan(reply["choices"][0]["message"]["content"])
-        except (KeyError, IndexError, TypeError) as e:
-            raise RuntimeError(f"plan extractor: unexpected reply from {self.url} for task {trace.task_id}: "
-                               f"{str(reply)[:200]}") from e
+        text = self.client.complete([{"role": "user", "content": PLAN_PROMPT + "\n" + trace_text(trace)}])
+        plan = parse_numbered_plan(text)
+        if not plan:
+            raise RuntimeError(f"plan extractor: no numbered step in the reply from {self.client.url} for task "
+                               f"{trace.task_id}: {text[:200]!r}")
+        return plan
 
 
 def parse_numbered_plan(text: str) -> list[str]:

@@ -238,6 +238,9 @@ class Sft:
     plan_only_families: tuple[DeskFamily, ...] = ()  # families whose traces appear only plan-conditioned
     # share of SFT traces repeated with the plan appended (BEPA LEVEL-1 prompts)
     plan_fraction: float = ranged(0.0, low=0, high=1)
+    # what those repeated traces carry after the instruction: BEPA's plan, or SGCD's skill for the task (the desk's
+    # offline extractor without failure evidence), so the base policy can read that context
+    conditioning: Literal["plan", "skill"] = "plan"
     # steps between SFT checkpoints (params, optimiser, grain iterator position)
     checkpoint_every: int = ranged(50, low=1)
 

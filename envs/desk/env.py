@@ -4,6 +4,7 @@ task FAIL scores 0; WAIT just passes a step.
 """
 from __future__ import annotations
 
+import pickle
 import random
 import zlib
 from typing import Any, Sequence
@@ -122,6 +123,20 @@ class DeskEnv:
         if self.last_control == ActionType.FAIL:
             return 0.0
         return evaluate_state(self.task, self.scene.state())
+
+    def snapshot(self) -> bytes:
+        """The whole episode state (scene, its random stream, the step count, the last control action), so
+        `restore` continues exactly where this step left off: a rollout can branch several continuations
+        from one prefix instead of replaying it."""
+        if self.scene is None or self.task is None:
+            raise RuntimeError("DeskEnv.snapshot before reset")
+        return pickle.dumps((self.task, self.scene, self.steps, self.last_control))
+
+    def restore(self, state: bytes) -> Observation:
+        """Continue from a `snapshot` (of this or another DeskEnv); returns the observation at that point."""
+        self.task, self.scene, self.steps, self.last_control = pickle.loads(state)
+        self.renderer = Renderer()  # its cache is keyed by the scene object, which is new
+        return self.observe()
 
     def close(self) -> None:
         self.scene = None

@@ -42,7 +42,7 @@ import numpy as np
 from guijax.models.config import ModelConfig
 from guijax.models.positions import mrope_positions, vision_layout
 from guijax.models.vision_blocks import stack_blocks
-from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages
+from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages, guided_instruction
 from guijax.rollout.trajectory import Source, Trajectory
 from guijax.sampling import bucket_for, pad_images
 
@@ -136,7 +136,8 @@ class EncodeStep(grain.transforms.Map):
         step = traj.steps[ref.step]
         where = f"task {traj.task_id} (trajectory {ref.trajectory}) step {ref.step}"
         turns = [Turn(s.screenshot, s.response) for s in traj.steps[:ref.step]]
-        messages, images = build_messages(traj.instruction, turns, step.screenshot, max_images=self.config.max_images,
+        instruction = guided_instruction(traj.instruction, traj.meta.get("guidance", ""))
+        messages, images = build_messages(instruction, turns, step.screenshot, max_images=self.config.max_images,
                                           plan=traj.plan, system_prompt=self.config.system_prompt)
         proc = self.processor
         prompt = proc(text=[proc.apply_chat_template(messages, add_generation_prompt=True)], images=[images])

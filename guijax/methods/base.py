@@ -72,7 +72,8 @@ class Context:
     `run_dir` holds the outputs of earlier stages (the method names the ones it reads in `requires`);
     `workdir` is the method's own directory; `streams` its random streams; `expert_traces` loads the
     converted expert traces on first use; `train_tasks` is the training split; `score` is the trainer's mean response log-prob of trajectories
-    under the current policy (bound when the trainer builds the hook)."""
+    under the current policy (bound when the trainer builds the hook); `rollout_engine(policy, temperature)`
+    builds a rollout engine over the run's environments for methods that roll out before (or instead of) RL."""
 
     config: ml_collections.ConfigDict
     run_dir: pathlib.Path
@@ -81,6 +82,7 @@ class Context:
     expert_traces: Callable[[], Mapping[str, Trajectory]] = dict
     train_tasks: Sequence[Task] = ()
     score: Scorer | None = None
+    rollout_engine: Callable[[Any, float], Any] | None = None
 
 
 def stage_rollouts(ctx: Context, folder: str, stage: str, method: str) -> list[Trajectory]:

@@ -112,7 +112,9 @@ def sft_trajectories(run: Run) -> list:
     `sft.plan_fraction` share repeated with the plan appended to the instruction, so the base policy knows
     what a plan is (a released UI-TARS model reads one as ordinary instruction text). Families in
     `sft.plan_only_families` appear only with their plan: the base policy can follow a plan there but
-    has never solved the bare instruction, the situation BEPA's LEVEL-1 is built for."""
+    has never solved the bare instruction, the situation BEPA's LEVEL-1 is built for. With
+    `sft.conditioning='skill'` the repeated traces carry the task's SGCD skill instead (SGCD's skill-guided
+    policy, the same situation)."""
     s = run.config.sft
     unknown = sorted(set(s.plan_only_families) - set(run.config.env.families)) if run.config.env.families else []
     if unknown:
@@ -122,20 +124,36 @@ def sft_trajectories(run: Run) -> list:
     trajectories = expert_trajectories(run, tasks)
     domain = {t.id: t.domain for t in tasks}
     rng = run.streams.python("sft", "plan_fraction")
+    conditioned = _skill_conditioned(run, tasks) if s.conditioning == "skill" else None
     plain, planned = [], []
     for t in trajectories:
         plan_only = domain[t.task_id] in s.plan_only_families
         if not plan_only:
             plain.append(t)
         if plan_only or rng.random() < s.plan_fraction:
-            planned.append(dataclasses.replace(t, plan=tuple(t.meta["phi_plan"])))
+            planned.append(dataclasses.replace(t, plan=tuple(t.meta["phi_plan"])) if conditioned is None else
+                           dataclasses.replace(t, meta=t.meta | {"guidance": conditioned[t.task_id]}))
     return plain + planned
+
+
+def _skill_conditioned(run: Run, tasks) -> dict[str, str]:
+    """{task id: its SGCD skill as the skill-guided policy reads it}, from the desk's ground truth alone."""
+    from guijax.sgcd.desk_skills import DeskSkillExtractor
+
+    e = run.config.env
+    if e.kind != "desk":
+        raise ValueError(f"sft.conditioning='skill' writes skills from the synthetic desk's ground truth; env.kind is "
+                         f"{e.kind!r}")
+    extractor = DeskSkillExtractor(tuple(e.screen), e.popups)
+    return {t.id: extractor.extract(t, [], []).render() for t in tasks}
 
 
 def _describe_sft(run: Run) -> str:
     s = run.config.sft
+    extra = (f"; {s.conditioning}-conditioned copies of {list(s.plan_only_families) + ['a share of the rest']}"
+             if s.plan_fraction or s.plan_only_families else "")
     return (f"warm start: {s.steps} steps of {s.batch_size} expert-trace steps at lr {s.learning_rate:g} "
-            f"({s.traces_per_task} scripted-expert traces per training task)")
+            f"({s.traces_per_task} scripted-expert traces per training task{extra})")
 
 
 @stage("sft", _describe_sft,
@@ -204,7 +222,8 @@ def method_context(run: Run, config: ml_collections.ConfigDict, workdir: pathlib
     from guijax.methods import Context
 
     return Context(config=config, run_dir=run.workdir, workdir=workdir, streams=run.streams.child("method", name),
-                   expert_traces=run.expert_traces, train_tasks=tuple(run.tasks()["train"]))
+                   expert_traces=run.expert_traces, train_tasks=tuple(run.tasks()["train"]),
+                   rollout_engine=run.engine)
 
 
 def train_with(run: Run, method: Any, workdir: pathlib.Path, desc: str) -> tuple[Any, list[dict[str, Any]]]:

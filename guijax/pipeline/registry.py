@@ -16,7 +16,7 @@ import jax
 import ml_collections
 
 from guijax import progress
-from guijax.pipeline import base_stages, compare_stages, evocua_stages, expert_stages
+from guijax.pipeline import base_stages, compare_stages, evocua_stages, expert_stages, sgcd_stages
 from guijax.pipeline.records import Fingerprint, StageRecords, config_values
 from guijax.pipeline.run import Run
 from guijax.pipeline.stage import Stage
@@ -24,7 +24,8 @@ from guijax.pipeline.stage import Stage
 STAGES: dict[str, Stage] = {s.name: s for s in (
     base_stages.base_model, base_stages.tasks, base_stages.sft, expert_stages.expert, expert_stages.bepa_splits,
     expert_stages.level1, expert_stages.select, evocua_stages.budget, base_stages.eval_base, base_stages.rl,
-    compare_stages.methods, base_stages.eval_final, compare_stages.table, expert_stages.diagnostics, base_stages.report)}
+    compare_stages.methods, base_stages.eval_final, compare_stages.table, sgcd_stages.csr, expert_stages.diagnostics,
+    base_stages.report)}
 
 
 

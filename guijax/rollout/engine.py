@@ -20,7 +20,7 @@ from absl import logging
 from envs.actions import ActionParseError, parse_uitars, to_pyautogui
 from envs.api import Task
 from envs.pool import EnvPool
-from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages
+from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages, guided_instruction
 from guijax.rollout.trajectory import Status, Step, Trajectory
 
 
@@ -80,6 +80,14 @@ class _Episode:
     reward: float = 0.0
     env_seconds: float = 0.0
     versions: list[int] = dataclasses.field(default_factory=list)  # the policy version that sampled each step
+    # Text appended to the instruction (an SGCD skill) from step `handoff` on (0: every step); the steps before
+    # are prompted without it, so one episode can switch from the plain policy to the guided one mid-way. An
+    # episode continued from another policy's first k steps has handoff k too (guijax.rollout.handoff).
+    guidance: str = ""
+    handoff: int = 0
+
+    def guided(self) -> bool:
+        return bool(self.guidance) and len(self.steps) >= self.handoff
 
 
 class RolloutEngine:
@@ -87,7 +95,8 @@ class RolloutEngine:
         self.pool, self.sampler, self.processor, self.config = pool, sampler, processor, config
 
     def _prompt(self, ep: _Episode) -> tuple[str, list[np.ndarray]]:
-        messages, images = build_messages(ep.task.instruction, ep.turns, ep.screenshot,
+        instruction = guided_instruction(ep.task.instruction, ep.guidance if ep.guided() else "")
+        messages, images = build_messages(instruction, ep.turns, ep.screenshot,
                                           max_images=self.config.max_images, plan=ep.plan,
                                           system_prompt=self.config.system_prompt)
         return self.processor.apply_chat_template(messages), images
@@ -97,11 +106,20 @@ class RolloutEngine:
             desc: str = "rollouts") -> tuple[list[Trajectory], dict[str, float]]:
         """All G*len(tasks) episodes; returns trajectories in (task, g) order and timing metrics. `desc` names
         the episodes' progress bar."""
-        from guijax.progress import Progress
-
         plans = plans or {}
         episodes = [_Episode(t, tuple(plans.get(t.id, ())), episode_seed(seed, i, g))
                     for i, t in enumerate(tasks) for g in range(group_size)]
+        return self.run_episodes(params, episodes, rng, desc)
+
+    def run_episodes(self, params: Any, episodes: Sequence[_Episode], rng: jax.Array, desc: str = "rollouts",
+                     start: Any = None) -> tuple[list[Trajectory], dict[str, float]]:
+        """Run prepared episodes (`episode(...)`, possibly with guidance, a handoff step or a history already
+        taken) in rounds of the pool's size; `start(episodes by slot, timings)` puts each round's episodes on
+        their slots and returns those that started (default: reset each to its task)."""
+        from guijax.progress import Progress
+
+        begin = self.start if start is None else start
+        episodes = list(episodes)
         timings = {"env_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
         bar = Progress(len(episodes), desc, "episode", transient=True) if self.config.show_progress else None
         start = time.perf_counter()
@@ -109,7 +127,7 @@ class RolloutEngine:
         for first in range(0, len(episodes), self.pool.num_workers):
             round_eps = episodes[first:first + self.pool.num_workers]
             rng, key = jax.random.split(rng)
-            self._run_round(params, round_eps, key, timings)
+            self._run_round(params, round_eps, key, timings, begin)
             successes += sum(e.reward > 0.5 for e in round_eps)
             if bar is not None:
                 bar.update(len(round_eps), success=f"{successes}/{first + len(round_eps)}",
@@ -119,8 +137,8 @@ class RolloutEngine:
         timings["wall_s"] = time.perf_counter() - start
         return [self.trajectory(e) for e in episodes], timings
 
-    def _run_round(self, params, eps: list[_Episode], rng, timings) -> None:
-        live = self.start(dict(enumerate(eps)), timings)
+    def _run_round(self, params, eps: list[_Episode], rng, timings, start) -> None:
+        live = start(dict(enumerate(eps)), timings)
         while live:
             rng = self.advance(params, live, rng, timings)
 
@@ -244,10 +262,17 @@ class RolloutEngine:
         self._evaluate(live, list(over), timings)
 
     @staticmethod
-    def episode(task: Task, seed: int, plan: Sequence[str] = ()) -> _Episode:
-        return _Episode(task, tuple(plan), seed)
+    def episode(task: Task, seed: int, plan: Sequence[str] = (), guidance: str = "", handoff: int = 0) -> _Episode:
+        return _Episode(task, tuple(plan), seed, guidance=guidance, handoff=handoff)
 
     @staticmethod
     def trajectory(e: _Episode) -> Trajectory:
+        """The episode as training reads it: the plain instruction (guidance is rollout-time context only);
+        `meta['handoff']` records the step from which another policy or the guidance took over."""
+        meta: dict[str, Any] = {"seed": e.seed, "domain": e.task.domain}
+        if e.handoff:
+            meta["handoff"] = e.handoff
+        if e.guidance:
+            meta["guided"] = True
         return Trajectory(e.task.id, e.task.instruction, e.steps, e.reward, e.status, plan=e.plan, error=e.error,
-                          meta={"seed": e.seed, "domain": e.task.domain})
+                          meta=meta)

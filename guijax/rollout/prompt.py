@@ -75,6 +75,11 @@ def plan_conditioned_instruction(instruction: str, plan: Sequence[str]) -> str:
     return instruction.rstrip() + "\n\n" + "\n".join(f"{i}. {step}" for i, step in enumerate(plan, 1))
 
 
+def guided_instruction(instruction: str, guidance: str) -> str:
+    """The instruction followed by guidance text (an SGCD skill) after a blank line; unchanged without one."""
+    return instruction.rstrip() + "\n\n" + guidance if guidance else instruction
+
+
 @dataclasses.dataclass
 class Turn:
     """One past step: the screenshot the agent saw and the response it wrote."""

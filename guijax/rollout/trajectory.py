@@ -55,7 +55,9 @@ class Trajectory:
     source: Source = Source.ON_POLICY
     plan: tuple[str, ...] = ()  # plan the prompt was conditioned on (BEPA LEVEL-1); empty otherwise
     error: str | None = None
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # timings, seeds, episode ids
+    # timings, seeds, episode ids; "guidance": text shown after the instruction in every step's prompt (the
+    # skill-conditioned warm-start examples), "handoff": the step from which another policy or guidance acted
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def success(self) -> bool:

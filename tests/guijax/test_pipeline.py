@@ -38,7 +38,8 @@ def make_trajectories(proc, n: int = 4) -> list[Trajectory]:
                               -rs.rand(len(tokens)).astype(np.float32) if sampled else np.zeros(0, np.float32)))
         out.append(Trajectory(f"task-{i}", f"open the file menu {i}", steps,
                               source=Source.ON_POLICY if sampled else Source.EXPERT,
-                              plan=("open menu", "click file") if i == 1 else ()))
+                              plan=("open menu", "click file") if i == 1 else (),
+                              meta={"guidance": "Skill:\n1. open menu"} if i == 2 else {}))
     return out
 
 
@@ -108,7 +109,7 @@ def image_pad_runs(ids: np.ndarray, image_token_id: int) -> list[int]:
 
 
 def test_example_token_layout(proc, cfg):
-    """Each example decodes to the hand-written chat layout (instruction, plan lines, history turns as text,
+    """Each example decodes to the hand-written chat layout (instruction, plan or guidance lines, history turns as text,
     the last max_images=2 screenshots as image-pad runs of patches / merge² tokens); loss_mask covers exactly
     the response tokens, <|im_end|> included."""
     trajs = make_trajectories(proc)
@@ -121,7 +122,7 @@ def test_example_token_layout(proc, cfg):
         steps = traj.steps[:ref.step + 1]
         shown = [merged_tokens(s.screenshot) for s in steps]
         pads = [n if i >= ref.step - 1 else None for i, n in enumerate(shown)]  # the current one and the one before
-        plan_lines = "\n\n1. open menu\n2. click file" if ref.trajectory == 1 else ""
+        plan_lines = {1: "\n\n1. open menu\n2. click file", 2: "\n\nSkill:\n1. open menu"}.get(ref.trajectory, "")
         prompt = expected_prompt(traj.instruction, plan_lines, [s.response for s in steps[:-1]], pads)
         prompt_ids = np.asarray(tok(prompt, add_special_tokens=False)["input_ids"])
         n_prompt = len(prompt_ids)

@@ -38,3 +38,44 @@ class FakeProcessor:
 
     def __call__(self, texts, images):
         return {"rows": len(texts)}
+
+
+class TableTokenizer:
+    """Decodes the one token a `PromptPolicySampler` row samples back to the response it stands for."""
+
+    def __init__(self):
+        self.table: list[str] = []
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return self.table[int(tokens[0]) - 1]
+
+    def convert_tokens_to_ids(self, token):
+        return 0
+
+
+class TextProcessor:
+    """Chat messages rendered as plain text ('<image>' per image), so a fake policy can read its prompt."""
+
+    def __init__(self):
+        self.tokenizer = TableTokenizer()
+
+    def apply_chat_template(self, messages):
+        return "\n".join(f"{m['role']}: " + "".join(c.get("text", "<image>") for c in m["content"]) for m in messages)
+
+    def __call__(self, texts, images):
+        return {"rows": len(texts), "prompts": list(texts)}
+
+
+class PromptPolicySampler:
+    """A sampler whose every row answers `respond(params, prompt)`; it keeps the prompts it was given."""
+
+    def __init__(self, processor: TextProcessor, respond):
+        self.table, self.respond, self.prompts = processor.tokenizer.table, respond, []
+
+    def generate(self, params, rng, rows, prompts):
+        ids = []
+        for prompt in prompts:
+            self.prompts.append(prompt)
+            self.table.append(self.respond(params, prompt))
+            ids.append(len(self.table))
+        return Out(np.asarray(ids, np.int32)[:, None], np.full((rows, 1), -0.1, np.float32), np.ones((rows,), np.int64))

@@ -26,7 +26,8 @@ from guijax.pipeline.run import Run
 EVERY = ("stages=('base_model', 'tasks', 'expert', 'sft')", "env.num_tasks=6",
          "offline.steps=2", "offline.batch_trajectories=4", "expert_sft.epochs=1", "expert_sft.learning_rate=1e-3",
          "offline.learning_rate=1e-3", "evocua.rft_steps=2", "evocua.dpo_steps=2", "evocua.batch_trajectories=4",
-         "evocua.rft_learning_rate=1e-3", "evocua.dpo_learning_rate=1e-3")
+         "evocua.rft_learning_rate=1e-3", "evocua.dpo_learning_rate=1e-3", "sgcd.rollouts_per_task=1",
+         "sgcd.max_handoff=2", "sgcd.sft_steps=2", "sgcd.batch_trajectories=4", "sgcd.learning_rate=1e-3")
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +150,20 @@ def _evocua(phases: tuple[str, ...]):
     return check
 
 
+def _sgcd(continuations: bool):
+    """The tiny policy fails every task: each gets a skill (unless the control), none is recoverable by this
+    policy, and Stage IV trains on D_exp."""
+    def check(run, workdir, policy, history, planted):
+        (report,) = [json.loads(p.read_text()) for p in workdir.glob("round_*/round.json")]
+        train = len(run.tasks()["train"])
+        assert report["failed_tasks"] == train and report["skills"] == (train if continuations else 0)
+        assert report["d_exp"] == train and report["supervised_steps"] > 0 and report["sft_loss_last"] is not None
+        skills = json.loads((workdir / "round_1" / "skills.json").read_text())["skills"]
+        assert all(len(s["Continuation Plans"]) > 0 for s in skills.values())
+        assert history == [] and _moved(run, policy) > 0
+    return check
+
+
 EFFECTS = {
     "grpo": _no_expert_data,
     "arpo": _arpo,
@@ -166,12 +181,19 @@ EFFECTS = {
     "evocua_rft": _evocua(("rft",)),
     "evocua_dpo": _evocua(("dpo",)),
     "evocua": _evocua(("rft", "dpo")),
+    "sgcd": _sgcd(True),
+    "sgcd_no_continuations": _sgcd(False),
+    "sgcd_full_supervision": _sgcd(True),
 }
 
 
 # DPO and KTO compile their own preference step (about 20 s each): they run with -m slow, and the default suite
-# checks the DPO objective in test_bepa_recipe.py, both losses in test_losses.py and step-level DPO in `evocua`
-SLOW = {"dpo", "kto", "evocua_dpo"}
+# checks the DPO objective in test_bepa_recipe.py, both losses in test_losses.py and step-level DPO in `evocua`;
+# SGCD's two variants differ from `sgcd` only in what Stage IV trains on (tests/guijax/sgcd/test_round.py); the
+# variants of a method the default suite covers (LEVEL-1 / LEVEL-2 of `bepa`, trace replacement and RL+SFT of
+# `luffy`'s expert rows, SFT then RL of `sft`, RFT of `evocua`) run with -m slow to keep CI within its budget
+SLOW = {"dpo", "kto", "evocua_dpo", "sgcd_no_continuations", "sgcd_full_supervision", "level1_only", "level2_only",
+        "trace_replacement", "rl_sft", "sft_rl", "evocua_rft"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(EFFECTS)])
@@ -179,6 +201,7 @@ def test_method_trains_with_its_own_effect(prepared, name):
     EFFECTS[name](*_train(prepared, name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bepa", "luffy"])
 def test_hooks_inject_their_rows_with_asynchronous_rollouts(prepared, name):
     """BEPA's cache and LUFFY's expert traces reach the groups the learner takes from the rollout stream, and

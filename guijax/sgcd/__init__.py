@@ -1,0 +1,1 @@
+"""SGCD (skill-guided continuation distillation): skills, the desk's offline extractor, judges, the Continuation Success Rate."""

@@ -1,0 +1,135 @@
+"""The second filter of SGCD's spliced rollouts (sgcd.txt §4.4): after the verifier accepts the final state, a
+judge removes accidental successes, redundant loops, inconsistent reasoning and behaviour unrelated to the
+instruction, looking at the post-handoff part (the prefix is the plain policy's, kept as context only).
+
+- `RuleJudge`: rules that need no model. Any environment: the agent must end the episode itself with the
+  right control action (DONE on a feasible task, FAIL on an infeasible one; a verifier success at the step
+  limit is accidental); no action may repeat more than `max_repeats` times in a row; every step has a thought.
+  On the synthetic desk the continuation is also replayed against the accessibility tree: a click must hit the
+  element its thought names, a typed text must be the one its thought quotes.
+- `ChatJudge`: an OpenAI-compatible model with the prompt below (the paper names the criteria but prints no
+  prompt; this one is ours). It reads the instruction, each step's thought and action and the outcome, not the
+  screenshots. An answer that is not the JSON verdict is asked again, then counted as a rejection with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Protocol
+
+from envs.api import Task
+from guijax.chat import ChatClient, ChatError
+from guijax.rollout.trajectory import Status, Trajectory
+
+JUDGE_PROMPT = """You review one computer-use episode in which an agent continued a task from a state reached by another policy (the first {handoff} steps, shown for context). The environment's verifier has already accepted the final state.
+
+Reject the episode if, after step {handoff}, any of these holds:
+- the success is accidental: the agent's own actions did not bring it about, or it never declared the task finished;
+- it contains redundant loops (the same ineffective action repeated);
+- a thought is inconsistent with its action or with the screen it describes;
+- an operation is unsafe or unrelated to the instruction.
+
+Answer with JSON only: {{"accept": true or false, "reason": "one sentence"}}"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    accept: bool
+    reason: str = ""
+
+
+class Judge(Protocol):
+    def judge(self, task: Task, trajectory: Trajectory, handoff: int) -> Verdict: ...
+
+
+def _thought(response: str) -> str:
+    m = re.search(r"Thought:(.*?)(?:\nAction:|$)", response, re.DOTALL)
+    return m.group(1).strip() if m else ""
+
+
+def _action(response: str) -> str:
+    return response.split("Action:")[-1].strip() if "Action:" in response else response.strip()
+
+
+class RuleJudge:
+    def __init__(self, max_repeats: int = 2, screen_hw: tuple[int, int] | None = None, popups: bool = False,
+                 coordinate_model: str = "uitars-1.5"):
+        """`screen_hw` (the desk's screen) turns on the accessibility-tree checks for desk tasks."""
+        self.max_repeats, self.screen_hw, self.popups = max_repeats, screen_hw, popups
+        self.coordinate_model = coordinate_model
+
+    def judge(self, task: Task, trajectory: Trajectory, handoff: int) -> Verdict:
+        post = trajectory.steps[handoff:]
+        if not post:
+            return Verdict(False, "no step after the handoff")
+        ending = Status.FAIL if task.infeasible else Status.DONE
+        if trajectory.status != ending:
+            return Verdict(False, f"accidental success: the episode ended as {trajectory.status.value}, not by the "
+                                  f"agent's own {'FAIL' if task.infeasible else 'DONE'}")
+        run, last = 0, None
+        for j, step in enumerate(post, handoff + 1):
+            if not _thought(step.response):
+                return Verdict(False, f"inconsistent reasoning: step {j} has no thought")
+            action = _action(step.response)
+            run = run + 1 if action == last else 1
+            last = action
+            if run > self.max_repeats:
+                return Verdict(False, f"redundant loop: {action!r} {run} times in a row (step {j})")
+        if self.screen_hw is not None and any(s.get("type") == "desk_scene" for s in task.config):
+            return self._desk(task, trajectory, handoff)
+        return Verdict(True)
+
+    def _desk(self, task: Task, trajectory: Trajectory, handoff: int) -> Verdict:
+        from guijax.sgcd.desk_skills import step_verdicts
+
+        for v in step_verdicts(task, trajectory, self.screen_hw, self.popups, self.coordinate_model):
+            if v.index <= handoff:
+                continue
+            if v.kind == "unreplayable":
+                return Verdict(False, f"step {v.index} cannot be replayed on the desk to check it")
+            thought = _thought(trajectory.steps[v.index - 1].response)
+            named = re.findall(r'"([^"]+)"', thought)
+            if v.element is not None and named and v.element[1] not in named:
+                return Verdict(False, f"inconsistent reasoning: step {v.index}'s thought names {named} but its click "
+                                      f"hits \"{v.element[1]}\"")
+            typed = re.search(r"type\(content='((?:[^'\\]|\\.)*)'", _action(trajectory.steps[v.index - 1].response))
+            if typed and named and typed.group(1) not in named:
+                return Verdict(False, f"inconsistent reasoning: step {v.index} types {typed.group(1)!r} but its "
+                                      f"thought quotes {named}")
+        return Verdict(True)
+
+
+def parse_verdict(text: str) -> Verdict:
+    body = text.strip()
+    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
+    data = json.loads(fence.group(1) if fence else body)
+    if not isinstance(data, dict) or not isinstance(data.get("accept"), bool):
+        raise ValueError(f"expected {{\"accept\": bool, \"reason\": str}}, got {body[:120]!r}")
+    return Verdict(data["accept"], str(data.get("reason", "")))
+
+
+class ChatJudge:
+    def __init__(self, client: ChatClient, retries: int = 2):
+        self.client, self.retries = client, retries
+
+    def messages(self, task: Task, trajectory: Trajectory, handoff: int) -> list[dict[str, str]]:
+        steps = "\n".join(f"Step {j}{' (context)' if j <= handoff else ''}: {s.response.strip()}"
+                          for j, s in enumerate(trajectory.steps, 1))
+        episode = (f"Instruction: {task.instruction}\n\n{steps}\n\nOutcome: ended as {trajectory.status.value}, "
+                   f"verifier reward {trajectory.reward:.2f}")
+        return [{"role": "system", "content": JUDGE_PROMPT.format(handoff=handoff)},
+                {"role": "user", "content": episode}]
+
+    def judge(self, task: Task, trajectory: Trajectory, handoff: int) -> Verdict:
+        messages, last = self.messages(task, trajectory, handoff), ""
+        for _ in range(self.retries + 1):
+            try:
+                answer = self.client.complete(messages)
+            except ChatError as e:
+                return Verdict(False, f"judge unreachable: {e}")
+            try:
+                return parse_verdict(answer)
+            except ValueError as e:
+                last = str(e)
+        return Verdict(False, f"judge gave no verdict after {self.retries + 1} answers; last: {last}")

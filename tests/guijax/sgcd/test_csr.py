@@ -1,0 +1,59 @@
+"""The Continuation Success Rate: per-depth rates, their unweighted mean, Table 5's buckets, the failure-step
+histogram, the markdown table and the plot."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from guijax.rollout.trajectory import Status, Trajectory
+from guijax.sgcd import csr
+
+
+def _t(k: int, reward: float, status: Status = Status.DONE) -> Trajectory:
+    return Trajectory("t", "i", [], reward, status, meta={"handoff": k})
+
+
+def test_csr_is_the_unweighted_mean_over_depths_of_each_depths_rate():
+    trajs = ([_t(1, 1.0)] * 3 + [_t(1, 0.0)]  # k=1: 3/4
+             + [_t(2, 1.0)] + [_t(2, 0.0, Status.STEP_LIMIT)]  # k=2: 1/2
+             + [_t(3, 0.9, Status.PARSE_ERROR)]  # unparsable last answer: not solved
+             + [_t(3, 1.0, Status.ENV_ERROR)])  # not a trial
+    r = csr.continuation_success(trajs, [1, 2, 3, 4], csr.depth_buckets(4, width=2))
+    assert r["per_depth"] == {1: {"trials": 4, "success_rate": 0.75}, 2: {"trials": 2, "success_rate": 0.5},
+                              3: {"trials": 1, "success_rate": 0.0}}
+    assert r["csr"] == pytest.approx((0.75 + 0.5 + 0.0) / 3)  # not the pooled 4/7
+    assert r["env_errors"] == 1 and r["trials"] == 7
+    assert r["buckets"] == {"1-2": pytest.approx(4 / 6), "2-4": pytest.approx(1 / 3)}
+    assert csr.continuation_success([_t(1, 0.85)], [1])["csr"] == 1.0  # the paper's 0.8 threshold
+    with pytest.raises(ValueError, match="no handoff depth"):
+        csr.continuation_success([Trajectory("x", "i", [], 1.0)], [1])
+
+
+def test_depth_buckets_follow_table_5():
+    assert csr.depth_buckets(20) == [(1, 5), (5, 10), (10, 15), (15, 20)]
+    assert csr.depth_buckets(3) == [(1, 3)] and csr.depth_buckets(7) == [(1, 5), (5, 7)]
+
+
+def test_histogram_table_and_plot(tmp_path):
+    assert csr.failure_histogram([2, 1, 2, None, 10]) == {"1": 1, "2": 2, "10": 1, "none": 1}
+    results = {"base": csr.continuation_success([_t(1, 0.0), _t(2, 1.0)], [1, 2], [(1, 2)]),
+               "sgcd": csr.continuation_success([_t(1, 1.0), _t(2, 1.0)], [1, 2], [(1, 2)])}
+    table = csr.markdown(results, [1, 2])
+    assert table.splitlines()[0] == "| policy | k=1 | k=2 | k 1-2 | CSR |"
+    assert "| base | 0.0 (1) | 100.0 (1) | 50.0 | 50.0 |" in table and "| sgcd | 100.0 (1) | 100.0 (1) | 100.0 | 100.0 |" in table
+    path = csr.plot(results, {"1": 3, "2": 1}, tmp_path / "csr.png")
+    from PIL import Image
+
+    assert np.asarray(Image.open(path)).std() > 0
+
+
+def test_compare_aggregates_the_csr_over_seeds():
+    from guijax.compare import aggregate_csr, csr_markdown
+
+    reports = [{"tasks": ["a", "b"], "results": {"base policy": {"csr": 0.2}, "sgcd": {"csr": 0.5}}},
+               {"tasks": ["a"], "results": {"base policy": {"csr": 0.4}, "sgcd": {"csr": None}}}]
+    result = aggregate_csr(reports)
+    assert result["base policy"] == {"csr": {"mean": pytest.approx(0.3), "std": pytest.approx(0.1), "n": 2},
+                                     "tasks": [2, 1]}
+    assert result["sgcd"]["csr"]["n"] == 1  # a seed whose pool had no trial does not count
+    assert "| base policy | 30.0 ± 10.0 | 2, 1 |" in csr_markdown(result, [0, 1])

@@ -1,0 +1,103 @@
+"""The desk's offline skill extractor and the judges, on episodes rolled out on the real desk by scripted
+policies (the replay against the accessibility tree needs the screens the episodes really saw)."""
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from desk_policies import SCREEN, WAIT, buttons, click, scripted
+from envs.pool import DeskFactory, EnvPool
+from envs.tasks import generate_desk_tasks
+from fake_chat import fake_chat_server
+from guijax.chat import ChatClient
+from guijax.rollout.engine import RolloutConfig, RolloutEngine
+from guijax.rollout.trajectory import Status
+from guijax.sgcd.desk_skills import DeskSkillExtractor, first_off_track_step, step_verdicts
+from guijax.sgcd.judge import ChatJudge, RuleJudge
+from rollout_fakes import PromptPolicySampler, TextProcessor
+
+DONE = "Thought: The task is complete.\nAction: finished(content='done')"
+
+
+@pytest.fixture(scope="module")
+def task():
+    return generate_desk_tasks(1, seed=5, families=["click_button"], screen_hw=SCREEN)[0]
+
+
+@pytest.fixture(scope="module")
+def episode(task):
+    """episode(responses) -> the trajectory of a scripted policy on the task (step limit 6)."""
+    pool = EnvPool(DeskFactory(SCREEN, step_limit=6, popups=False), 1, timeout_s=60)
+
+    def run(responses):
+        processor = TextProcessor()
+        engine = RolloutEngine(pool, PromptPolicySampler(processor, scripted(responses)), processor,
+                               RolloutConfig(show_progress=False))
+        (traj,), _ = engine.run(None, [task], 1, jax.random.PRNGKey(0), seed=3)
+        return traj
+
+    yield run
+    pool.close()
+
+
+def _target(task) -> str:
+    return task.instruction.split('"')[1]
+
+
+def test_offline_skill_from_ground_truth_and_the_failures_replayed(task, episode):
+    wrong = next(b for b in buttons(task) if b != _target(task))
+    failed = episode([click(task, wrong), click(task, wrong), DONE])
+    assert failed.status == Status.DONE and failed.reward == 0.0
+    extractor = DeskSkillExtractor(SCREEN, popups=False)
+    skill = extractor.extract(task, [], [failed])
+    assert skill.continuation_plans == (f'Click the "{_target(task)}" button', "Report that the task is done")
+    assert skill.critical_targets == (f'the "{_target(task)}" button in the "Dialog" window',)
+    assert skill.failure_traps == (
+        f'Do not click the "{wrong}" button in the "Dialog" window: it is not part of this task',
+        "Do not report the task done while the success criteria do not hold yet")
+    assert skill.success_criteria[0] == f'The "{_target(task)}" button in the "Dialog" window has been pressed'
+    assert extractor.extract(task, [failed], []).failure_traps == ()  # traps only from failed references
+    assert first_off_track_step(task, failed, SCREEN, popups=False) == 1
+
+
+def test_fixation_is_a_trap_and_the_replay_stops_where_the_screen_differs(task, episode):
+    stuck = episode([WAIT])  # waits to the step limit, 6
+    verdicts = step_verdicts(task, stuck, SCREEN, popups=False)
+    assert [v.trap is not None for v in verdicts] == [False] + [True] * 5
+    assert "Do not repeat an action" in verdicts[1].trap
+    stuck.steps[1].screenshot = stuck.steps[1].screenshot.copy()
+    stuck.steps[1].screenshot[0, 0] += 1
+    assert [v.kind for v in step_verdicts(task, stuck, SCREEN, popups=False)] == ["wait", "unreplayable"]
+
+
+def test_rule_judge_keeps_clean_continuations_and_names_what_it_removes(task, episode):
+    judge = RuleJudge(max_repeats=2, screen_hw=SCREEN, popups=False)
+    target = _target(task)
+    clean = episode([WAIT, click(task, target), DONE])
+    assert clean.reward == 1.0 and judge.judge(task, clean, 1).accept
+    never_done = episode([WAIT, click(task, target)] + [WAIT] * 2 + [click(task, target), WAIT])
+    assert never_done.status == Status.STEP_LIMIT and never_done.reward == 1.0
+    assert judge.judge(task, never_done, 1).reason.startswith("accidental success: the episode ended as step_limit")
+    loop = episode([WAIT, click(task, target), click(task, target), click(task, target), DONE])
+    assert loop.reward == 1.0 and judge.judge(task, loop, 1).reason.startswith("redundant loop")
+    assert RuleJudge(max_repeats=3).judge(task, loop, 1).accept
+    wrong = next(b for b in buttons(task) if b != target)
+    mislabelled = episode([WAIT, click(task, target, thought_name=wrong), DONE])
+    verdict = judge.judge(task, mislabelled, 1)
+    assert not verdict.accept and verdict.reason.startswith("inconsistent reasoning: step 2's thought names")
+    assert RuleJudge().judge(task, mislabelled, 1).accept  # without the desk's tree only the generic rules apply
+    assert not judge.judge(task, clean, 3).accept  # nothing after the handoff
+
+
+def test_chat_judge_reads_the_verdict_and_rejects_when_none_comes(task, episode):
+    clean = episode([WAIT, click(task, _target(task)), DONE])
+    with fake_chat_server([(200, "yes"), (200, json.dumps({"accept": True, "reason": "fine"}))]) as (url, requests):
+        verdict = ChatJudge(ChatClient(url, "m", api_key_env=""), retries=1).judge(task, clean, 1)
+    assert verdict.accept and verdict.reason == "fine" and len(requests) == 2
+    user = requests[0]["body"]["messages"][1]["content"]
+    assert "Step 1 (context): Thought: I wait" in user and "Outcome: ended as done, verifier reward 1.00" in user
+    with fake_chat_server([(200, "{}")]) as (url, _):
+        verdict = ChatJudge(ChatClient(url, "m", api_key_env=""), retries=0).judge(task, clean, 1)
+    assert not verdict.accept and verdict.reason.startswith("judge gave no verdict after 1 answers")

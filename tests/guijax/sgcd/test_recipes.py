@@ -1,0 +1,36 @@
+"""SGCD's accelerator recipes resolve, pass the recipe check, and dry-run to the paper's policies' sizes."""
+from __future__ import annotations
+
+import pytest
+
+from guijax import launch
+from guijax.pipeline.registry import check_recipe
+
+
+@pytest.mark.parametrize("recipe, params, mesh", [
+    ("sgcd_gpu", 8_767_123_696, {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}),  # Qwen3-VL-8B, one 8-GPU node
+    ("sgcd_tpu", 31_070_754_032, {"data": 4, "fsdp": 2, "tensor": 1, "expert": 8}),  # Qwen3-VL-30B-A3B, v5p-128
+])
+def test_accelerator_recipes_dry_run(recipe, params, mesh):
+    config = launch.resolve(recipe, [])
+    check_recipe(config)
+    report = launch.dry_run(config)
+    assert report["params"] == params and report["mesh"] == mesh
+    assert config.sgcd.skill_extractor == config.sgcd.judge == "chat" and config.sgcd.branching == "live"
+
+
+def test_the_desk_only_parts_are_refused_on_osworld_naming_the_key():
+    with pytest.raises(ValueError, match="sgcd.skill_extractor='desk'.*use sgcd.skill_extractor='chat'"):
+        check_recipe(launch.resolve("sgcd_gpu", ["sgcd.skill_extractor=desk"]))
+    with pytest.raises(ValueError, match="sgcd.branching='snapshot' needs environments that save"):
+        check_recipe(launch.resolve("sgcd_gpu", ["sgcd.branching=snapshot"]))
+
+
+def test_a_changed_measurement_reruns_the_csr_stage_but_retrains_nothing():
+    from guijax.pipeline.registry import fingerprints
+
+    base = fingerprints(launch.resolve("sgcd_cpu", []))
+    measured = fingerprints(launch.resolve("sgcd_cpu", ["sgcd.csr_per_state=2"]))
+    trained = fingerprints(launch.resolve("sgcd_cpu", ["sgcd.sft_steps=2"]))
+    assert measured["methods/sgcd"] == base["methods/sgcd"] and measured["csr"] != base["csr"]
+    assert trained["methods/sgcd"] != base["methods/sgcd"] and trained["csr"] != base["csr"]

@@ -1,0 +1,143 @@
+"""Handoff rollouts on the real desk with scripted policies: guidance switched on mid-episode, continuations of
+another policy's prefix branched from one prefix by snapshot or by replay, replay divergence named, and the
+desk's snapshots continuing exactly."""
+from __future__ import annotations
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from desk_policies import SCREEN, WAIT, NoSnapshotDeskFactory, plain_or_trained
+from envs.actions import parse_uitars
+from envs.api import Task
+from envs.desk import DeskEnv
+from envs.pool import DeskFactory, EnvPool
+from envs.tasks import generate_desk_tasks
+from guijax.rollout.engine import RolloutConfig, RolloutEngine
+from guijax.rollout.handoff import HandoffRunner
+from guijax.rollout.trajectory import Status
+from rollout_fakes import PromptPolicySampler, TextProcessor
+
+SKILL = "Continuation Plans:\n1. click the button"
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return generate_desk_tasks(2, seed=3, families=["click_button"], screen_hw=SCREEN)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with EnvPool(DeskFactory(SCREEN, step_limit=8, popups=False), 3, timeout_s=60) as p:
+        yield p
+
+
+def _engine(pool, tasks, **kw):
+    processor = TextProcessor()
+    sampler = PromptPolicySampler(processor, plain_or_trained(tasks, **kw))
+    return RolloutEngine(pool, sampler, processor, RolloutConfig(show_progress=False)), sampler
+
+
+def test_desk_snapshot_restores_the_exact_episode_pop_ups_included():
+    (task,) = generate_desk_tasks(1, seed=1, families=["toggle_checkbox"], screen_hw=SCREEN)
+    data = task.to_dict()
+    data["config"][0]["parameters"] |= {"popup_prob": 0.0, "popup_step_prob": 0.2}  # pop-ups after the snapshot
+    task = Task.from_dict(data)
+    wait = parse_uitars("Action: wait()", image_hw=SCREEN, screen_hw=SCREEN)
+    a, b = DeskEnv(SCREEN, step_limit=30), DeskEnv(SCREEN, step_limit=30)
+    a.reset(task, episode_seed=11)
+    a.step(wait)
+    saved = a.snapshot()
+    later = [a.step(wait).observation.screenshot for _ in range(12)]
+    b.reset(generate_desk_tasks(1, seed=2, families=["click_button"], screen_hw=SCREEN)[0])
+    restored = b.restore(saved)
+    chex.assert_trees_all_equal(restored.screenshot, a.restore(saved).screenshot)
+    again = [b.step(wait).observation.screenshot for _ in range(12)]
+    chex.assert_trees_all_equal(later, again)
+    assert any(not np.array_equal(later[0], x) for x in later)  # a pop-up drawn from the restored random stream
+    assert b.steps == 13 and b.evaluate() == a.evaluate()
+
+
+def test_guidance_starts_at_the_handoff_step_and_is_recorded(pool, tasks):
+    engine, sampler = _engine(pool, tasks)
+    ep = engine.episode(tasks[0], seed=5, guidance=SKILL, handoff=2)
+    (traj,), _ = engine.run_episodes("plain", [ep], jax.random.PRNGKey(0))
+    assert [s.response.split("Action: ")[1][:5] for s in traj.steps] == ["wait(", "wait(", "click", "finis"]
+    assert traj.status == Status.DONE and traj.reward == 1.0 and traj.meta["handoff"] == 2 and traj.meta["guided"]
+    assert ["Continuation Plans:" in p for p in sampler.prompts] == [False, False, True, True]
+    assert "Skill" not in traj.instruction and traj.plan == ()  # training reads the plain instruction
+
+
+@pytest.mark.parametrize("branching", ["snapshot", "replay"])
+def test_every_depth_branches_from_one_prefix(pool, tasks, branching):
+    engine, sampler = _engine(pool, tasks)
+    runner = HandoffRunner(engine, branching)
+    prefixes = runner.prefixes("plain", tasks, 3, jax.random.PRNGKey(1), seed=7)
+    assert len(sampler.prompts) == 2 * 3  # each task's prefix sampled once, to the deepest depth
+    assert [p.open_steps for p in prefixes] == [3, 3] and all(len(p.screens) == 4 for p in prefixes)
+    trajs = runner.continue_from("trained", prefixes, [1, 2, 3, 4], jax.random.PRNGKey(2))
+    assert [(t.task_id, t.meta["handoff"]) for t in trajs] == [(t.id, k) for t in tasks for k in (1, 2, 3)]
+    for t in trajs:
+        k = t.meta["handoff"]
+        assert [s.response for s in t.steps[:k]] == [WAIT] * k  # the prefix, as the plain policy wrote it
+        assert t.steps[k].response.startswith('Thought: I should click') and t.status == Status.DONE
+        assert t.reward == 1.0 and "guided" not in t.meta
+
+
+def test_snapshot_and_replay_give_the_same_continuations(pool, tasks):
+    out = {}
+    for branching in ("snapshot", "replay"):
+        runner = HandoffRunner(_engine(pool, tasks)[0], branching)
+        prefixes = runner.prefixes("plain", tasks, 2, jax.random.PRNGKey(1), seed=7)
+        trajs = runner.continue_from("plain", prefixes, [1, 2], jax.random.PRNGKey(2),
+                                     guidance={t.id: SKILL for t in tasks})
+        out[branching] = [([s.response for s in t.steps], t.reward, t.meta["handoff"]) for t in trajs]
+        for t in trajs:
+            np.testing.assert_array_equal(t.steps[-1].screenshot.shape, SCREEN + (3,))
+    assert out["snapshot"] == out["replay"] and all(r == 1.0 for _, r, _ in out["snapshot"])
+
+
+def test_a_continuation_replays_from_its_recorded_seed_pop_ups_included(tasks):
+    """Snapshot continuations carry the prefix's episode seed: a reset with it and the recorded actions give the
+    screens the continuation saw (what the judge and the skill extractor replay), pop-ups and banners on."""
+    from guijax.sgcd.desk_skills import step_verdicts
+
+    with EnvPool(DeskFactory(SCREEN, step_limit=8, popups=True), 2, timeout_s=60) as busy:
+        runner = HandoffRunner(_engine(busy, tasks)[0], "snapshot")
+        prefixes = runner.prefixes("plain", tasks, 3, jax.random.PRNGKey(4), seed=21)
+        trajs = runner.continue_from("trained", prefixes, [1, 2, 3], jax.random.PRNGKey(5), per_state=2)
+    assert len(trajs) == 12 and all(t.meta["seed"] == p.seed for p in prefixes for t in trajs if t.task_id == p.task.id)
+    for t in trajs:
+        kinds = [v.kind for v in step_verdicts(next(x for x in tasks if x.id == t.task_id), t, SCREEN, popups=True)]
+        assert "unreplayable" not in kinds and len(kinds) == len(t.steps)
+
+
+def test_replay_names_the_step_where_the_screen_diverged(pool, tasks):
+    runner = HandoffRunner(_engine(pool, tasks)[0], "replay")
+    (prefix,) = runner.prefixes("plain", tasks[:1], 3, jax.random.PRNGKey(1), seed=7)
+    prefix.screens[2] = prefix.screens[2].copy()
+    prefix.screens[2][0, 0] = 255 - prefix.screens[2][0, 0]  # as if the desktop had drawn something else
+    runner.replay_tolerance = 0.0
+    trajs = runner.continue_from("trained", [prefix], [1, 2, 3], jax.random.PRNGKey(2))
+    assert [t.status for t in trajs] == [Status.DONE, Status.ENV_ERROR, Status.ENV_ERROR]
+    assert all("diverged" in t.error and "at step 2" in t.error for t in trajs[1:])
+
+
+def test_a_prefix_that_ends_offers_only_the_depths_before_its_end(pool, tasks):
+    def finishes_second(params, prompt):
+        return WAIT if prompt.count("assistant:") == 0 else "Thought: done.\nAction: finished(content='x')"
+
+    processor = TextProcessor()
+    engine = RolloutEngine(pool, PromptPolicySampler(processor, finishes_second), processor,
+                           RolloutConfig(show_progress=False))
+    runner = HandoffRunner(engine, "snapshot")
+    (prefix,) = runner.prefixes(None, tasks[:1], 4, jax.random.PRNGKey(1))
+    assert prefix.open_steps == 1 and prefix.depths([1, 2, 3]) == [1] and len(prefix.steps) == 2
+
+
+def test_snapshot_branching_refuses_an_environment_without_snapshots(tasks):
+    with EnvPool(NoSnapshotDeskFactory(SCREEN, popups=False), 1, timeout_s=60) as p:
+        runner = HandoffRunner(_engine(p, tasks)[0], "snapshot")
+        with pytest.raises(RuntimeError, match="cannot save its state.*use replay branching"):
+            runner.prefixes("plain", tasks[:1], 2, jax.random.PRNGKey(1))

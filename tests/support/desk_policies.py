@@ -1,0 +1,89 @@
+"""Scripted policies on real desk tasks for the handoff and SGCD tests: a plain policy that only waits and a
+policy that clicks the task's button then reports done, chosen by the parameters or by a skill in the prompt."""
+from __future__ import annotations
+
+import re
+
+from envs.desk import DeskEnv
+from envs.desk.a11y import parse_tree
+
+SCREEN = (280, 280)
+WAIT = "Thought: I wait for the screen.\nAction: wait()"
+
+
+def button_center(task, screen=SCREEN, name: str | None = None) -> tuple[int, int, str]:
+    """Where a button (default: the click_button task's target) is on the task's (pop-up free) desk."""
+    name = name or re.search(r'"([^"]+)"', task.instruction).group(1)
+    env = DeskEnv(screen, popups=False)
+    tree = env.reset(task).a11y_tree
+    (node,) = [n for n in parse_tree(tree) if n.role == "button" and n.name == name]
+    x1, y1, x2, y2 = node.rect
+    return (x1 + x2) // 2, (y1 + y2) // 2, name
+
+
+def solver(tasks, screen=SCREEN, repeat_click: int = 1):
+    """respond(params, prompt) -> the solving response for the task whose instruction is in the prompt:
+    click its button (`repeat_click` times), then finished()."""
+    targets = {t.instruction: button_center(t, screen) for t in tasks}
+
+    def respond(prompt: str) -> str:
+        (x, y, name), = [v for k, v in targets.items() if k in prompt]
+        clicks = prompt.count("Action: click(")
+        if clicks < repeat_click:
+            return f"Thought: I should click the \"{name}\" button.\nAction: click(start_box='({x},{y})')"
+        return "Thought: The task is complete.\nAction: finished(content='done')"
+    return respond
+
+
+def plain_or_trained(tasks, screen=SCREEN, skill_marker: str = "Continuation Plans:", repeat_click: int = 1):
+    """params 'trained', or a skill in the prompt: solve; otherwise wait."""
+    solve = solver(tasks, screen, repeat_click)
+
+    def respond(params, prompt: str) -> str:
+        return solve(prompt) if params == "trained" or skill_marker in prompt else WAIT
+    return respond
+
+
+class _NoSnapshot:
+    """A desk that cannot save its state (like a remote desktop)."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def reset(self, task, episode_seed=None):
+        return self.env.reset(task, episode_seed)
+
+    def step(self, action):
+        return self.env.step(action)
+
+    def evaluate(self):
+        return self.env.evaluate()
+
+    def close(self):
+        self.env.close()
+
+
+class NoSnapshotDeskFactory:
+    def __init__(self, screen=SCREEN, popups=False):
+        self.screen, self.popups = screen, popups
+
+    def __call__(self):
+        return _NoSnapshot(DeskEnv(self.screen, popups=self.popups))
+
+
+def buttons(task, screen=SCREEN) -> list[str]:
+    tree = DeskEnv(screen, popups=False).reset(task).a11y_tree
+    return [n.name for n in parse_tree(tree) if n.role == "button"]
+
+
+def click(task, name: str, thought_name: str | None = None, screen=SCREEN) -> str:
+    x, y, _ = button_center(task, screen, name)
+    return f"Thought: I should click the \"{thought_name or name}\" button.\nAction: click(start_box='({x},{y})')"
+
+
+def scripted(responses_by_step):
+    """respond(params, prompt) answering the i-th step of an episode with responses_by_step[i]."""
+    def respond(params, prompt):
+        i = prompt.count("assistant:")
+        return responses_by_step[min(i, len(responses_by_step) - 1)]
+    return respond

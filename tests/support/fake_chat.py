@@ -1,0 +1,40 @@
+"""A local OpenAI-compatible /chat/completions server for the large-model roles' tests: it answers from a
+script of (HTTP status, assistant text) and records every request body it got."""
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import threading
+
+
+@contextlib.contextmanager
+def fake_chat_server(replies: list[tuple[int, str]]):
+    """Yields (base URL, requests). Each request takes the next reply; the last one repeats."""
+    requests: list[dict] = []
+    script = list(replies)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
+            status, text = script.pop(0) if len(script) > 1 else script[0]
+            payload = (json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]})
+                       if status == 200 else json.dumps({"error": text})).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", requests
+    finally:
+        server.shutdown()
+        server.server_close()
