@@ -218,3 +218,22 @@ def test_hooks_inject_their_rows_with_asynchronous_rollouts(prepared, name):
     injected = r["cache_injections"] if name == "bepa" else r["expert_injections"]
     assert injected >= 1 and r["injected"] == injected
     assert r["behaviour_weight_mean"] > 0  # an update ran through the corrected loss
+
+
+@pytest.mark.slow
+def test_sgcd_resumes_after_its_last_finished_round(prepared, capsys):
+    """A second run with one more round restores round 1's policy and runs round 2 only."""
+    config, run, _ = prepared
+    workdir = run.workdir / "methods" / "sgcd_resume"
+    workdir.mkdir(parents=True, exist_ok=True)
+    first = get_method("sgcd", config)
+    base_stages.train_with(run, first, workdir, "sgcd")
+    written = (workdir / "round_1" / "round.json").stat().st_mtime_ns
+    two = copy.deepcopy(config)
+    two.sgcd.rounds = 2
+    capsys.readouterr()
+    policy, _ = base_stages.train_with(run, get_method("sgcd", two), workdir, "sgcd")
+    assert "resuming after round 1 of 2" in capsys.readouterr().out
+    assert (workdir / "round_1" / "round.json").stat().st_mtime_ns == written  # round 1 was not run again
+    assert json.loads((workdir / "round_2" / "round.json").read_text())["round"] == 2
+    assert _moved(run, policy) > 0
