@@ -177,7 +177,8 @@ def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_f
     proc.wait()
     subprocess.run(command + [f"--workdir={killed}"], env=env, check=True, capture_output=True, timeout=900)
     ignore = {k for k in _iteration_records(clean)[0]
-              if k.startswith("time_") or k in ("tokens_per_s", "env_wait_fraction")}  # wall-clock figures
+              if k.startswith("time_") or k.endswith("_busy_fraction")
+              or k in ("tokens_per_s", "env_wait_fraction")}  # wall-clock figures
     strip = lambda r: {k: v for k, v in r.items() if k not in ignore}  # noqa: E731
     clean_records = {r["iteration"]: strip(r) for r in _iteration_records(clean)}
     resumed = [strip(r) for r in _iteration_records(killed)]
