@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -80,3 +81,11 @@ class ChatClient:
         if not isinstance(content, str):
             raise ChatError(f"{endpoint}: the reply's content is {type(content).__name__}, not text")
         return content
+
+
+def json_reply(text: str) -> object:
+    """The JSON value a model answered, which may be wrapped in a ```json fence and nothing else (ValueError
+    when it is not JSON)."""
+    body = text.strip()
+    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
+    return json.loads(fence.group(1) if fence else body)

@@ -14,12 +14,12 @@ instruction, looking at the post-handoff part (the prefix is the plain policy's,
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Protocol
 
+from envs.actions.uitars import parse_thought
 from envs.api import Task
-from guijax.chat import ChatClient, ChatError
+from guijax.chat import ChatClient, ChatError, json_reply
 from guijax.rollout.trajectory import Status, Trajectory
 
 JUDGE_PROMPT = """You review one computer-use episode in which an agent continued a task from a state reached by another policy (the first {handoff} steps, shown for context). The environment's verifier has already accepted the final state.
@@ -43,11 +43,6 @@ class Judge(Protocol):
     def judge(self, task: Task, trajectory: Trajectory, handoff: int) -> Verdict: ...
 
 
-def _thought(response: str) -> str:
-    m = re.search(r"Thought:(.*?)(?:\nAction:|$)", response, re.DOTALL)
-    return m.group(1).strip() if m else ""
-
-
 def _action(response: str) -> str:
     return response.split("Action:")[-1].strip() if "Action:" in response else response.strip()
 
@@ -69,7 +64,7 @@ class RuleJudge:
                                   f"agent's own {'FAIL' if task.infeasible else 'DONE'}")
         run, last = 0, None
         for j, step in enumerate(post, handoff + 1):
-            if not _thought(step.response):
+            if not parse_thought(step.response):
                 return Verdict(False, f"inconsistent reasoning: step {j} has no thought")
             action = _action(step.response)
             run = run + 1 if action == last else 1
@@ -88,7 +83,7 @@ class RuleJudge:
                 continue
             if v.kind == "unreplayable":
                 return Verdict(False, f"step {v.index} cannot be replayed on the desk to check it")
-            thought = _thought(trajectory.steps[v.index - 1].response)
+            thought = parse_thought(trajectory.steps[v.index - 1].response)
             named = re.findall(r'"([^"]+)"', thought)
             if v.element is not None and named and v.element[1] not in named:
                 return Verdict(False, f"inconsistent reasoning: step {v.index}'s thought names {named} but its click "
@@ -101,11 +96,9 @@ class RuleJudge:
 
 
 def parse_verdict(text: str) -> Verdict:
-    body = text.strip()
-    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
-    data = json.loads(fence.group(1) if fence else body)
+    data = json_reply(text)
     if not isinstance(data, dict) or not isinstance(data.get("accept"), bool):
-        raise ValueError(f"expected {{\"accept\": bool, \"reason\": str}}, got {body[:120]!r}")
+        raise ValueError(f"expected {{\"accept\": bool, \"reason\": str}}, got {text.strip()[:120]!r}")
     return Verdict(data["accept"], str(data.get("reason", "")))
 
 

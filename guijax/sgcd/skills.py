@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any, Protocol, Sequence
 
 from envs.api import Task
-from guijax.chat import ChatClient, ChatError
+from guijax.chat import ChatClient, ChatError, json_reply
 from guijax.rollout.trajectory import Trajectory
 
 FIELDS = ("Continuation Plans", "Critical Targets", "Failure Traps", "Success Criteria")
@@ -124,12 +123,8 @@ class Skill:
 def parse_skill(text: str, where: str = "skill answer") -> Skill:
     """A model's answer -> Skill. The JSON object may be wrapped in a ```json fence; nothing else may be
     around it."""
-    body = text.strip()
-    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
-    if fence:
-        body = fence.group(1)
     try:
-        data = json.loads(body)
+        data = json_reply(text)
     except ValueError as e:
         raise SkillFormatError(f"{where}: not JSON ({e}): {text[:120]!r}") from None
     return Skill.from_json(data, where)
