@@ -129,6 +129,9 @@ def screenshot_batch(cfg: ModelConfig, batch: int, screenshots: int, hw: tuple[i
                          f"tokens per row; --seq {seq} is too short")
     rs = np.random.RandomState(seed)
     ids = rs.randint(0, cfg.vocab_size - 16, (batch, seq)).astype(np.int32)
+    # a random vision token outside the image spans would ask for image features no screenshot has
+    ids[np.isin(ids, (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
+                      cfg.vision_end_token_id))] = 0
     mask = np.zeros((batch, seq), np.int32)
     mask[:, :used] = 1
     for row in range(batch):

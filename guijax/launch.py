@@ -130,6 +130,9 @@ def print_compiled(r: dict[str, Any]) -> None:
           + (f"; vision inputs in {r['vision_blocks']} per-device blocks" if r.get("vision_blocks", 1) > 1 else ""))
     fits = {None: "no capacity known for this target", True: "fits", False: "does NOT fit"}[r["fits"]]
     capacity = f" of {format_bytes(r['capacity_bytes_per_device'])}" if r["capacity_bytes_per_device"] else ""
+    scaled = r.get("proxy_factor", 1.0)
+    if scaled != 1.0:
+        capacity = f" (x{scaled} for the real target: {format_bytes(int(r['peak_bytes_per_device'] * scaled))}){capacity}"
     print(f"  peak bytes per device: {format_bytes(r['peak_bytes_per_device'])}{capacity} ({fits}); "
           f"parameters {format_bytes(r['param_bytes_per_device'])}, optimizer {format_bytes(r['opt_bytes_per_device'])}, "
           f"temporaries {format_bytes(r['temp_bytes_per_device'])}")

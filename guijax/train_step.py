@@ -281,6 +281,20 @@ class _SplitStep:
     def lower(self, state: TrainState, batch: Batch) -> Any:
         return self.fn.lower(*self._args(state), batch)
 
+    def compile(self, state: TrainState, batch: Batch) -> "_SplitStep":
+        """Compiled ahead of time for these shapes: a step whose calls run that one program (no tracing, no
+        second compile; the jitted step's own cache is not filled by `lower().compile()`), with the program
+        at `.compiled` for its memory and cost analyses. Its calls take the batch as `place` returns it."""
+        placed = self.place(batch)
+        compiled = self.lower(state, placed).compile()
+        out = _SplitStep(compiled, self.lora)
+        out.compiled = compiled
+        return out
+
+    def place(self, batch: Batch) -> Batch:
+        """The batch as the jitted step receives it (on a mesh: padded and placed as global arrays)."""
+        return self.fn.place(batch) if isinstance(self.fn, BatchFn) else batch
+
     def lower_abstract(self, state: TrainState, batch: Batch) -> Any:
         """Lower for shapes alone (ShapeDtypeStructs, the batch taken as placed): what ahead-of-time compiles
         read."""

@@ -144,3 +144,55 @@ def test_block_local_window_attention_equals_the_global_one():
         uncovered[covered[b] + b * per] = False
     np.testing.assert_allclose(np.asarray(got)[~uncovered], np.asarray(want)[~uncovered], rtol=1e-5, atol=1e-6)
     assert jax.numpy.isfinite(got).all()
+
+
+def _recipe_step(tmp_path, name: str, *overrides: str) -> dict:
+    mod = load_script("recipe_step")
+    assert mod.main(["--config=grpo_cpu", "--config.model.preset=tiny", "--config.dry_run.screenshot_hw=56,84",
+                     "--config.rollout.max_new_tokens=8", "--config.pipeline.length_buckets=(96,)", *overrides,
+                     "--steps=2"] + outputs(tmp_path, name)) == 0
+    return read_outputs(tmp_path, name)["row"]
+
+
+def test_recipe_step_runs_the_recipes_own_step_at_its_shape(tmp_path):
+    row = _recipe_step(tmp_path, "one", "--config.mesh.num_devices=1", "--config.train.minibatch_size=2")
+    # 56x84 -> 24 patches, 6 image tokens; 1 x (6 + 64) + 8 = 78 tokens -> the 96-token bucket
+    assert row["batch"] == {"rows": 2, "tokens_per_row": 96, "screenshots_per_row": 1, "screenshot_hw": [56, 84],
+                            "patches_per_screenshot": 24}
+    assert row["loss_tokens"] == 2 * 8 and row["response_width"] == 64 and row["devices"] == 1
+    assert row["last_metrics"]["skipped"] == 0 and row["last_metrics"]["tokens"] == 16
+    assert len(row["times_s"]) == 2 and row["tokens_per_s"] > 0 and row["peak_bytes_per_device"] > 0
+    flops = row["model_flops"]
+    assert flops["total"] == pytest.approx(flops["text"] + flops["lm_head"] + flops["vision"]) and flops["vision"] > 0
+
+
+@pytest.mark.slow
+def test_recipe_step_on_eight_devices_with_per_device_vision_blocks(tmp_path):
+    row = _recipe_step(tmp_path, "eight", "--config.pipeline.vision_per_device=True")
+    assert row["devices"] == 8 and row["vision_blocks"] == 8 and row["batch"]["rows"] == 8
+    assert row["last_metrics"]["skipped"] == 0 and row["last_metrics"]["tokens"] == 8 * 8
+
+
+def test_recipe_step_random_params_are_distinct_buffers_with_unit_norms():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from guijax import sharding, train_step
+    from guijax.models import weights
+    from guijax.models.config import get_preset
+    from guijax.optim import make_optimizer
+    from configs._common import base
+
+    mod = load_script("recipe_step")
+    module = weights.build_module(get_preset("tiny"), scan_layers=False)
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1), sharding.MESH_AXES)
+    tx, _ = make_optimizer(base("t").optim)
+    params = mod.random_params(module, train_step.state_shardings(module, tx, mesh).params)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    pointers = [leaf.unsafe_buffer_pointer() for _, leaf in flat]
+    assert len(set(pointers)) == len(pointers)  # the step donates every leaf: none may share a buffer
+    norms = [leaf for path, leaf in flat if "norm" in jax.tree_util.keystr(path).lower()]
+    assert norms and all(np.all(np.asarray(x) == 1) for x in norms)
+    weights_2d = [np.asarray(leaf) for _, leaf in flat if leaf.ndim == 2]
+    assert all(0.01 < x.std() < 0.03 for x in weights_2d if x.size > 1000)

@@ -240,6 +240,51 @@ def test_decoder_blockwise_equals_reference_with_and_without_cache():
     np.testing.assert_allclose(np.asarray(results["xla"][0])[valid], np.asarray(results["xla"][1])[valid], atol=2e-5)
 
 
+@pytest.mark.gpu
+def test_cudnn_runs_inside_the_model_and_matches_blockwise_in_bf16():
+    """Under `auto` on a GPU the vision tower (windows and whole images as padded rows) and the decoder
+    (right-padded rows) call cuDNN's fused attention, and agree with the blockwise path at bf16 precision,
+    gradients included."""
+    cfg = PRESETS["tiny"]
+    rs = np.random.RandomState(9)
+    grids = np.array([[1, 4, 6], [1, 8, 8]])
+    layout = vision_layout(grids, cfg.vision)
+    vision = layout.inputs(rs.randn(layout.num_patches, cfg.vision.patch_dim).astype(np.float32))
+    tokens = int(grids.prod(1).sum()) // cfg.vision.spatial_merge_size ** 2
+    b, s = 2, tokens + 24
+    ids = rs.randint(0, 900, (b, s)).astype(np.int32)
+    mask = np.ones((b, s), np.int32)
+    mask[1, -7:] = 0  # right padding, as training batches are laid out
+    ids[0, 3:3 + 6] = cfg.image_token_id  # the 4x6 grid's 6 tokens
+    ids[1, 2:2 + 16] = cfg.image_token_id  # the 8x8 grid's 16 tokens
+    from guijax.models.positions import mrope_positions
+
+    positions, _ = mrope_positions(ids, mask, grids, cfg)
+    args = (jnp.asarray(ids), jnp.asarray(positions, jnp.int32), jnp.asarray(mask))
+    params = Qwen2_5_VL(cfg).init(jax.random.PRNGKey(0), *args, vision)
+
+    def run(impl):
+        module = Qwen2_5_VL(cfg, dtype=jnp.bfloat16, attention_impl=impl)
+
+        def loss(p):
+            hidden, _ = module.apply(p, *args, vision)
+            hidden = hidden.astype(jnp.float32) * mask[..., None]
+            return jnp.sum(hidden * jnp.cos(jnp.arange(hidden.size).reshape(hidden.shape))), hidden
+        fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        return fn(params), fn.lower(params).as_text()
+
+    ((_, ref), ref_grads), _ = run("xla")
+    ((_, out), grads), text = run("auto")
+    assert "__cudnn$fmha" in text  # cuDNN's fused attention is a custom call of the program
+    assert np.abs(np.asarray(ref)).max() > 0.1
+    chex.assert_trees_all_close(out, ref, atol=5e-2, rtol=5e-2)
+    # bf16 gradients summed in another order differ elementwise (an embedding row by up to 7% where its
+    # contributions cancel); each parameter's gradient as a whole must agree
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree_util.tree_leaves(ref_grads)):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.linalg.norm(g - r) <= 2e-2 * np.linalg.norm(r) + 1e-6, jax.tree_util.keystr(path)
+
+
 # ------------------------------------------------------------------------------------------------ memory
 def _temp_bytes(fn, *args) -> int:
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The checks a lent GPU is for, as one script within one time budget: the GPU-only tests (cuDNN attention in
+# the model, Pallas kernels on the device), one real train step of `grpo_gpu` at its full shape, and the
+# GRPO update against PyTorch at the 0.5B shape. Each part gets its own time limit and a part that fails or
+# runs out of time does not stop the next; everything is logged to OUTDIR/log.txt and each benchmark writes
+# its JSON and markdown to OUTDIR.
+#
+#   bash benchmarks/gpu_checks.sh OUTDIR [SECONDS [PARTS]]
+# SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default
+# machine,gpu_tests,grpo_gpu_step,vs_torch_0_5b).
+set -u
+out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS [PARTS]]}
+budget=${2:-560}
+parts=${3:-machine,gpu_tests,grpo_gpu_step,vs_torch_0_5b}
+mkdir -p "$out"
+log="$out/log.txt"
+start=$(date +%s)
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
+
+part() {  # part NAME SECONDS COMMAND...: run with at most SECONDS, never past the whole budget
+  local name=$1 limit=$2; shift 2
+  local left=$(( budget - ($(date +%s) - start) ))
+  (( limit > left )) && limit=$left
+  if (( limit < 20 )); then echo "== $name: skipped, ${left}s of the budget left" | tee -a "$log"; return; fi
+  echo "== $name (limit ${limit}s): $*" | tee -a "$log"
+  local t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" >>"$log" 2>&1
+  echo "== $name: exit $? after $(( $(date +%s) - t0 ))s" | tee -a "$log"
+}
+
+run_part() {
+  case $1 in
+    machine) part machine 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+      python3 -c "import jax, jaxlib, flax, optax; print(jax.devices(), jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__)"' ;;
+    gpu_tests) part gpu_tests 150 python3 -m pytest -q -p no:xdist -o addopts="-p no:cacheprovider --import-mode=importlib" \
+      -m gpu tests/guijax/test_attention.py tests/guijax/test_kernels.py ;;
+    grpo_gpu_step) part grpo_gpu_step 330 python3 benchmarks/recipe_step.py --config=grpo_gpu --steps=3 \
+      --json="$out/recipe_step_grpo_gpu.json" --markdown="$out/recipe_step_grpo_gpu.md" ;;
+    vs_torch_0_5b) part vs_torch_0_5b 120 python3 benchmarks/vs_torch.py --device cuda --dtype bfloat16 \
+      --preset qwen2_5_0_5b --batch 8 --seq 1024 --repeats 7 --json="$out/vs_torch_qwen2_5_0_5b.json" \
+      --markdown="$out/vs_torch_qwen2_5_0_5b.md" ;;
+    *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
+  esac
+}
+for name in ${parts//,/ }; do run_part "$name"; done
+echo "== done in $(( $(date +%s) - start ))s" | tee -a "$log"
