@@ -2,6 +2,7 @@
 policy that clicks the task's button then reports done, chosen by the parameters or by a skill in the prompt."""
 from __future__ import annotations
 
+import contextlib
 import re
 
 from envs.desk import DeskEnv
@@ -87,3 +88,28 @@ def scripted(responses_by_step):
         i = prompt.count("assistant:")
         return responses_by_step[min(i, len(responses_by_step) - 1)]
     return respond
+
+
+@contextlib.contextmanager
+def scripted_episodes(task, screen=SCREEN, step_limit: int = 6):
+    """Yields run(responses) -> the trajectory of a scripted policy on `task`, rolled out on a real desk
+    (episode seed 3, no pop-ups); the desk pool is closed on exit."""
+    import jax
+
+    from envs.pool import DeskFactory, EnvPool
+    from guijax.rollout.engine import RolloutConfig, RolloutEngine
+    from rollout_fakes import PromptPolicySampler, TextProcessor
+
+    pool = EnvPool(DeskFactory(screen, step_limit=step_limit, popups=False), 1, timeout_s=60)
+
+    def run(responses):
+        processor = TextProcessor()
+        engine = RolloutEngine(pool, PromptPolicySampler(processor, scripted(responses)), processor,
+                               RolloutConfig(show_progress=False))
+        (traj,), _ = engine.run(None, [task], 1, jax.random.PRNGKey(0), seed=3)
+        return traj
+
+    try:
+        yield run
+    finally:
+        pool.close()

@@ -5,20 +5,16 @@ from __future__ import annotations
 import base64
 import io
 
-import jax
 import numpy as np
 import pytest
 from PIL import Image
 
-from desk_policies import SCREEN, WAIT, buttons, click, scripted
-from envs.pool import DeskFactory, EnvPool
+from desk_policies import SCREEN, WAIT, buttons, click, scripted_episodes
 from envs.tasks import generate_desk_tasks
 from fake_chat import fake_chat_server
 from guijax.chat import ChatClient, ChatError
-from guijax.rollout.engine import RolloutConfig, RolloutEngine
 from guijax.seagent.world_state import (JUDGE_PROMPT, ChatWorldStateJudge, DeskOracleJudge, Judgment,
                                         JudgmentError, Label, parse_judgment, score_judge, step_labels)
-from rollout_fakes import PromptPolicySampler, TextProcessor
 
 DONE = "Thought: The task is complete.\nAction: finished(content='done')"
 T, F = Label.CORRECT, Label.FAILURE
@@ -69,17 +65,9 @@ def task():
 
 @pytest.fixture(scope="module")
 def episode(task):
-    pool = EnvPool(DeskFactory(SCREEN, step_limit=6, popups=False), 1, timeout_s=60)
-
-    def run(responses):
-        processor = TextProcessor()
-        engine = RolloutEngine(pool, PromptPolicySampler(processor, scripted(responses)), processor,
-                               RolloutConfig(show_progress=False))
-        (traj,), _ = engine.run(None, [task], 1, jax.random.PRNGKey(0), seed=3)
-        return traj
-
-    yield run
-    pool.close()
+    """episode(responses) -> the trajectory of a scripted policy on the task (step limit 6)."""
+    with scripted_episodes(task) as run:
+        yield run
 
 
 def test_the_desk_oracle_judges_from_ground_truth(task, episode):

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import json
 
-import jax
 import pytest
 
-from desk_policies import SCREEN, WAIT, buttons, click, scripted
-from envs.pool import DeskFactory, EnvPool
+from desk_policies import SCREEN, WAIT, buttons, click, scripted_episodes
 from envs.tasks import generate_desk_tasks
 from fake_chat import fake_chat_server
 from guijax.chat import ChatClient
-from guijax.rollout.engine import RolloutConfig, RolloutEngine
 from guijax.rollout.trajectory import Status
 from guijax.sgcd.desk_skills import DeskSkillExtractor, first_off_track_step, step_verdicts
 from guijax.sgcd.judge import ChatJudge, RuleJudge
-from rollout_fakes import PromptPolicySampler, TextProcessor
 
 DONE = "Thought: The task is complete.\nAction: finished(content='done')"
 
@@ -29,17 +25,8 @@ def task():
 @pytest.fixture(scope="module")
 def episode(task):
     """episode(responses) -> the trajectory of a scripted policy on the task (step limit 6)."""
-    pool = EnvPool(DeskFactory(SCREEN, step_limit=6, popups=False), 1, timeout_s=60)
-
-    def run(responses):
-        processor = TextProcessor()
-        engine = RolloutEngine(pool, PromptPolicySampler(processor, scripted(responses)), processor,
-                               RolloutConfig(show_progress=False))
-        (traj,), _ = engine.run(None, [task], 1, jax.random.PRNGKey(0), seed=3)
-        return traj
-
-    yield run
-    pool.close()
+    with scripted_episodes(task) as run:
+        yield run
 
 
 def _target(task) -> str:
