@@ -106,6 +106,7 @@ def step_batch(config, model_cfg, shape: aot.BatchShape, blocks: int, seed: int 
     b = shape.rows
     batch["off_policy"] = np.zeros((b,), bool)
     batch["expert"] = np.zeros((b,), np.float32)
+    batch["failure"] = np.zeros((b,), bool)
     if config.train.kl_coef:
         batch["ref_logp"] = batch["old_logp"].copy()
     if shape.response_width:

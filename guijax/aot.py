@@ -103,6 +103,7 @@ def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1) -> dic
     return {"input_ids": i32(b, s), "attention_mask": i32(b, s), "positions": i32(3, b, s), "vision": vision,
             "targets": i32(b, s), "loss_mask": f32(b, s), "advantages": f32(b, s), "old_logp": f32(b, s),
             "off_policy": jax.ShapeDtypeStruct((b,), jnp.bool_), "expert": f32(b),
+            "failure": jax.ShapeDtypeStruct((b,), jnp.bool_),
             **({"response_positions": i32(b, shape.response_width)} if shape.response_width else {})}
 
 

@@ -105,6 +105,49 @@ class BehaviourCorrected:
         return loss, metrics
 
 
+FAILURE_FORMS = ("log_ratio", "bounded")
+
+
+@dataclasses.dataclass(frozen=True)
+class WithAdversarialImitation:
+    """SEAgent's L = L_GRPO + γ·L_AI (§3.2): `inner` (the clipped surrogate and its KL term) on every row that
+    is not a failure step, plus γ times adversarial imitation on the batch's `failure` rows (judged a_F steps,
+    their text as the episode wrote it), on each row's summed response log-prob against the reference
+    policy's (`ref_logp`):
+
+    * "log_ratio": log π_θ(a_F|s) − log π_ref(a_F|s), minimised, so the policy moves away from a_F. Eq. 2 prints
+      −log π_θ(a|s)/π_ref(a_F|s); read with a = a_F that would raise π_θ(a_F), against the purpose §3.2 gives
+      it ("penalize them using negative KL divergence"), so the log-ratio is pushed down; like the printed
+      form it is unbounded below.
+    * "bounded": −log σ(−(log π_θ(a_F) − log π_ref(a_F))) (`losses.failure_step_loss`), which saturates once
+      π_θ(a_F) is well below π_ref(a_F)."""
+
+    inner: Any
+    gamma: float = 0.2
+    form: str = "log_ratio"
+
+    def __post_init__(self):
+        if self.form not in FAILURE_FORMS:
+            raise ValueError(f"adversarial imitation form must be one of {FAILURE_FORMS}, got {self.form!r}")
+
+    def __call__(self, logp: jax.Array, entropy: jax.Array, batch: Batch) -> tuple[jax.Array, dict]:
+        if "ref_logp" not in batch:
+            raise ValueError("adversarial imitation needs the batch's ref_logp (the reference policy's log-probs "
+                             "of the failure steps)")
+        failure = jnp.asarray(batch["failure"], bool)
+        mask = batch["loss_mask"]
+        loss, metrics = self.inner(logp, entropy, dict(batch, loss_mask=mask * (~failure)[:, None]))
+        row_logp = jnp.sum(jnp.where(mask > 0, logp, 0.0), -1)
+        row_ref = jnp.sum(jnp.where(mask > 0, batch["ref_logp"], 0.0), -1)
+        if self.form == "bounded":
+            ai, extra = losses.failure_step_loss(row_logp, row_ref, self.gamma, valid=failure)
+        else:
+            delta = row_logp - row_ref
+            ai = self.gamma * losses.masked_mean(delta, failure)
+            extra = {"failure_logratio": losses.masked_mean(delta, failure)}
+        return loss + ai, dict(metrics, **extra, ai_loss=ai, failure_rows=jnp.sum(failure.astype(jnp.float32)))
+
+
 def _reference(batch: Batch, clip: losses.ClipConfig) -> jax.Array | None:
     if clip.kl_coef and "ref_logp" not in batch:
         raise ValueError(f"kl_coef={clip.kl_coef} needs the batch's ref_logp (reference-policy log-probs); the "

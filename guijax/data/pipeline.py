@@ -285,7 +285,8 @@ class Collate:
 
     Row flags: `off_policy` marks trajectories not sampled by the current rollout (source replay, cache or
     expert: LUFFY's off-policy rows); `expert` marks steps with no sampled ids (text tokenised here, zero
-    behaviour log-probs: the rows an RL+SFT cross-entropy term applies to)."""
+    behaviour log-probs: the rows an RL+SFT cross-entropy term applies to); `failure` marks steps judged to
+    have caused a failure (source failure: the rows SEAgent's adversarial imitation pushes away from)."""
 
     def __init__(self, model_cfg: ModelConfig, config: PipelineConfig, pad_id: int = 0):
         self.model_cfg, self.config, self.pad_id = model_cfg, config, pad_id
@@ -319,6 +320,7 @@ class Collate:
                "targets": targets, **shifted,
                "off_policy": np.asarray([s != Source.ON_POLICY.value for s in sources]),
                "expert": np.asarray([not e["sampled"] for e in examples], np.float32),
+               "failure": np.asarray([s == Source.FAILURE.value for s in sources]),
                "meta": {"trajectory": np.asarray([e["trajectory"] for e in examples], np.int32),
                         "step": np.asarray([e["step"] for e in examples], np.int32),
                         "task_id": np.asarray([e["task_id"] for e in examples]), "source": np.asarray(sources),

@@ -14,11 +14,12 @@ from guijax.methods.expert_mix import LUFFY, RLPlusSFT, TraceReplacement
 from guijax.methods.expert_sft import SFT, SFTThenRL
 from guijax.methods.grpo import GRPO
 from guijax.methods.offline import DPO, KTO, RFT
+from guijax.methods.seagent import SEAgent
 from guijax.methods.sgcd import SGCD, SGCDFullSupervision, SGCDNoContinuations
 
 REGISTRY: dict[str, type[Method]] = {m.name: m for m in (
     GRPO, ARPO, BEPA, Level1Only, Level2Only, TraceReplacement, LUFFY, RLPlusSFT, SFT, SFTThenRL, RFT, DPO, KTO,
-    EvoCUARFT, EvoCUADPO, EvoCUA, SGCD, SGCDNoContinuations, SGCDFullSupervision)}
+    EvoCUARFT, EvoCUADPO, EvoCUA, SGCD, SGCDNoContinuations, SGCDFullSupervision, SEAgent)}
 
 
 def option_sections() -> dict[str, type]:

@@ -155,3 +155,33 @@ class Method:
             return self.summary
         return (f"{self.summary}; {train.iterations} iterations of {self.config.rollout.tasks_per_iteration} tasks "
                 f"x {self.config.rollout.group_size} episodes, {train.ppo_epochs} PPO epoch(s) each")
+
+
+def resumable_rounds(ctx: Context, policy: Any, method: str, count: int, noun: str, metrics: str,
+                     run_one: Callable[[int, Any], str]) -> None:
+    """Rounds 1..count of a method that rolls its policy out and trains `policy.params` in place (SGCD's
+    rounds, SEAgent's phases): the policy is checkpointed after each in `ctx.workdir/<noun>s`, and a rerun
+    restores the last finished one and continues after it. `run_one(r, writer)` runs round r, logging to
+    the `metrics` file through `writer`, and returns its one-line summary."""
+    from guijax.checkpoint import Checkpointer
+    from guijax.metrics import MetricsWriter
+    from guijax.progress import echo
+
+    if ctx.rollout_engine is None:
+        raise ValueError(f"{method} rolls its policy out; train it through a recipe's methods or rl stage")
+    ckpt = Checkpointer(ctx.workdir / f"{noun}s", keep=1, async_save=False)
+    writer = MetricsWriter(ctx.workdir, metrics, console=False)
+    restored = ckpt.restore_latest(policy.params, lambda params, meta: (params, meta))
+    done = 0
+    if restored is not None:
+        done, (policy.params, _) = restored
+        echo(f"  {method}: resuming after {noun} {done} of {count}")
+    try:
+        for r in range(done + 1, count + 1):
+            summary = run_one(r, writer)
+            ckpt.save(r, policy.params, {noun: r})
+            ckpt.manager.wait_until_finished()
+            echo(f"  {method} {noun} {r}/{count}: {summary}")
+    finally:
+        writer.close()
+        ckpt.close()

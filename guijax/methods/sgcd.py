@@ -23,9 +23,8 @@ from collections import Counter, defaultdict
 from typing import Any, ClassVar, Literal
 
 from envs.atomic import write_text_atomic
-from guijax.methods.base import Context, Method
+from guijax.methods.base import Context, Method, resumable_rounds
 from guijax.metrics import MetricsWriter
-from guijax.progress import echo
 from guijax.rollout.trajectory import Status
 from guijax.schema import ranged
 from guijax.sgcd.skills import FIELDS
@@ -138,27 +137,8 @@ class SGCD(Method):
 
     # ------------------------------------------------------------------ the rounds
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
-        from guijax.checkpoint import Checkpointer
-
-        if ctx.rollout_engine is None:
-            raise ValueError(f"{self.name} rolls its policy out; train it through a recipe's methods or rl stage")
-        o = self.options
-        ckpt = Checkpointer(ctx.workdir / "rounds", keep=1, async_save=False)
-        restored = ckpt.restore_latest(policy.params, lambda params, meta: (params, meta))
-        done = 0
-        if restored is not None:
-            done, (policy.params, _) = restored
-            echo(f"  {self.name}: resuming after round {done} of {o.rounds}")
-        writer = MetricsWriter(ctx.workdir, "sgcd_metrics.jsonl", console=False)
-        try:
-            for r in range(done + 1, o.rounds + 1):
-                summary = self.round(ctx, policy, pipeline, r, writer)
-                ckpt.save(r, policy.params, {"round": r})
-                ckpt.manager.wait_until_finished()
-                echo(f"  {self.name} round {r}/{o.rounds}: {summary}")
-        finally:
-            writer.close()
-            ckpt.close()
+        resumable_rounds(ctx, policy, self.name, self.options.rounds, "round", f"{self.section}_metrics.jsonl",
+                         lambda r, writer: self.round(ctx, policy, pipeline, r, writer))
 
     def round(self, ctx: Context, policy: Any, pipeline: Any, r: int, writer: MetricsWriter) -> str:
         from guijax.data.store import TrajectoryStore

@@ -30,7 +30,7 @@ SPLITS = ("tasks", "bepa_splits", "level1")  # each rewrites splits.json
 BASE_POLICY = ("base_model", "sft")
 RL_OUTPUTS = ("trained_model", "trained_model_adapter", "checkpoints", "metrics.jsonl", "trajectories",
               "algorithm_trajectories", "expert_sft_checkpoints", "expert_sft_metrics.jsonl", "offline_metrics.jsonl",
-              "step_dpo_pairs.json")
+              "step_dpo_pairs.json", "rounds", "sgcd_metrics.jsonl", "phases", "seagent_metrics.jsonl")
 
 
 def _describe_base_model(run: Run) -> str:

@@ -27,6 +27,7 @@ class Source(str, enum.Enum):
     REPLAY = "replay"  # ARPO replay buffer
     CACHE = "cache"  # BEPA LEVEL-2 cache
     EXPERT = "expert"  # converted expert trace (Trace Replacement, LUFFY, SFT)
+    FAILURE = "failure"  # a step judged to have caused the failure, trained away from (SEAgent's a_F)
 
 
 @dataclasses.dataclass

@@ -76,3 +76,28 @@ def test_a_wrapped_loss_still_asks_for_reference_log_probs():
     inner = objectives.WithCrossEntropy(objectives.ClippedPolicyLoss(losses.ClipConfig(kl_coef=0.1)), 0.5)
     assert objectives.Objective(objectives.BehaviourCorrected(inner)).reference_kl
     assert not objectives.Objective(objectives.BehaviourCorrected(objectives.ClippedPolicyLoss())).reference_kl
+
+
+@pytest.mark.parametrize("form", ["log_ratio", "bounded"])
+def test_adversarial_imitation_rows_leave_the_surrogate_and_push_a_f_down(form):
+    """SEAgent's L_GRPO + γ·L_AI: the clipped surrogate sees only the non-failure rows; the failure row adds
+    γ·L_AI of its summed log-ratio, whose gradient lowers log π_θ(a_F)."""
+    rs = np.random.RandomState(0)
+    b, s = 3, 5
+    mask = jnp.asarray((rs.rand(b, s) > 0.2).astype(np.float32)).at[:, 0].set(1.0)
+    logp = jnp.asarray(-rs.rand(b, s).astype(np.float32))
+    batch = {"loss_mask": mask, "old_logp": logp - 0.05, "ref_logp": logp - 0.3,
+             "advantages": jnp.asarray([1.0, -1.0, 0.0]), "failure": jnp.asarray([False, False, True])}
+    inner = objectives.ClippedPolicyLoss(losses.ClipConfig(normalization="sequence"))
+    loss_fn = objectives.WithAdversarialImitation(inner, gamma=0.2, form=form)
+    loss, metrics = loss_fn(logp, jnp.zeros_like(logp), batch)
+    grpo, _ = inner(logp[:2], jnp.zeros((2, s)), {k: v[:2] for k, v in batch.items()})
+    row = jnp.sum(logp[2] * mask[2]) - jnp.sum(batch["ref_logp"][2] * mask[2])
+    ai = 0.2 * row if form == "log_ratio" else 0.2 * -jax.nn.log_sigmoid(-row)
+    chex.assert_trees_all_close((loss, metrics["ai_loss"], metrics["failure_rows"]), (grpo + ai, ai, 1.0), atol=1e-6)
+    grad = jax.grad(lambda lp: loss_fn(lp, jnp.zeros_like(lp), batch)[0])(logp)
+    assert float(jnp.min(jnp.where(mask[2] > 0, grad[2], 1.0))) > 0  # descent lowers every a_F token's log-prob
+    with pytest.raises(ValueError, match="needs the batch's ref_logp"):
+        loss_fn(logp, logp, {k: v for k, v in batch.items() if k != "ref_logp"})
+    with pytest.raises(ValueError, match="form must be one of"):
+        objectives.WithAdversarialImitation(inner, form="printed")

@@ -113,3 +113,10 @@ def scripted_episodes(task, screen=SCREEN, step_limit: int = 6):
         yield run
     finally:
         pool.close()
+
+
+def click_task(seed: int = 5, screen=SCREEN):
+    """One click_button desk task (the judge and skill tests' task)."""
+    from envs.tasks import generate_desk_tasks
+
+    return generate_desk_tasks(1, seed=seed, families=["click_button"], screen_hw=screen)[0]

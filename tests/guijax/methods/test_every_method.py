@@ -27,7 +27,9 @@ EVERY = ("stages=('base_model', 'tasks', 'expert', 'sft')", "env.num_tasks=6",
          "offline.steps=2", "offline.batch_trajectories=4", "expert_sft.epochs=1", "expert_sft.learning_rate=1e-3",
          "offline.learning_rate=1e-3", "evocua.rft_steps=2", "evocua.dpo_steps=2", "evocua.batch_trajectories=4",
          "evocua.rft_learning_rate=1e-3", "evocua.dpo_learning_rate=1e-3", "sgcd.rollouts_per_task=1",
-         "sgcd.max_handoff=2", "sgcd.sft_steps=2", "sgcd.batch_trajectories=4", "sgcd.learning_rate=1e-3")
+         "sgcd.max_handoff=2", "sgcd.sft_steps=2", "sgcd.batch_trajectories=4", "sgcd.learning_rate=1e-3",
+         "seagent.episodes_per_task=1", "seagent.group_size=2", "seagent.update_epochs=2", "seagent.batch_rows=8",
+         "seagent.learning_rate=1e-3")
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +166,19 @@ def _sgcd(continuations: bool):
     return check
 
 
+def _seagent(run, workdir, policy, history, planted):
+    """The tiny policy fails every task: the oracle judges every episode incorrect, its erring steps become
+    failure rows, and the update's first pass (at θ = π_ref) pushes their log-probs below the reference's."""
+    (report,) = [json.loads(p.read_text()) for p in workdir.glob("phase_*/phase.json")]
+    assert report["episodes"] == len(run.tasks()["train"]) and report["verified_successes"] == 0
+    assert report["judged_correct"] == 0 and report["judge_npv"] == 1.0
+    assert report["a_F"] >= 1 and report["failure_rows"] == report["a_F"] and report["update_steps"] == 2
+    lines = [json.loads(x) for x in (workdir / "seagent_metrics.jsonl").read_text().splitlines()]
+    ratios = [m["update_failure_logratio"] for m in lines if "update_failure_logratio" in m]
+    assert len(ratios) == 2 and abs(ratios[0]) < 1e-3 and ratios[1] < ratios[0]
+    assert history == [] and _moved(run, policy) > 0
+
+
 EFFECTS = {
     "grpo": _no_expert_data,
     "arpo": _arpo,
@@ -184,6 +199,7 @@ EFFECTS = {
     "sgcd": _sgcd(True),
     "sgcd_no_continuations": _sgcd(False),
     "sgcd_full_supervision": _sgcd(True),
+    "seagent": _seagent,
 }
 
 
@@ -237,3 +253,20 @@ def test_sgcd_resumes_after_its_last_finished_round(prepared, capsys):
     assert (workdir / "round_1" / "round.json").stat().st_mtime_ns == written  # round 1 was not run again
     assert json.loads((workdir / "round_2" / "round.json").read_text())["round"] == 2
     assert _moved(run, policy) > 0
+
+
+@pytest.mark.slow
+def test_seagent_resumes_after_its_last_finished_phase(prepared, capsys):
+    """A second run with one more phase restores phase 1's policy and runs phase 2 only."""
+    config, run, _ = prepared
+    workdir = run.workdir / "methods" / "seagent_resume"
+    workdir.mkdir(parents=True, exist_ok=True)
+    base_stages.train_with(run, get_method("seagent", config), workdir, "seagent")
+    written = (workdir / "phase_1" / "phase.json").stat().st_mtime_ns
+    two = copy.deepcopy(config)
+    two.seagent.phases = 2
+    capsys.readouterr()
+    base_stages.train_with(run, get_method("seagent", two), workdir, "seagent")
+    assert "resuming after phase 1 of 2" in capsys.readouterr().out
+    assert (workdir / "phase_1" / "phase.json").stat().st_mtime_ns == written  # phase 1 was not run again
+    assert json.loads((workdir / "phase_2" / "phase.json").read_text())["phase"] == 2

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from desk_policies import SCREEN, WAIT, buttons, click, scripted_episodes
-from envs.tasks import generate_desk_tasks
+from desk_policies import SCREEN, WAIT, buttons, click, click_task, scripted_episodes
 from fake_chat import fake_chat_server
 from guijax.chat import ChatClient, ChatError
 from guijax.seagent.world_state import (JUDGE_PROMPT, ChatWorldStateJudge, DeskOracleJudge, Judgment,
@@ -60,7 +59,7 @@ def test_step_labels_follow_a3():
 
 @pytest.fixture(scope="module")
 def task():
-    return generate_desk_tasks(1, seed=5, families=["click_button"], screen_hw=SCREEN)[0]
+    return click_task()
 
 
 @pytest.fixture(scope="module")

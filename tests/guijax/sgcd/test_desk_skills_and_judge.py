@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from desk_policies import SCREEN, WAIT, buttons, click, scripted_episodes
-from envs.tasks import generate_desk_tasks
+from desk_policies import SCREEN, WAIT, buttons, click, click_task, scripted_episodes
 from fake_chat import fake_chat_server
 from guijax.chat import ChatClient
 from guijax.rollout.trajectory import Status
@@ -19,7 +18,7 @@ DONE = "Thought: The task is complete.\nAction: finished(content='done')"
 
 @pytest.fixture(scope="module")
 def task():
-    return generate_desk_tasks(1, seed=5, families=["click_button"], screen_hw=SCREEN)[0]
+    return click_task()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,32 @@
+"""SEAgent on the synthetic desk with the small preset (`--config=seagent_cpu`), 2 CPU cores, no downloads.
+
+1. The base policy: a fresh small Qwen2.5-VL after a short SFT warm start on scripted-expert traces of the
+   three desk families.
+2. methods, from the same base policy: `seagent`, two phases of: 4 rollouts per training task; every episode
+   judged by the desk's ground-truth World State Model oracle and labelled by A.3; G=8 responses sampled at
+   every a_T state and scored by Eq. 4 against it; one update of L_GRPO (clipped, per-sequence mean) +
+   γ·L_AI (γ=0.2) on the a_F steps.
+3. table: success per split before and after.
+
+Not part of it yet (not built): the curriculum generator (the phases reuse the training split), specialist
+to generalist, a judge trained in guijax.
+"""
+from configs._common import base, small_desk
+
+
+def get_config():
+    c = small_desk(base("seagent_cpu"))
+    c.stages = ("base_model", "tasks", "expert", "sft", "eval_base", "methods", "table", "report")
+    c.sft.steps = 150
+    c.method = "seagent"
+    c.train.normalization = "sequence"  # Eq. 5: mean over each response's tokens, then over responses
+    c.seagent.phases = 2
+    c.seagent.episodes_per_task = 4
+    c.seagent.group_size = 8
+    c.seagent.update_epochs = 1
+    c.seagent.batch_rows = 16
+    c.seagent.learning_rate = 1e-4  # the desk's fine-tuning rate (expert_sft.learning_rate)
+    c.compare.methods = ("seagent",)
+    c.eval.splits = ("train", "held_out")
+    c.eval.episodes_per_task = 4
+    return c

@@ -1,0 +1,148 @@
+"""SEAgent's experiential learning (seagent.txt §3.2, Alg. 1) as a method: phases of rollouts judged by the
+World State Model, then step-level RL on the judged states, with no RL loop of its own.
+
+Each phase p: the current policy rolls out the training tasks; the judge (`seagent.judge`: the desk's
+ground-truth oracle, or an OpenAI-compatible vision model with Fig. 8's prompt) judges every episode and A.3
+labels its steps; G responses are sampled at every a_T state and scored by Eq. 4 against it, giving Eq. 3's
+group advantages; one update (`guijax.seagent.step_rl`) trains L_GRPO (clipped, per-sequence mean, KL to
+the phase's starting policy with `train.kl_coef`) + γ·L_AI on the a_F steps. Each phase writes
+`phase_N/phase.json` and checkpoints the policy, so a rerun resumes after the last finished phase.
+
+Not built yet: the curriculum generator (the tasks are the run's training split), state-change captions, a
+judge trained in guijax, specialist-to-generalist training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+from envs.atomic import write_text_atomic
+from guijax.methods.base import Context, Method, resumable_rounds
+from guijax.metrics import MetricsWriter
+from guijax.schema import ranged
+
+
+@dataclasses.dataclass(frozen=True)
+class SEAgentOptions:
+    """`seagent`: phases, the judge, state-level sampling and the update."""
+
+    phases: int = ranged(1, low=1)  # P: judge-then-update rounds
+    episodes_per_task: int = ranged(4, low=1)  # rollouts of each training task per phase
+    group_size: int = ranged(8, low=2)  # G responses sampled at each a_T state (Eq. 3)
+    max_states: int = ranged(0, low=0)  # a_T states sampled per phase (0: all), the first in rollout order
+    judge: Literal["oracle", "chat"] = "oracle"  # oracle: the desk's ground truth
+    judge_retries: int = ranged(2, low=0)  # chat: unreadable answers asked again
+    chat_url: str = ""
+    chat_model: str = ""
+    chat_api_key_env: str = "OPENAI_API_KEY"
+    gamma: float = ranged(0.2, low=0)  # γ of L = L_GRPO + γ·L_AI (Table 8)
+    failure_loss: Literal["log_ratio", "bounded"] = "log_ratio"  # objectives.WithAdversarialImitation
+    update_epochs: int = ranged(1, low=1)  # passes over a phase's rows
+    batch_rows: int = ranged(8, low=1)
+    learning_rate: float = ranged(1e-5, low=0)
+    sampler_rows: int = ranged(64, low=1)  # prompts per sampler call in state-level sampling
+
+
+class SEAgent(Method):
+    name = "seagent"
+    summary = "SEAgent: judged rollouts, step-level GRPO on a_T states + adversarial imitation of a_F steps"
+    section = "seagent"
+    options_class = SEAgentOptions
+    losses = ("grpo",)
+    normalizations = ("sequence", "token")
+    rl = False
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return ("seagent", "rollout", "env")
+
+    def validate(self) -> None:
+        super().validate()
+        o = self.options
+        if o.judge == "chat" and not (o.chat_url and o.chat_model):
+            raise ValueError("seagent.judge is 'chat': set seagent.chat_url and seagent.chat_model (an "
+                             f"OpenAI-compatible vision endpoint; the key is read from ${o.chat_api_key_env})")
+        if o.judge == "oracle" and self.config.env.kind != "desk":
+            raise ValueError(f"seagent.judge='oracle' reads the synthetic desk's ground truth; env.kind is "
+                             f"{self.config.env.kind!r}: use seagent.judge='chat'")
+
+    def loss(self) -> Any:
+        from guijax import objectives
+
+        o = self.options
+        inner = objectives.make_loss(self.config.train.loss or "grpo", self.config.train)
+        return objectives.WithAdversarialImitation(inner, o.gamma, o.failure_loss)
+
+    def judge(self) -> Any:
+        from guijax.seagent.world_state import ChatWorldStateJudge, DeskOracleJudge
+
+        o, env = self.options, self.config.env
+        if o.judge == "oracle":
+            return DeskOracleJudge(tuple(env.screen), popups=env.popups)
+        from guijax.chat import ChatClient
+
+        return ChatWorldStateJudge(ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env),
+                                   retries=o.judge_retries)
+
+    def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
+        resumable_rounds(ctx, policy, self.name, self.options.phases, "phase", f"{self.section}_metrics.jsonl",
+                         lambda r, writer: self.phase(ctx, policy, pipeline, r, writer))
+
+    def phase(self, ctx: Context, policy: Any, pipeline: Any, p: int, writer: MetricsWriter) -> str:
+        import jax
+        import numpy as np
+
+        from guijax import train_step
+        from guijax.rollout.trajectory import Status
+        from guijax.seagent import step_rl
+        from guijax.seagent.world_state import Label, score_judge, step_labels
+
+        o, streams = self.options, ctx.streams.child("phase", p)
+        folder = ctx.workdir / f"phase_{p}"
+        folder.mkdir(parents=True, exist_ok=True)
+        engine = ctx.rollout_engine(policy, self.config.rollout.temperature)
+        tasks = {t.id: t for t in ctx.train_tasks}
+        rollouts, _ = engine.run(policy.params, list(tasks.values()), o.episodes_per_task,
+                                 jax.random.PRNGKey(streams.seed_for("rollouts")), seed=streams.seed_for("episodes"),
+                                 desc=f"{self.name} p{p} rollouts")
+        rollouts = [t for t in rollouts if t.status != Status.ENV_ERROR and t.steps]
+        judge = self.judge()
+        judgments = [judge.judge(tasks[t.task_id], t) for t in rollouts]
+        labels = [step_labels(j, len(t.steps)) for j, t in zip(judgments, rollouts)]
+        positives, failures = step_rl.labelled_states(labels)
+        if o.max_states:
+            positives = positives[:o.max_states]
+        samples = step_rl.sample_at_states(engine, policy.params, rollouts, positives, o.group_size,
+                                           jax.random.PRNGKey(streams.seed_for("samples")), o.sampler_rows)
+        rewards = step_rl.sample_rewards(rollouts, positives, samples, engine.config.coordinate_model)
+        data = step_rl.training_rows(rollouts, positives, samples, step_rl.group_advantages(rewards), failures)
+        history: list[dict[str, float]] = []
+        if data.refs:
+            reference = train_step.reference_params(policy.params, policy.module.lora)
+            policy.params, history = step_rl.update(
+                policy, reference, data, self.loss(), self.config, pipeline, o.batch_rows, o.update_epochs,
+                o.learning_rate, streams.seed_for("batches"), log=writer.write)
+        score = score_judge(judgments, [t.success for t in rollouts])
+        report = {
+            "phase": p, "episodes": len(rollouts), "verified_successes": sum(t.success for t in rollouts),
+            "judged_correct": score.judged_correct, "judge_precision": score.precision, "judge_npv": score.npv,
+            "a_T": sum(row.count(Label.CORRECT) for row in labels),
+            "a_F": sum(row.count(Label.FAILURE) for row in labels), "states_sampled": len(positives),
+            "mean_step_reward": float(np.mean(rewards)) if rewards.size else 0.0,
+            "groups_kept": data.groups_kept, "groups_flat": data.groups_flat, "failure_rows": data.failure_rows,
+            "rows": len(data.refs), "update_steps": len(history),
+            "loss_first": history[0]["loss"] if history else None,
+            "loss_last": history[-1]["loss"] if history else None,
+            "judgments": [{"task": t.task_id, **j.as_dict()} for j, t in zip(judgments, rollouts)]}
+        write_text_atomic(folder / "phase.json", json.dumps(report, indent=1))
+        writer.write({k: v for k, v in report.items() if isinstance(v, (int, float)) and v is not None})
+        return (f"judged {report['judged_correct']}/{report['episodes']} correct (verifier "
+                f"{report['verified_successes']}), {report['a_T']} a_T and {report['a_F']} a_F steps, mean step reward "
+                f"{report['mean_step_reward']:.2f}, {report['groups_kept']} groups kept, {report['rows']} rows"
+                + (f", loss {report['loss_first']:.3f} -> {report['loss_last']:.3f}" if history else ""))
+
+    def describe(self) -> str:
+        o = self.options
+        return (f"{self.summary}; {o.phases} phase(s) of {o.episodes_per_task} episodes per task, G={o.group_size}, "
+                f"γ={o.gamma} ({o.failure_loss}), judge {o.judge}")

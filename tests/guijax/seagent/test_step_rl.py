@@ -1,0 +1,90 @@
+"""SEAgent's state-level sampling, Eq. 3/4 scoring and training rows, on episodes rolled out on the real desk
+by scripted policies (the sampler answers from a script, so every reward is known)."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from desk_policies import SCREEN, WAIT, buttons, click, click_task, scripted_episodes
+from envs.pool import DeskFactory, EnvPool
+from guijax.rollout.engine import RolloutConfig, RolloutEngine
+from guijax.rollout.trajectory import Source
+from guijax.seagent import step_rl
+from guijax.seagent.world_state import DeskOracleJudge, Label, step_labels
+from rollout_fakes import PromptPolicySampler, TextProcessor
+
+DONE = "Thought: The task is complete.\nAction: finished(content='done')"
+
+
+@pytest.fixture(scope="module")
+def task():
+    return click_task()
+
+
+@pytest.fixture(scope="module")
+def judged(task):
+    """A clean episode and a failed one (a wrong click at step 2), judged by the desk oracle."""
+    target = task.instruction.split('"')[1]
+    wrong = next(b for b in buttons(task) if b != target)
+    with scripted_episodes(task) as run:
+        clean, failed = run([click(task, target), DONE]), run([WAIT, click(task, wrong), DONE])
+    judge = DeskOracleJudge(SCREEN)
+    labels = [step_labels(judge.judge(task, t), len(t.steps)) for t in (clean, failed)]
+    return [clean, failed], labels, target, wrong
+
+
+def test_labelled_states_in_rollout_order(judged):
+    _, labels, _, _ = judged
+    assert labels == [[Label.CORRECT, Label.CORRECT], [Label.CORRECT, Label.FAILURE, None]]
+    positives, failures = step_rl.labelled_states(labels)
+    assert positives == [step_rl.State(0, 0), step_rl.State(0, 1), step_rl.State(1, 0)]
+    assert failures == [step_rl.State(1, 1)]
+
+
+def test_samples_at_a_state_see_the_rollouts_prompt_and_score_by_eq4(task, judged):
+    trajectories, labels, target, wrong = judged
+    positives, failures = step_rl.labelled_states(labels)
+    answers = itertools.cycle([click(task, target), click(task, wrong), WAIT, "no action here"])
+    processor = TextProcessor()
+    sampler = PromptPolicySampler(processor, lambda params, prompt: next(answers))
+    with EnvPool(DeskFactory(SCREEN, step_limit=6, popups=False), 1, timeout_s=60) as pool:
+        engine = RolloutEngine(pool, sampler, processor, RolloutConfig(show_progress=False))
+        samples = step_rl.sample_at_states(engine, None, trajectories, positives[:2], 4, jax.random.PRNGKey(0),
+                                           max_rows=3)
+        # the prompt at step 2 of the clean episode holds its first response, as the rollout's prompt did
+        replayed = PromptPolicySampler(processor, lambda params, prompt: trajectories[0].steps[
+            prompt.count("assistant:")].response)
+        RolloutEngine(pool, replayed, processor, RolloutConfig(show_progress=False)).run(
+            None, [task], 1, jax.random.PRNGKey(0), seed=3)
+    assert [len(g) for g in samples] == [4, 4]
+    assert sampler.prompts[4:8] == [replayed.prompts[1]] * 4 and sampler.prompts[:4] == [replayed.prompts[0]] * 4
+    assert samples[0][0].response == click(task, target) and len(samples[0][0].behaviour_logprobs) == 1
+    rewards = step_rl.sample_rewards(trajectories, positives[:2], samples)
+    # state 1's a_T is the target click: exact 2, another button 1 + closeness, wait 0, unparsable 0
+    assert rewards[0, 0] == 2.0 and 1.0 < rewards[0, 1] < 2.0 and rewards[0, 2] == rewards[0, 3] == 0.0
+    # state 2's a_T is finished(): only a finished() scores (none sampled); the cycle continues there
+    assert np.all(rewards[1] == 0.0)
+    adv = step_rl.group_advantages(rewards)
+    np.testing.assert_allclose(adv[0], (rewards[0] - rewards[0].mean()) / rewards[0].std(), rtol=1e-5)
+    assert np.all(adv[1] == 0.0)
+    data = step_rl.training_rows(trajectories, positives[:2], samples, adv, failures)
+    assert (data.groups_kept, data.groups_flat, data.failure_rows, len(data.rows)) == (1, 1, 1, 5)
+    for ref, row, sample in zip(data.refs[:4], data.rows[:4], samples[0]):
+        assert ref.step == 0 and row.steps[-1] is sample and row.source == Source.ON_POLICY
+    fail_ref, fail_row = data.refs[4], data.rows[4]
+    assert fail_row.source == Source.FAILURE and fail_ref.step == 1 and fail_ref.advantage == 0.0
+    assert fail_row.steps[-1].response == trajectories[1].steps[1].response and len(fail_row.steps) == 2
+
+
+def test_an_unparsable_correct_step_is_refused_by_name(judged):
+    trajectories, _, _, _ = judged
+    broken = [trajectories[0]]
+    broken[0].steps[0].response, saved = "gibberish", broken[0].steps[0].response
+    try:
+        with pytest.raises(ValueError, match="a_T response does not parse"):
+            step_rl.sample_rewards(broken, [step_rl.State(0, 0)], [[]])
+    finally:
+        broken[0].steps[0].response = saved
