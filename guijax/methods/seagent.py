@@ -42,6 +42,11 @@ class SEAgentOptions:
     batch_rows: int = ranged(8, low=1)
     learning_rate: float = ranged(1e-5, low=0)
     sampler_rows: int = ranged(64, low=1)  # prompts per sampler call in state-level sampling
+    # the tasks of each phase: the training split every time | the desk's offline curriculum generator
+    # (guijax.seagent.curriculum: retries of judged failures, then new tasks at the difficulty frontier)
+    curriculum: Literal["none", "desk"] = "none"
+    tasks_per_phase: int = ranged(12, low=1)  # desk curriculum: tasks of phases 2..P
+    curriculum_families: tuple[str, ...] = ()  # desk curriculum: families it may introduce (default env.families)
 
 
 class SEAgent(Method):
@@ -63,6 +68,11 @@ class SEAgent(Method):
         if o.judge == "chat" and not (o.chat_url and o.chat_model):
             raise ValueError("seagent.judge is 'chat': set seagent.chat_url and seagent.chat_model (an "
                              f"OpenAI-compatible vision endpoint; the key is read from ${o.chat_api_key_env})")
+        if o.curriculum == "desk" and self.config.env.kind != "desk":
+            raise ValueError(f"seagent.curriculum='desk' generates synthetic desk tasks; env.kind is "
+                             f"{self.config.env.kind!r}: use seagent.curriculum='none'")
+        if o.curriculum == "desk":
+            self.curriculum(0)  # names an unknown family now rather than after the first phase
         if o.judge == "oracle" and self.config.env.kind != "desk":
             raise ValueError(f"seagent.judge='oracle' reads the synthetic desk's ground truth; env.kind is "
                              f"{self.config.env.kind!r}: use seagent.judge='chat'")
@@ -85,6 +95,28 @@ class SEAgent(Method):
         return ChatWorldStateJudge(ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env),
                                    retries=o.judge_retries)
 
+    def curriculum(self, seed: int) -> Any:
+        from guijax.seagent.curriculum import DeskCurriculum
+
+        from envs.desk.families import FAMILIES
+
+        o = self.options
+        ladder = tuple(o.curriculum_families or self.config.env.families or FAMILIES)
+        return DeskCurriculum(ladder, tuple(self.config.env.screen), o.tasks_per_phase, seed)
+
+    def phase_tasks(self, ctx: Context, p: int) -> tuple[list, Any]:
+        """Phase p's tasks and, with the desk curriculum, its state (I_p, U_p): the initial one from the training
+        split, later ones as phase p-1 left them in its folder."""
+        from guijax.seagent.curriculum import Curriculum
+
+        if self.options.curriculum == "none":
+            return list(ctx.train_tasks), None
+        if p == 1:
+            cur = self.curriculum(ctx.streams.seed_for("curriculum")).initial(ctx.train_tasks)
+        else:
+            cur = Curriculum.from_json(json.loads((ctx.workdir / f"phase_{p - 1}" / "curriculum.json").read_text()))
+        return list(cur.tasks), cur
+
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
         resumable_rounds(ctx, policy, self.name, self.options.phases, "phase", f"{self.section}_metrics.jsonl",
                          lambda r, writer: self.phase(ctx, policy, pipeline, r, writer))
@@ -102,7 +134,8 @@ class SEAgent(Method):
         folder = ctx.workdir / f"phase_{p}"
         folder.mkdir(parents=True, exist_ok=True)
         engine = ctx.rollout_engine(policy, self.config.rollout.temperature)
-        tasks = {t.id: t for t in ctx.train_tasks}
+        phase_tasks, cur = self.phase_tasks(ctx, p)
+        tasks = {t.id: t for t in phase_tasks}
         rollouts, _ = engine.run(policy.params, list(tasks.values()), o.episodes_per_task,
                                  jax.random.PRNGKey(streams.seed_for("rollouts")), seed=streams.seed_for("episodes"),
                                  desc=f"{self.name} p{p} rollouts")
@@ -135,12 +168,20 @@ class SEAgent(Method):
             "loss_first": history[0]["loss"] if history else None,
             "loss_last": history[-1]["loss"] if history else None,
             "judgments": [{"task": t.task_id, **j.as_dict()} for j, t in zip(judgments, rollouts)]}
+        if cur is not None:  # U_{p+1}, I_{p+1} for the next phase (Eq. 1)
+            nxt = self.curriculum(ctx.streams.seed_for("curriculum")).update(
+                cur, [(tasks[t.task_id], j) for t, j in zip(rollouts, judgments)])
+            write_text_atomic(folder / "curriculum.json", json.dumps(nxt.to_json(), indent=1))
+            report["tasks"] = len(tasks)
+            report["next_tasks"] = len(nxt.tasks)
+            report["guidebook"] = nxt.guidebook()
         write_text_atomic(folder / "phase.json", json.dumps(report, indent=1))
         writer.write({k: v for k, v in report.items() if isinstance(v, (int, float)) and v is not None})
         return (f"judged {report['judged_correct']}/{report['episodes']} correct (verifier "
                 f"{report['verified_successes']}), {report['a_T']} a_T and {report['a_F']} a_F steps, mean step reward "
                 f"{report['mean_step_reward']:.2f}, {report['groups_kept']} groups kept, {report['rows']} rows"
-                + (f", loss {report['loss_first']:.3f} -> {report['loss_last']:.3f}" if history else ""))
+                + (f", loss {report['loss_first']:.3f} -> {report['loss_last']:.3f}" if history else "")
+                + (f"; next phase: {report['next_tasks']} tasks" if cur is not None else ""))
 
     def describe(self) -> str:
         o = self.options

@@ -29,7 +29,7 @@ EVERY = ("stages=('base_model', 'tasks', 'expert', 'sft')", "env.num_tasks=6",
          "evocua.rft_learning_rate=1e-3", "evocua.dpo_learning_rate=1e-3", "sgcd.rollouts_per_task=1",
          "sgcd.max_handoff=2", "sgcd.sft_steps=2", "sgcd.batch_trajectories=4", "sgcd.learning_rate=1e-3",
          "seagent.episodes_per_task=1", "seagent.group_size=2", "seagent.update_epochs=2", "seagent.batch_rows=8",
-         "seagent.learning_rate=1e-3")
+         "seagent.learning_rate=1e-3", "seagent.curriculum=desk", "seagent.tasks_per_phase=2")
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +176,10 @@ def _seagent(run, workdir, policy, history, planted):
     lines = [json.loads(x) for x in (workdir / "seagent_metrics.jsonl").read_text().splitlines()]
     ratios = [m["update_failure_logratio"] for m in lines if "update_failure_logratio" in m]
     assert len(ratios) == 2 and abs(ratios[0]) < 1e-3 and ratios[1] < ratios[0]
+    # the desk curriculum's next task set: a retry of a judged failure, then one new task; the guidebook
+    nxt = json.loads((workdir / "phase_1" / "curriculum.json").read_text())
+    assert nxt["phase"] == 2 and len(nxt["tasks"]) == 2 and nxt["tasks"][0]["id"] in {t.id for t in run.tasks()["train"]}
+    assert report["next_tasks"] == 2 and "learning, judged correct 0/" in report["guidebook"]
     assert history == [] and _moved(run, policy) > 0
 
 
