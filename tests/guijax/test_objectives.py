@@ -90,12 +90,12 @@ def test_adversarial_imitation_rows_leave_the_surrogate_and_push_a_f_down(form):
              "advantages": jnp.asarray([1.0, -1.0, 0.0]), "failure": jnp.asarray([False, False, True])}
     inner = objectives.ClippedPolicyLoss(losses.ClipConfig(normalization="sequence"))
     loss_fn = objectives.WithAdversarialImitation(inner, gamma=0.2, form=form)
-    loss, metrics = loss_fn(logp, jnp.zeros_like(logp), batch)
-    grpo, _ = inner(logp[:2], jnp.zeros((2, s)), {k: v[:2] for k, v in batch.items()})
+    loss, metrics = jax.jit(lambda lp, bt: loss_fn(lp, jnp.zeros_like(lp), bt))(logp, batch)
+    grpo, _ = jax.jit(lambda lp, bt: inner(lp, jnp.zeros_like(lp), bt))(logp[:2], {k: v[:2] for k, v in batch.items()})
     row = jnp.sum(logp[2] * mask[2]) - jnp.sum(batch["ref_logp"][2] * mask[2])
     ai = 0.2 * row if form == "log_ratio" else 0.2 * -jax.nn.log_sigmoid(-row)
     chex.assert_trees_all_close((loss, metrics["ai_loss"], metrics["failure_rows"]), (grpo + ai, ai, 1.0), atol=1e-6)
-    grad = jax.grad(lambda lp: loss_fn(lp, jnp.zeros_like(lp), batch)[0])(logp)
+    grad = jax.jit(jax.grad(lambda lp: loss_fn(lp, jnp.zeros_like(lp), batch)[0]))(logp)
     assert float(jnp.min(jnp.where(mask[2] > 0, grad[2], 1.0))) > 0  # descent lowers every a_F token's log-prob
     with pytest.raises(ValueError, match="needs the batch's ref_logp"):
         loss_fn(logp, logp, {k: v for k, v in batch.items() if k != "ref_logp"})

@@ -1,0 +1,30 @@
+"""seagent_cpu resolves and passes the recipe check; the desk-only parts are refused elsewhere, naming the key."""
+from __future__ import annotations
+
+import pytest
+
+from guijax import launch
+from guijax.methods import get_method
+from guijax.pipeline.registry import check_recipe
+
+
+def test_the_cpu_recipe_checks_and_trains_seagent_from_the_sft_policy():
+    config = launch.resolve("seagent_cpu", [])
+    check_recipe(config)
+    method = get_method("seagent", config)
+    assert method.options.curriculum == "desk" and method.options.judge == "oracle" and not method.rl
+    assert config.train.normalization == "sequence"
+    assert "sft" in config.stages and config.stages.index("sft") < config.stages.index("methods")
+
+
+def test_desk_only_parts_and_a_missing_chat_endpoint_are_named():
+    with pytest.raises(ValueError, match="seagent.judge='oracle' reads the synthetic desk"):
+        get_method("seagent", launch.resolve("grpo_gpu", ["method=seagent", "seagent.curriculum=none"]))
+    with pytest.raises(ValueError, match="seagent.curriculum='desk' generates synthetic desk tasks"):
+        get_method("seagent", launch.resolve("grpo_gpu", ["method=seagent", "seagent.judge=chat",
+                                                           "seagent.curriculum=desk", "seagent.chat_url=http://x/v1",
+                                                           "seagent.chat_model=m"]))
+    with pytest.raises(ValueError, match="set seagent.chat_url and seagent.chat_model"):
+        get_method("seagent", launch.resolve("seagent_cpu", ["seagent.judge=chat"]))
+    with pytest.raises(ValueError, match=r"curriculum_families names \['paint'\]"):
+        get_method("seagent", launch.resolve("seagent_cpu", ["seagent.curriculum_families=('paint',)"]))
