@@ -96,9 +96,8 @@ class SEAgent(Method):
                                    retries=o.judge_retries)
 
     def curriculum(self, seed: int) -> Any:
-        from guijax.seagent.curriculum import DeskCurriculum
-
         from envs.desk.families import FAMILIES
+        from guijax.seagent.curriculum import DeskCurriculum
 
         o = self.options
         ladder = tuple(o.curriculum_families or self.config.env.families or FAMILIES)

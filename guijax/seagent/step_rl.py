@@ -151,6 +151,8 @@ def update(policy: Any, reference_params: Any, data: StepRows, loss: Any, config
 
     opt_config = ml_collections.ConfigDict(config.optim.to_dict())
     opt_config.learning_rate = learning_rate
+    # a schedule (warmup, cosine) spans this update's own steps, as the SFT runs' do
+    opt_config.total_steps = max(-(-len(data.refs) // batch_rows) * epochs, opt_config.warmup_steps + 1)
     tx, _ = optim.make_optimizer(opt_config)
     step_cfg = train_step.StepConfig(loss, config.rollout.temperature, impl=config.train.logprob_impl,
                                      router_aux_loss_coef=config.train.router_aux_loss_coef)
