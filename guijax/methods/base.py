@@ -157,12 +157,25 @@ class Method:
                 f"x {self.config.rollout.group_size} episodes, {train.ppo_epochs} PPO epoch(s) each")
 
 
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """What one round of a self-rolling method works with: its number, its folder (`<noun>_<index>`, created),
+    its random streams, a rollout engine over the run's environments for the current policy, and the writer
+    of the method's metrics file."""
+
+    index: int
+    folder: pathlib.Path
+    streams: Streams
+    engine: Any
+    writer: Any
+
+
 def resumable_rounds(ctx: Context, policy: Any, method: str, count: int, noun: str, metrics: str,
-                     run_one: Callable[[int, Any], str]) -> None:
+                     run_one: Callable[[Round], str]) -> None:
     """Rounds 1..count of a method that rolls its policy out and trains `policy.params` in place (SGCD's
     rounds, SEAgent's phases): the policy is checkpointed after each in `ctx.workdir/<noun>s`, and a rerun
-    restores the last finished one and continues after it. `run_one(r, writer)` runs round r, logging to
-    the `metrics` file through `writer`, and returns its one-line summary."""
+    restores the last finished one and continues after it. `run_one(round)` runs one round (engine at
+    `rollout.temperature`, logging to the `metrics` file) and returns its one-line summary."""
     from guijax.checkpoint import Checkpointer
     from guijax.metrics import MetricsWriter
     from guijax.progress import echo
@@ -178,7 +191,10 @@ def resumable_rounds(ctx: Context, policy: Any, method: str, count: int, noun: s
         echo(f"  {method}: resuming after {noun} {done} of {count}")
     try:
         for r in range(done + 1, count + 1):
-            summary = run_one(r, writer)
+            folder = ctx.workdir / f"{noun}_{r}"
+            folder.mkdir(parents=True, exist_ok=True)
+            engine = ctx.rollout_engine(policy, ctx.config.rollout.temperature)
+            summary = run_one(Round(r, folder, ctx.streams.child(noun, r), engine, writer))
             ckpt.save(r, policy.params, {noun: r})
             ckpt.manager.wait_until_finished()
             echo(f"  {method} {noun} {r}/{count}: {summary}")

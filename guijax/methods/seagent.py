@@ -18,8 +18,7 @@ import json
 from typing import Any, Literal
 
 from envs.atomic import write_text_atomic
-from guijax.methods.base import Context, Method, resumable_rounds
-from guijax.metrics import MetricsWriter
+from guijax.methods.base import Context, Method, Round, resumable_rounds
 from guijax.schema import ranged
 
 
@@ -118,9 +117,9 @@ class SEAgent(Method):
 
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
         resumable_rounds(ctx, policy, self.name, self.options.phases, "phase", f"{self.section}_metrics.jsonl",
-                         lambda r, writer: self.phase(ctx, policy, pipeline, r, writer))
+                         lambda rnd: self.phase(ctx, policy, pipeline, rnd))
 
-    def phase(self, ctx: Context, policy: Any, pipeline: Any, p: int, writer: MetricsWriter) -> str:
+    def phase(self, ctx: Context, policy: Any, pipeline: Any, rnd: Round) -> str:
         import jax
         import numpy as np
 
@@ -129,10 +128,8 @@ class SEAgent(Method):
         from guijax.seagent import step_rl
         from guijax.seagent.world_state import Label, score_judge, step_labels
 
-        o, streams = self.options, ctx.streams.child("phase", p)
-        folder = ctx.workdir / f"phase_{p}"
-        folder.mkdir(parents=True, exist_ok=True)
-        engine = ctx.rollout_engine(policy, self.config.rollout.temperature)
+        o, p = self.options, rnd.index
+        streams, folder, writer, engine = rnd.streams, rnd.folder, rnd.writer, rnd.engine
         phase_tasks, cur = self.phase_tasks(ctx, p)
         tasks = {t.id: t for t in phase_tasks}
         rollouts, _ = engine.run(policy.params, list(tasks.values()), o.episodes_per_task,

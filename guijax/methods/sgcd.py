@@ -23,8 +23,7 @@ from collections import Counter, defaultdict
 from typing import Any, ClassVar, Literal
 
 from envs.atomic import write_text_atomic
-from guijax.methods.base import Context, Method, resumable_rounds
-from guijax.metrics import MetricsWriter
+from guijax.methods.base import Context, Method, Round, resumable_rounds
 from guijax.rollout.trajectory import Status
 from guijax.schema import ranged
 from guijax.sgcd.skills import FIELDS
@@ -138,17 +137,14 @@ class SGCD(Method):
     # ------------------------------------------------------------------ the rounds
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
         resumable_rounds(ctx, policy, self.name, self.options.rounds, "round", f"{self.section}_metrics.jsonl",
-                         lambda r, writer: self.round(ctx, policy, pipeline, r, writer))
+                         lambda rnd: self.round(ctx, policy, pipeline, rnd))
 
-    def round(self, ctx: Context, policy: Any, pipeline: Any, r: int, writer: MetricsWriter) -> str:
+    def round(self, ctx: Context, policy: Any, pipeline: Any, rnd: Round) -> str:
         from guijax.data.store import TrajectoryStore
         from guijax.sft import sft_steps
 
-        o, streams = self.options, ctx.streams.child("round", r)
-        rd = ctx.workdir / f"round_{r}"
-        rd.mkdir(parents=True, exist_ok=True)
-        engine = ctx.rollout_engine(policy, self.config.rollout.temperature)
-        got = self.collect(engine, policy.params, list(ctx.train_tasks), streams, f"{self.name} r{r}")
+        o, streams, rd, r, writer = self.options, rnd.streams, rnd.folder, rnd.index, rnd.writer
+        got = self.collect(rnd.engine, policy.params, list(ctx.train_tasks), streams, f"{self.name} r{r}")
         write_text_atomic(rd / "skills.json", json.dumps({"skills": {k: v.to_json() for k, v in got.skills.items()},
                                                           "skipped": got.skipped}, indent=1))
         # Stage IV: D_exp ∪ D⁺ fully supervised, D_cont from its handoff on; no skill text in any prompt.

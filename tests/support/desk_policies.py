@@ -10,6 +10,7 @@ from envs.desk.a11y import parse_tree
 
 SCREEN = (280, 280)
 WAIT = "Thought: I wait for the screen.\nAction: wait()"
+DONE = "Thought: The task is complete.\nAction: finished(content='done')"
 
 
 def button_center(task, screen=SCREEN, name: str | None = None) -> tuple[int, int, str]:
@@ -32,7 +33,7 @@ def solver(tasks, screen=SCREEN, repeat_click: int = 1):
         clicks = prompt.count("Action: click(")
         if clicks < repeat_click:
             return f"Thought: I should click the \"{name}\" button.\nAction: click(start_box='({x},{y})')"
-        return "Thought: The task is complete.\nAction: finished(content='done')"
+        return DONE
     return respond
 
 

@@ -8,15 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from desk_policies import SCREEN, WAIT, buttons, click, click_task, scripted_episodes
+from desk_policies import DONE, SCREEN, WAIT, buttons, click, click_task, scripted_episodes
 from envs.pool import DeskFactory, EnvPool
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
 from guijax.rollout.trajectory import Source
 from guijax.seagent import step_rl
 from guijax.seagent.world_state import DeskOracleJudge, Label, step_labels
 from rollout_fakes import PromptPolicySampler, TextProcessor
-
-DONE = "Thought: The task is complete.\nAction: finished(content='done')"
 
 
 @pytest.fixture(scope="module")

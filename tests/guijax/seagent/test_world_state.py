@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from desk_policies import SCREEN, WAIT, buttons, click, click_task, scripted_episodes
+from desk_policies import DONE, SCREEN, WAIT, buttons, click, click_task, scripted_episodes
 from fake_chat import fake_chat_server
 from guijax.chat import ChatClient, ChatError
 from guijax.seagent.world_state import (JUDGE_PROMPT, ChatWorldStateJudge, DeskOracleJudge, Judgment,
                                         JudgmentError, Label, parse_judgment, score_judge, step_labels)
 
-DONE = "Thought: The task is complete.\nAction: finished(content='done')"
 T, F = Label.CORRECT, Label.FAILURE
 
 PAPER_STYLE = """Keyframe 1 shows the dialog. <thinking>The agent clicked Cancel at step 2, so the file was

@@ -6,14 +6,12 @@ import json
 
 import pytest
 
-from desk_policies import SCREEN, WAIT, buttons, click, click_task, scripted_episodes
+from desk_policies import DONE, SCREEN, WAIT, buttons, click, click_task, scripted_episodes
 from fake_chat import fake_chat_server
 from guijax.chat import ChatClient
 from guijax.rollout.trajectory import Status
 from guijax.sgcd.desk_skills import DeskSkillExtractor, first_off_track_step, step_verdicts
 from guijax.sgcd.judge import ChatJudge, RuleJudge
-
-DONE = "Thought: The task is complete.\nAction: finished(content='done')"
 
 
 @pytest.fixture(scope="module")
