@@ -146,7 +146,8 @@ def run(config, steps: int, seed: int = 0) -> dict[str, Any]:
     t0 = time.perf_counter()
     compiled = built.step.compile(state, host)
     compile_s = time.perf_counter() - t0
-    say(f"compiled in {compile_s:.1f}s: {aot.compiled_bytes(compiled.compiled)}")
+    memory = aot.compiled_bytes(compiled.compiled)
+    say(f"compiled in {compile_s:.1f}s: {memory}")
     batch = built.step.place(host)
     holder = {"state": state, "metrics": None}
 
@@ -178,7 +179,7 @@ def run(config, steps: int, seed: int = 0) -> dict[str, Any]:
         "model_flops": flops, "model_flops_per_s": flops["total"] / step_s,
         "mfu": flops["total"] / step_s / peak["flops_per_s"] / mesh.devices.size, "peak": peak,
         "compiled_flops_per_device": aot.compiled_flops(compiled.compiled),
-        **aot.compiled_bytes(compiled.compiled),
+        **memory,
         "device_peak_bytes_in_use": stats.get("peak_bytes_in_use"), "device_bytes_limit": stats.get("bytes_limit"),
         "last_metrics": metrics,
     }
