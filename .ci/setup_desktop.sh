@@ -2,7 +2,9 @@
 # System packages for the real-desktop environment (envs/desktop) and its tests (pytest -m desktop):
 # an X server without a screen (Xvfb), a small EWMH window manager (openbox) and wmctrl, so windows can be
 # found, activated and closed by title, a terminal (xterm running tmux, whose pane text is the
-# terminal-output getter), a text editor (mousepad), LibreOffice Calc and Writer, and fonts.
+# terminal-output getter), a text editor (mousepad), LibreOffice Calc and Writer, fonts, and Chromium, whose
+# headless screenshots check that the trajectory inspector's pages (guijax/inspector.py) render their markers
+# on the right pixels.
 # Idempotent: does nothing when every package is already there; otherwise `apt-get update` first.
 set -euo pipefail
 PACKAGES=(
@@ -13,6 +15,7 @@ PACKAGES=(
   mousepad
   libreoffice-calc libreoffice-writer
   fonts-dejavu-core
+  chromium
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -4,8 +4,8 @@ from __future__ import annotations
 import ml_collections
 
 from guijax.methods import option_sections
-from guijax.schema import (Compare, DryRun, Env, Eval, Lora, Mesh, Model, Optim, Pipeline, Rollout, Sft, TopLevel,
-                           Train, section_defaults)
+from guijax.schema import (Coldstart, Compare, DryRun, Env, Eval, Lora, Mesh, Model, Optim, Pipeline, Rollout, Sft,
+                           Synthesis, TopLevel, Train, section_defaults)
 
 
 def base(name: str) -> ml_collections.ConfigDict:
@@ -22,6 +22,8 @@ def base(name: str) -> ml_collections.ConfigDict:
     c.train = section_defaults(Train)
     c.optim = section_defaults(Optim)
     c.sft = section_defaults(Sft)
+    c.coldstart = section_defaults(Coldstart)
+    c.synthesis = section_defaults(Synthesis)
 
     for section, options in option_sections().items():  # each method's section, from its own dataclass
         c[section] = section_defaults(options)

@@ -159,7 +159,9 @@ class Rollout:
     max_sampler_rows: int = ranged(0, low=0)  # rows per sampler program (0: all live episodes at once); see --dry_run
     format_reward: float = -1.0  # reward of an unparsable response (ARPO) ...
     format_weight: float = ranged(0.5, low=0)  # ... and its weight
-    prompt: Literal["uitars_official", "compact"] = "uitars_official"  # UI-TARS-1.5's own prompt | compact
+    # the system prompt, and with it the action grammar the policy writes: UI-TARS-1.5's own prompt | a compact
+    # one (both UI-TARS text) | EvoCUA's computer_use tool calls in 0-1000 coordinates (full | compact)
+    prompt: Literal["uitars_official", "compact", "computer_use", "computer_use_compact"] = "uitars_official"
     # sync: sample every group with the current parameters, then train (the papers' protocol); async: a thread
     # keeps every environment busy and the learner trains on groups as they complete (guijax.rollout.stream)
     mode: Literal["sync", "async"] = "sync"
@@ -243,6 +245,28 @@ class Sft:
     conditioning: Literal["plan", "skill"] = "plan"
     # steps between SFT checkpoints (params, optimiser, grain iterator position)
     checkpoint_every: int = ranged(50, low=1)
+    # what the warm start trains on: the scripted expert's traces (above) | the coldstart stage's hindsight-
+    # annotated traces in the computer_use grammar (EvoCUA's cold start; that stage must run before sft)
+    data: Literal["expert", "coldstart"] = "expert"
+
+
+@dataclasses.dataclass(frozen=True)
+class Coldstart:
+    """EvoCUA's cold start (§5.1), the `coldstart` stage: successful scripted-expert traces of the training tasks
+    with a hindsight thought for every step, written in the computer_use grammar (`rollout.prompt` must ask
+    for it); `sft.data='coldstart'` trains on them. How many earlier steps keep their screenshot and whole text
+    is `rollout.max_images`, as in the rollouts."""
+
+    traces_per_task: int = ranged(1, low=1)
+    expert_noise: float = ranged(0.0, low=0, high=1)  # scripted expert: chance of a wrong or missed action
+    hindsight: Literal["rule", "chat"] = "rule"  # the desk's accessibility-tree writer | a VLM endpoint
+    # rule writer: one sentence per step (the action's reason, what remains, the verdict) without describing
+    # the screen, a fifth of the tokens, for small models on CPU
+    brief: bool = False
+    hindsight_url: str = ""  # chat: an OpenAI-compatible base URL
+    hindsight_model: str = ""
+    hindsight_api_key_env: str = "OPENAI_API_KEY"  # chat: the variable holding the key ("" for none)
+    hindsight_retries: int = ranged(2, low=0)  # chat: answers asked again before a step is skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +290,34 @@ class Eval:
     episodes_per_task: int = ranged(4, low=1)
     temperature: float = ranged(0.6, low=0)  # 0: greedy
     pass_k: tuple[int, ...] = ranged((1,), low=1)
+    # step limits to score the same episodes under, as if cut after L steps (EvoCUA's 15 vs 50 steps); each
+    # split's report gains success_at_step_limit; a limit above one an episode was cut at scores None
+    step_limits: tuple[int, ...] = ranged((), low=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Synthesis:
+    """`synthesis`: EvoCUA's verifiable task synthesis stage (guijax.pipeline.synthesis_stages) on the desk."""
+
+    count: int = ranged(24, low=1)  # tasks to accept from the closed loop (before the quality filters)
+    max_attempts: int = ranged(3, low=1)  # proposals per scenario, each after the sandbox's error on the last
+    max_scenarios: int = ranged(0, low=0)  # scenarios tried at most; 0: 4 x count
+    seed: int = ranged(0, low=0)  # mixed into the run's seed for the scenario draws
+    # guijax.evocua.task_space.CAPABILITIES; empty: all
+    capabilities: tuple[Literal["click", "toggle", "type", "choose", "slider", "list", "form", "confirm", "copy",
+                                "save_note", "infeasible"], ...] = ()
+    compose_prob: float = ranged(0.3, low=0, high=1)  # chance a scenario composes two capabilities
+    architect: Literal["procedural", "chat"] = "procedural"  # offline composer | an OpenAI-compatible model
+    chat_url: str = ""  # architect='chat': the endpoint (OpenAI-compatible)
+    chat_model: str = ""
+    chat_api_key_env: str = "OPENAI_API_KEY"
+    chat_retries: int = ranged(2, low=0)  # malformed answers asked again before the scenario is skipped
+    reference_episodes: int = ranged(3, low=1)  # scripted-expert episodes per task, pop-ups on
+    expert_noise: float = ranged(0.0, low=0, high=1)  # the reference expert's chance of a wrong or missed action
+    ngram: int = ranged(3, low=1)  # instruction decontamination: word n-grams
+    instruction_threshold: float = ranged(0.5, low=0, high=1)  # drop at this n-gram Jaccard with a held-out task
+    config_threshold: float = ranged(1.0, low=0, high=1)  # ... at this scene-content overlap (1: identical only)
+    evaluator_threshold: float = ranged(1.0, low=0, high=1)  # ... at this success-condition overlap
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,6 +333,8 @@ class RunConfig(TopLevel):
     train: Train
     optim: Optim
     sft: Sft
+    coldstart: Coldstart
+    synthesis: Synthesis
     eval: Eval
     dry_run: DryRun
     compare: Compare

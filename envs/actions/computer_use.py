@@ -6,6 +6,11 @@ smart-resized image size for a model that writes absolute pixels of the image it
 (1000, 1000) for one that writes 0-1000 relative coordinates (Qwen3-VL style).
 `left_click_drag` drags from the current cursor, which is the previous mouse_move/click in the same
 response or the `cursor` argument; a mouse_move directly followed by left_click_drag is one DRAG.
+
+A whole EvoCUA response (its trajectory figures) is the reasoning, a one-line semantic action and the tool
+call(s): `render_response` writes it, `split_response` reads the first two back, `parse_computer_use` the
+third. `system_prompt` declares the tool to the policy; the paper prints no prompt, so it is written here
+from Table 6's definitions.
 """
 from __future__ import annotations
 
@@ -142,7 +147,9 @@ def render_computer_use(actions: Sequence[Action], *, image_hw: tuple[int, int],
         elif a.kind == ActionType.SCROLL:
             vertical = a.direction in ("up", "down")
             sign = 1 if a.direction in ("up", "right") else -1
-            args = {"action": "scroll" if vertical else "hscroll", "pixels": sign * int(a.amount or 5)}
+            amount = a.amount if a.amount else 5.0  # the parser reads the amount back as a float
+            args = {"action": "scroll" if vertical else "hscroll",
+                    "pixels": sign * (int(amount) if float(amount).is_integer() else amount)}
             if a.point is not None:
                 args["coordinate"] = coord(a.point)
         elif a.kind == ActionType.WAIT:
@@ -154,3 +161,88 @@ def render_computer_use(actions: Sequence[Action], *, image_hw: tuple[int, int],
         calls.append(args)
     return "\n".join(f"<tool_call>\n{json.dumps({'name': 'computer_use', 'arguments': c})}\n</tool_call>"
                      for c in calls)
+
+
+# ------------------------------------------------------------------------------------------ the tool and prompt
+_COORDINATE = {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}
+_KEY_LIST = {"type": "array", "items": {"type": "string"}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "computer_use",
+        "description": "Use a mouse and keyboard to interact with the computer shown in the screenshots.",
+        "parameters": {
+            "type": "object",
+            "required": ["action"],
+            "properties": {
+                "action": {"type": "string", "enum": list(ACTIONS), "description": (
+                    "key: press and release the keys together (a key combination). "
+                    "key_down: press and hold the keys (e.g. shift for a multi-selection). "
+                    "key_up: release held keys, in reverse order. "
+                    "type: type a string of text. "
+                    "mouse_move: move the cursor to a coordinate. "
+                    "left_click / right_click / middle_click / double_click / triple_click: click there "
+                    "(triple_click selects a whole line of text). "
+                    "left_click_drag: press the left button at the cursor and drag to a coordinate. "
+                    "scroll / hscroll: scroll vertically (positive pixels: up) or horizontally (positive: "
+                    "right), at the coordinate if given. "
+                    "wait: pause so the screen can finish changing. "
+                    "terminate: end the task, reporting success or failure.")},
+                "keys": dict(_KEY_LIST, description="Required by key, key_down and key_up."),
+                "text": {"type": "string", "description": "Required by type."},
+                "coordinate": dict(_COORDINATE, description="(x, y): required by the clicks, mouse_move and "
+                                                            "left_click_drag; optional for scroll / hscroll."),
+                "pixels": {"type": "number", "description": "Required by scroll and hscroll."},
+                "time": {"type": "number", "description": "Seconds to wait; required by wait."},
+                "status": {"type": "string", "enum": ["success", "failure"], "description": "Required by terminate."},
+            },
+        },
+    },
+}
+
+
+def coordinate_note(image_hw: tuple[int, int]) -> str:
+    """How the prompt states the coordinate space: 0-1000 relative (Qwen3-VL, EvoCUA) or screenshot pixels."""
+    if tuple(image_hw) == (1000, 1000):
+        return "Coordinates are relative: (0, 0) is the top-left corner of the screenshot and (1000, 1000) the bottom-right."
+    return (f"Coordinates are pixels of the screenshot, which is {image_hw[1]} wide and {image_hw[0]} high; "
+            "(0, 0) is its top-left corner.")
+
+
+def system_prompt(image_hw: tuple[int, int], compact: bool = False) -> str:
+    """The policy's prompt for this grammar, with one slot, {instruction}, as guijax.rollout.prompt's templates
+    have (the tool's JSON braces are doubled so that str.format leaves them alone). `compact` lists the
+    actions in one line instead of the tool's JSON schema, for small CPU models where prompt tokens cost."""
+    if compact:
+        return ("You are a GUI agent. Reason, then write 'Action: ...' and <tool_call> JSON calls of computer_use "
+                f"with an action of {', '.join(ACTIONS)}. {coordinate_note(image_hw)}\nTask: {{instruction}}\n")
+    tool = json.dumps(TOOL).replace("{", "{{").replace("}", "}}")
+    return ("You are a GUI agent operating a computer. You are given a task, your earlier steps and screenshots. "
+            "Perform the next action to complete the task.\n\n"
+            "# Tools\n\nYou may call the function described within <tools></tools>:\n"
+            f"<tools>\n{tool}\n</tools>\n\n{coordinate_note(image_hw)}\n\n"
+            "# Response format\n\n"
+            "First reason about the screen and the task in plain words, without pixel coordinates. Then write "
+            "one line 'Action: ...' that names the action and its target element, then the call(s), each as\n"
+            "<tool_call>\n{{\"name\": \"computer_use\", \"arguments\": {{...}}}}\n</tool_call>\n"
+            "End the task with the terminate action once the screen shows it done (or impossible).\n\n"
+            "# Task\n\n{instruction}\n")
+
+
+def render_response(thought: str, semantic: str, actions: Sequence[Action], *, image_hw: tuple[int, int],
+                    screen_hw: tuple[int, int]) -> str:
+    """One EvoCUA step's text: reasoning, `Action: <semantic action>`, the tool call(s). Empty parts are left
+    out (a step without reasoning; history compressed to its semantic action alone)."""
+    action = f"Action: {semantic.strip()}" if semantic.strip() else ""
+    calls = render_computer_use(actions, image_hw=image_hw, screen_hw=screen_hw) if actions else ""
+    tail = "\n".join(x for x in (action, calls) if x)
+    return "\n\n".join(x for x in (thought.strip(), tail) if x)
+
+
+def split_response(text: str) -> tuple[str, str]:
+    """(reasoning, semantic action) of a response `render_response` wrote or a model answered in its form."""
+    before = text.split("<tool_call>", 1)[0]
+    m = re.search(r"(?:^|\n)[ \t]*Action:[ \t]*(.*?)[ \t]*(?:\n|$)", before)
+    if m is None:
+        return before.strip(), ""
+    return before[:m.start()].strip(), m.group(1).strip()

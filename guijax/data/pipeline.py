@@ -56,6 +56,7 @@ class PipelineConfig:
     length_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     patch_bucket: int = 1024  # a batch's patch count is padded to a multiple of this
     system_prompt: str = SYSTEM_PROMPT
+    grammar: str = "uitars"  # the action grammar of that prompt: how older turns are shown (envs.actions.grammar)
     seed: int = 0
     shuffle: bool = True
     num_epochs: int | None = 1  # None: repeat forever (each epoch shuffled differently)
@@ -138,7 +139,8 @@ class EncodeStep(grain.transforms.Map):
         turns = [Turn(s.screenshot, s.response) for s in traj.steps[:ref.step]]
         instruction = guided_instruction(traj.instruction, traj.meta.get("guidance", ""))
         messages, images = build_messages(instruction, turns, step.screenshot, max_images=self.config.max_images,
-                                          plan=traj.plan, system_prompt=self.config.system_prompt)
+                                          plan=traj.plan, system_prompt=self.config.system_prompt,
+                                          grammar=self.config.grammar)
         proc = self.processor
         prompt = proc(text=[proc.apply_chat_template(messages, add_generation_prompt=True)], images=[images])
         prompt_ids = np.asarray(prompt["input_ids"][0], np.int32)

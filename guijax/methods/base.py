@@ -85,12 +85,12 @@ class Context:
     rollout_engine: Callable[[Any, float], Any] | None = None
 
 
-def stage_rollouts(ctx: Context, folder: str, stage: str, method: str) -> list[Trajectory]:
-    """The rollouts an earlier stage left in `ctx.run_dir / folder`; a missing or empty folder names the stage
+def stage_rollouts(run_dir: pathlib.Path, folder: str, stage: str, method: str) -> list[Trajectory]:
+    """The trajectories an earlier stage left in `run_dir / folder`; a missing or empty folder names the stage
     to add before the one that trains `method`."""
-    source = ctx.run_dir / folder
+    source = run_dir / folder
     if not any(source.glob("*.array_record")):
-        raise FileNotFoundError(f"{source} is empty: {method} trains on the {stage} stage's rollouts; add "
+        raise FileNotFoundError(f"{source} is empty: {method} trains on the {stage} stage's trajectories; add "
                                 f"'{stage}' to config.stages before the stage that trains it")
     return list(TrajectoryStore(source))
 
@@ -171,18 +171,19 @@ class Round:
 
 
 def resumable_rounds(ctx: Context, policy: Any, method: str, count: int, noun: str, metrics: str,
-                     run_one: Callable[[Round], str]) -> None:
+                     run_one: Callable[[Round], str], keep: int = 1) -> None:
     """Rounds 1..count of a method that rolls its policy out and trains `policy.params` in place (SGCD's
-    rounds, SEAgent's phases): the policy is checkpointed after each in `ctx.workdir/<noun>s`, and a rerun
-    restores the last finished one and continues after it. `run_one(round)` runs one round (engine at
-    `rollout.temperature`, logging to the `metrics` file) and returns its one-line summary."""
+    rounds, SEAgent's phases): the policy is checkpointed after each in `ctx.workdir/<noun>s` (the newest
+    `keep` checkpoints stay), and a rerun restores the last finished one and continues after it.
+    `run_one(round)` runs one round (engine at `rollout.temperature`, logging to the `metrics` file) and
+    returns its one-line summary."""
     from guijax.checkpoint import Checkpointer
     from guijax.metrics import MetricsWriter
     from guijax.progress import echo
 
     if ctx.rollout_engine is None:
         raise ValueError(f"{method} rolls its policy out; train it through a recipe's methods or rl stage")
-    ckpt = Checkpointer(ctx.workdir / f"{noun}s", keep=1, async_save=False)
+    ckpt = Checkpointer(ctx.workdir / f"{noun}s", keep=keep, async_save=False)
     writer = MetricsWriter(ctx.workdir, metrics, console=False)
     restored = ckpt.restore_latest(policy.params, lambda params, meta: (params, meta))
     done = 0

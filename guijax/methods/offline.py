@@ -30,7 +30,7 @@ class _Offline(Method):
     rl = False
 
     def rollouts(self, ctx: Context) -> list:
-        return stage_rollouts(ctx, "selection_rollouts", "select", self.name)
+        return stage_rollouts(ctx.run_dir, "selection_rollouts", "select", self.name)
 
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
         writer = MetricsWriter(ctx.workdir, "offline_metrics.jsonl", console=False)

@@ -150,6 +150,9 @@ def _skill_conditioned(run: Run, tasks) -> dict[str, str]:
 
 def _describe_sft(run: Run) -> str:
     s = run.config.sft
+    if s.data == "coldstart":
+        return (f"cold start: {s.steps} steps of {s.batch_size} steps of the coldstart stage's hindsight-annotated "
+                f"traces at lr {s.learning_rate:g}")
     extra = (f"; {s.conditioning}-conditioned copies of {list(s.plan_only_families) + ['a share of the rest']}"
              if s.plan_fraction or s.plan_only_families else "")
     return (f"warm start: {s.steps} steps of {s.batch_size} expert-trace steps at lr {s.learning_rate:g} "
@@ -160,7 +163,7 @@ def _describe_sft(run: Run) -> str:
        done=lambda run: run.config.sft.steps == 0 or (run.workdir / "sft_model" / "config.json").exists(),
        reads=("seed", "model", "lora", "env", "sft", "optim", "pipeline", "rollout.prompt", "rollout.max_images",
               "train.minibatch_size", "train.logprob_impl"),
-       needs=("base_model", "tasks", "bepa_splits"),
+       needs=("base_model", "tasks", "bepa_splits", "coldstart"),
        outputs=("sft_model", "sft_model_adapter", "sft_metrics.jsonl", "sft_checkpoints"))
 def sft(run: Run) -> str:
     from guijax.metrics import MetricsWriter
@@ -169,18 +172,27 @@ def sft(run: Run) -> str:
 
     out = run.workdir / "sft_model"
     policy = run.load_policy(run.base_model_dir, trains=run.config)
-    trajectories = sft_trajectories(run)
+    refs = None
+    if run.config.sft.data == "coldstart":
+        from guijax.methods.base import stage_rollouts
+        from guijax.pipeline.coldstart_stages import coldstart_refs
+
+        trajectories = stage_rollouts(run.workdir, "coldstart_trajectories", "coldstart", "sft.data='coldstart'")
+        refs = coldstart_refs(trajectories)
+    else:
+        trajectories = sft_trajectories(run)
     writer = MetricsWriter(run.workdir, "sft_metrics.jsonl", console=False)
     params, losses_seen = sft_steps(policy, trajectories, policy.processor, run.config,
                                     pipeline_config(run.config, run.system_prompt, policy.mesh), run.config.sft.steps,
                                     run.config.sft.batch_size, seed=run.streams.seed_for("sft", "data"),
                                     log=writer.write,
                                     checkpoint_dir=run.workdir / "sft_checkpoints",
-                                    checkpoint_every=run.config.sft.checkpoint_every)
+                                    checkpoint_every=run.config.sft.checkpoint_every, refs=refs)
     writer.close()
     policy.params = params
     run.save_trained(policy, out)
-    return f"{len(trajectories)} expert trajectories, loss {losses_seen[0]:.3f} -> {losses_seen[-1]:.3f}"
+    kind = "cold-start" if refs is not None else "expert"
+    return f"{len(trajectories)} {kind} trajectories, loss {losses_seen[0]:.3f} -> {losses_seen[-1]:.3f}"
 
 
 def policy_dir(run: Run) -> pathlib.Path:
@@ -189,14 +201,37 @@ def policy_dir(run: Run) -> pathlib.Path:
 
 
 def evaluate_into(run: Run, model_dir: pathlib.Path, report_path: pathlib.Path) -> str:
-    """Evaluate the policy in `model_dir` on the recipe's eval splits; write the report; return its headline."""
-    from guijax.evaluation import evaluate, write_report
+    """Evaluate the policy in `model_dir` on the recipe's eval splits; write the report, its episodes (a
+    TrajectoryStore folder `<stem>_trajectories/`, one shard per split) and their inspector page
+    (`<stem>.html`) beside it; return its headline. On the desk, `eval.step_limits` are scored exactly by
+    replaying each episode's first L steps; elsewhere from the recorded episodes (a lower bound)."""
+    import shutil
+
+    from guijax.data.store import TrajectoryStore
+    from guijax.evaluation import desk_replay_scorer, evaluate_with_trajectories, write_report
+    from guijax.inspector import write_page
 
     ev = run.config.eval
     policy = run.load_policy(model_dir)
     splits = {k: v for k, v in run.tasks().items() if k in ev.splits}
-    report = evaluate(run.engine(policy, ev.temperature), policy.params, splits, ev.episodes_per_task,
-                      seed=run.streams.seed_for("eval"), ks=tuple(ev.pass_k))
+    engine = run.engine(policy, ev.temperature)
+    score_at = None
+    if ev.step_limits and run.config.env.kind == "desk":
+        score_at = desk_replay_scorer([t for ts in splits.values() for t in ts], run.config.env.screen,
+                                      run.config.env.popups, engine.config.coordinate_model, engine.config.grammar)
+    report, trajectories = evaluate_with_trajectories(engine, policy.params, splits, ev.episodes_per_task,
+                                                      seed=run.streams.seed_for("eval"), ks=tuple(ev.pass_k),
+                                                      step_limits=tuple(ev.step_limits), score_at=score_at)
+    store_dir = report_path.parent / f"{report_path.stem}_trajectories"
+    if store_dir.exists():  # a rerun's episodes replace the last run's
+        shutil.rmtree(store_dir)
+    store = TrajectoryStore(store_dir)
+    for split, trajs in trajectories.items():
+        store.append([dataclasses.replace(t, meta={**t.meta, "eval_split": split}) for t in trajs], name=split)
+    page = write_page([(split, t) for split, trajs in trajectories.items() for t in trajs],
+                      report_path.with_suffix(".html"), title=f"{run.config.name} {report_path.stem}",
+                      coordinate_model=engine.config.coordinate_model, grammar=engine.config.grammar, max_side=1280)
+    report["trajectories"], report["inspector"] = store_dir.name, page.name
     write_report(report_path.parent, report_path.stem, report)
     return ", ".join(f"{s} {100 * r.get('success_rate', 0):.1f}%" for s, r in report["splits"].items())
 
@@ -212,7 +247,7 @@ def describe_eval(run: Run) -> str:
 
 
 @stage("eval_base", describe_eval, done=output_exists("eval_base.json"), reads=EVAL_READS,
-       needs=BASE_POLICY + SPLITS, outputs=("eval_base.json",))
+       needs=BASE_POLICY + SPLITS, outputs=("eval_base.json", "eval_base.html", "eval_base_trajectories"))
 def eval_base(run: Run) -> str:
     return evaluate_into(run, policy_dir(run), run.workdir / "eval_base.json")
 
@@ -273,7 +308,7 @@ def rl_headline(history: list[dict[str, Any]]) -> str:
 
 
 @stage("eval_final", describe_eval, done=output_exists("eval_final.json"), reads=EVAL_READS,
-       needs=("rl",) + SPLITS, outputs=("eval_final.json",))
+       needs=("rl",) + SPLITS, outputs=("eval_final.json", "eval_final.html", "eval_final_trajectories"))
 def eval_final(run: Run) -> str:
     return evaluate_into(run, run.workdir / "trained_model", run.workdir / "eval_final.json")
 

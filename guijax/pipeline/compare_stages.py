@@ -77,7 +77,7 @@ def methods(run: Run) -> str:
             continue
         if not trained:
             _begin(run, tag, key, (key,), why_trained, "training it")
-        _begin(run, tag, f"{key}/eval", (f"{key}/eval.json",), why_evaluated if trained else "", "evaluating it")
+        _begin(run, tag, f"{key}/eval", (f"{key}/eval.json", f"{key}/eval.html", f"{key}/eval_trajectories"), why_evaluated if trained else "", "evaluating it")
         progress.echo(f"{tag}: {method.describe()}; then evaluation")
         start = time.perf_counter()
         report_path = run.workdir / "methods" / method.name / "eval.json"

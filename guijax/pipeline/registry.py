@@ -16,7 +16,8 @@ import jax
 import ml_collections
 
 from guijax import progress
-from guijax.pipeline import base_stages, compare_stages, evocua_stages, expert_stages, sgcd_stages
+from guijax.pipeline import base_stages, coldstart_stages, compare_stages, evocua_stages, expert_stages, sgcd_stages
+from guijax.pipeline import synthesis_stages
 from guijax.pipeline.records import Fingerprint, StageRecords, config_values
 from guijax.pipeline.run import Run
 from guijax.pipeline.stage import Stage
@@ -25,7 +26,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     base_stages.base_model, base_stages.tasks, base_stages.sft, expert_stages.expert, expert_stages.bepa_splits,
     expert_stages.level1, expert_stages.select, evocua_stages.budget, base_stages.eval_base, base_stages.rl,
     compare_stages.methods, base_stages.eval_final, compare_stages.table, sgcd_stages.csr, expert_stages.diagnostics,
-    base_stages.report)}
+    base_stages.report, coldstart_stages.coldstart, synthesis_stages.synthesis)}
 
 
 
@@ -96,6 +97,10 @@ def check_recipe(config: ml_collections.ConfigDict, stages: dict[str, Stage] | N
             if missing:
                 raise ValueError(f"method {name!r} ({key}) reads the output of stage(s) {missing}, which config.stages "
                                  f"does not run before {trainer_stage!r}: {names}")
+    if "sft" in names and config.sft.steps and config.sft.data == "coldstart" and "coldstart" not in names[
+            :names.index("sft")]:
+        raise ValueError(f"sft.data='coldstart' trains on the coldstart stage's traces, which config.stages does not "
+                         f"run before 'sft': {names}")
 
 
 def run_stages(config: ml_collections.ConfigDict, workdir: pathlib.Path,

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from envs.actions import ActionParseError, parse_uitars, to_pyautogui
+from envs.actions import ActionParseError, to_pyautogui
+from envs.actions.grammar import parse_response
 from envs.api import Task
 from envs.pool import EnvPool
 from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages, guided_instruction
@@ -59,6 +60,7 @@ class RolloutConfig:
     format_weight: float = 0.5  # ... with this weight
     coordinate_model: str = "uitars-1.5"
     system_prompt: str = SYSTEM_PROMPT  # a template of guijax.rollout.prompt.PROMPTS (`rollout.prompt`)
+    grammar: str = "uitars"  # the action grammar that prompt asks for (envs.actions.grammar)
     show_progress: bool = True
     reset_retries: int = 1  # a failed reset (setup error, crashed worker: the pool restarts it) is retried
     # Longest prompt a step may have (0: no limit): prompt + response must fit the trainer's largest length
@@ -98,7 +100,7 @@ class RolloutEngine:
         instruction = guided_instruction(ep.task.instruction, ep.guidance if ep.guided() else "")
         messages, images = build_messages(instruction, ep.turns, ep.screenshot,
                                           max_images=self.config.max_images, plan=ep.plan,
-                                          system_prompt=self.config.system_prompt)
+                                          system_prompt=self.config.system_prompt, grammar=self.config.grammar)
         return self.processor.apply_chat_template(messages), images
 
     def run(self, params: Any, tasks: Sequence[Task], group_size: int, rng: jax.Array,
@@ -199,8 +201,8 @@ class RolloutEngine:
             e.steps.append(step)
             e.versions.append(version)
             try:
-                parsed = parse_uitars(text, image_hw=e.screenshot.shape[:2], screen_hw=e.screenshot.shape[:2],
-                                      model=self.config.coordinate_model)
+                parsed = parse_response(text, grammar=self.config.grammar, screen_hw=e.screenshot.shape[:2],
+                                        coordinate_model=self.config.coordinate_model)
                 step.actions = [to_pyautogui(parsed)]
                 actions[slot] = parsed
             except (ActionParseError, ValueError) as err:

@@ -26,7 +26,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from envs.actions import ActionParseError, parse_uitars
+from envs.actions import ActionParseError
+from envs.actions.grammar import parse_response
 from envs.api import Task
 from guijax.rollout.engine import RolloutEngine, _count_env_call, _Episode, episode_seed
 from guijax.rollout.prompt import Turn
@@ -58,8 +59,8 @@ class Prefix:
         return [k for k in ks if 1 <= k <= self.open_steps]
 
 
-def _parsed(step: Step, screen_hw: tuple[int, int], model: str):
-    return parse_uitars(step.response, image_hw=screen_hw, screen_hw=screen_hw, model=model)
+def _parsed(step: Step, screen_hw: tuple[int, int], model: str, grammar: str):
+    return parse_response(step.response, grammar=grammar, screen_hw=screen_hw, coordinate_model=model)
 
 
 class HandoffRunner:
@@ -181,7 +182,8 @@ class HandoffRunner:
             for slot in [s for s in live if sources[s][1] >= j]:
                 p = sources[slot][0]
                 try:
-                    actions[slot] = _parsed(p.steps[j - 1], p.screens[j - 1].shape[:2], model)
+                    actions[slot] = _parsed(p.steps[j - 1], p.screens[j - 1].shape[:2], model,
+                                            self.engine.config.grammar)
                 except (ActionParseError, ValueError) as err:
                     self._fail(live, slot, f"replay: step {j} of the prefix no longer parses: {err}")
             if not actions:

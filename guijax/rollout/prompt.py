@@ -1,7 +1,7 @@
-"""UI-TARS agent prompts: the system prompt a recipe selects by name (`rollout.prompt`), the instruction
-(optionally with a numbered plan appended, BEPA Fig. 7), and a multi-turn history in which the last K
-screenshots are images and every earlier step survives as its text response only (K >= steps gives ARPO's
-full history).
+"""Agent prompts: the system prompt a recipe selects by name (`rollout.prompt`, in UI-TARS's or EvoCUA's
+computer_use grammar), the instruction (optionally with a numbered plan appended, BEPA Fig. 7), and a
+multi-turn history in which the last K screenshots are images and every earlier step survives as text only
+(K >= steps gives ARPO's full history).
 """
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
+
+from envs.actions.computer_use import system_prompt as computer_use_prompt
+from envs.actions.grammar import RELATIVE, history_text
 
 # UI-TARS-1.5's computer-use prompt, the one it was trained on, character for character as ByteDance ships it:
 # COMPUTER_USE_DOUBAO in ui_tars/prompt.py of the `ui-tars` package (bytedance/UI-TARS, codes/ui_tars/prompt.py;
@@ -53,12 +56,19 @@ COMPACT_PROMPT = ("You are a GUI agent. Reply with\nThought: ...\nAction: ...\n"
                   "scroll(start_box='(x,y)', direction='down'), finished(content=''), FAIL\n"
                   "Task: {instruction}\n")
 
-# The templates `rollout.prompt` names; each leaves one slot, {instruction}, for build_messages.
+# The templates `rollout.prompt` names; each leaves one slot, {instruction}, for build_messages. The
+# computer_use ones ask for EvoCUA's tool calls in 0-1000 relative coordinates (the compact one lists the
+# actions in one line instead of the tool's JSON schema, for small CPU models).
 PROMPTS = {
     "uitars_official": UITARS_COMPUTER_USE.format(language=UITARS_LANGUAGE, instruction="{instruction}"),
     "compact": COMPACT_PROMPT,
+    "computer_use": computer_use_prompt(RELATIVE),
+    "computer_use_compact": computer_use_prompt(RELATIVE, compact=True),
 }
 SYSTEM_PROMPT = PROMPTS["uitars_official"]
+# the action grammar each prompt asks for (envs.actions.grammar)
+PROMPT_GRAMMARS = {"uitars_official": "uitars", "compact": "uitars", "computer_use": "computer_use",
+                   "computer_use_compact": "computer_use"}
 
 
 def prompt_template(name: str) -> str:
@@ -66,6 +76,12 @@ def prompt_template(name: str) -> str:
     if name not in PROMPTS:
         raise ValueError(f"rollout.prompt={name!r} is not one of {', '.join(PROMPTS)}")
     return PROMPTS[name]
+
+
+def grammar_of(name: str) -> str:
+    """The action grammar the prompt `rollout.prompt` names asks the policy to write."""
+    prompt_template(name)
+    return PROMPT_GRAMMARS[name]
 
 
 def plan_conditioned_instruction(instruction: str, plan: Sequence[str]) -> str:
@@ -89,11 +105,12 @@ class Turn:
 
 
 def build_messages(instruction: str, history: Sequence[Turn], screenshot: np.ndarray, *, max_images: int = 5,
-                   plan: Sequence[str] | None = None,
-                   system_prompt: str = SYSTEM_PROMPT) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+                   plan: Sequence[str] | None = None, system_prompt: str = SYSTEM_PROMPT,
+                   grammar: str = "uitars") -> tuple[list[dict[str, Any]], list[np.ndarray]]:
     """Chat messages in the Qwen2.5-VL content format plus the images they reference, in order.
 
-    The current screenshot always counts as one of the `max_images`; older turns keep only their text.
+    The current screenshot always counts as one of the `max_images`; older turns keep only their text, as
+    the `grammar` shows a past step (`envs.actions.grammar.history_text`).
     """
     if max_images < 1:
         raise ValueError(f"max_images must be >= 1, got {max_images}")
@@ -105,7 +122,8 @@ def build_messages(instruction: str, history: Sequence[Turn], screenshot: np.nda
         if i >= first_with_image:
             messages.append({"role": "user", "content": [{"type": "image"}]})
             images.append(turn.screenshot)
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": turn.response}]})
+        text = turn.response if i >= first_with_image else history_text(turn.response, grammar)
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
     messages.append({"role": "user", "content": [{"type": "image"}]})
     images.append(screenshot)
     return messages, images

@@ -49,7 +49,7 @@ def state_prompt(traj: Trajectory, k: int, rollout_config: Any, processor: Any) 
     history = [Turn(s.screenshot, s.response) for s in traj.steps[:k]]
     messages, images = build_messages(traj.instruction, history, traj.steps[k].screenshot,
                                       max_images=rollout_config.max_images, plan=traj.plan,
-                                      system_prompt=rollout_config.system_prompt)
+                                      system_prompt=rollout_config.system_prompt, grammar=rollout_config.grammar)
     return processor.apply_chat_template(messages), images
 
 

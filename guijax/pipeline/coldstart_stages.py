@@ -1,0 +1,126 @@
+"""EvoCUA's cold start (§5.1) as a stage:
+
+    coldstart    the scripted expert on every training task; each success gets a hindsight thought per step
+                 (guijax.evocua.hindsight) and is written in the grammar `rollout.prompt` asks for (EvoCUA's
+                 computer_use, or UI-TARS text) (coldstart_trajectories/, coldstart.json); `sft.data='coldstart'`
+                 trains on them
+
+The paper's single-turn decomposition is what the data pipeline already does with a trajectory: one row per
+step, its prompt holding the last `rollout.max_images` - 1 steps whole (screenshot, reasoning, semantic
+action, tool call) and older ones as text (in computer_use their semantic action alone:
+`envs.actions.grammar.history_text`, the same prompt the rollouts build), the loss on that step's response
+only. A step whose thought was skipped
+trains nothing (`coldstart_refs` leaves it out) and stays in later steps' history without reasoning.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from envs.actions.computer_use import render_response
+from envs.actions.grammar import RELATIVE, render_response as render_in
+from envs.actions.model import ActionType
+from envs.atomic import write_text_atomic
+from guijax.pipeline.run import Run
+from guijax.pipeline.stage import output_exists, stage
+from guijax.rollout.prompt import grammar_of
+from guijax.rollout.trajectory import Source, Status, Step, Trajectory
+
+
+def options(config: Any) -> Any:
+    """The recipe's `coldstart` section, checked (guijax.schema.Coldstart)."""
+    from guijax.schema import Coldstart, parse_section
+
+    return parse_section(Coldstart, config.coldstart, "coldstart")
+
+
+def hindsight_steps(trace: Any, image_hw: tuple[int, int]) -> list:
+    """An expert trace's steps as the hindsight writers read them."""
+    from guijax.evocua.hindsight import HindsightStep, semantic_action
+
+    out = []
+    for s in trace.steps:
+        hw = tuple(s.screenshot.shape[:2])
+        out.append(HindsightStep(s.screenshot, tuple(s.actions), semantic_action(s.s2),
+                                 render_response("", "", s.actions, image_hw=image_hw, screen_hw=hw), s.a11y, s.s2))
+    return out
+
+
+def coldstart_trajectory(trace: Any, thoughts: Sequence[Any], grammar: str = "computer_use") -> Trajectory:
+    """The expert trace with every step's response written in `grammar` with its thought (computer_use:
+    reasoning, semantic action and tool call(s)); steps without a thought keep the action parts alone and are
+    listed in `meta['coldstart_skipped']`."""
+    from guijax.evocua.hindsight import semantic_action
+
+    if len(thoughts) != len(trace.steps):
+        raise ValueError(f"task {trace.task_id}: {len(thoughts)} thoughts for {len(trace.steps)} steps")
+    steps = [Step.text(s.screenshot, render_in(t.text or "", semantic_action(s.s2), s.actions, grammar=grammar,
+                                               screen_hw=tuple(s.screenshot.shape[:2])))
+             for s, t in zip(trace.steps, thoughts)]
+    last = trace.steps[-1].actions
+    status = Status.FAIL if any(a.kind == ActionType.FAIL for a in last) else (
+        Status.DONE if any(a.kind == ActionType.FINISHED for a in last) else Status.STEP_LIMIT)
+    skipped = [i for i, t in enumerate(thoughts) if t.text is None]
+    return Trajectory(trace.task_id, trace.instruction, steps, trace.reward, status, Source.EXPERT,
+                      meta={"coldstart_skipped": skipped, "grammar": grammar})
+
+
+def coldstart_refs(trajectories: Sequence[Trajectory]) -> list:
+    """The steps that carry loss: every step with a thought."""
+    from guijax.data.pipeline import StepRef
+
+    return [StepRef(i, j, 1.0) for i, t in enumerate(trajectories) for j in range(len(t.steps))
+            if j not in set(t.meta.get("coldstart_skipped", ()))]
+
+
+def _describe(run: Run) -> str:
+    c = run.config.coldstart
+    writer = f"a VLM at {c.hindsight_url}" if c.hindsight == "chat" else "the desk's accessibility-tree rules"
+    return (f"{c.traces_per_task} scripted-expert trace(s) per training task in the "
+            f"{grammar_of(run.config.rollout.prompt)} grammar; hindsight thoughts by {writer}")
+
+
+@stage("coldstart", _describe, done=output_exists("coldstart.json"), reads=("seed", "env", "coldstart", "rollout.prompt"),
+       needs=("tasks", "bepa_splits"), outputs=("coldstart.json", "coldstart_trajectories"))
+def coldstart(run: Run) -> str:
+    from envs.desk import DeskEnv, ScriptedExpert, run_expert
+    from envs.desk.expert import expert_subgoals
+    from guijax import progress
+    from guijax.data.store import TrajectoryStore
+    from guijax.evocua.hindsight import make_writer
+
+    c, e = options(run.config), run.config.env
+    if e.kind != "desk":
+        raise ValueError(f"the coldstart stage runs the synthetic desk's scripted expert; env.kind is {e.kind!r}")
+    writer = make_writer(c.hindsight, c.hindsight_url, c.hindsight_model, c.hindsight_api_key_env, c.hindsight_retries,
+                         c.brief)
+    screen = tuple(e.screen)
+    env = DeskEnv(screen, e.step_limit, seed=run.streams.seed_for("coldstart", "env"), popups=e.popups)
+    tasks = run.tasks()["train"]
+    traces, skipped = [], []
+    bar = progress.Progress(len(tasks) * c.traces_per_task, "coldstart", "trace")
+    for task in tasks:
+        for k in range(c.traces_per_task):
+            bar.update(1)
+            trace = run_expert(env, task, ScriptedExpert(noise=c.expert_noise,
+                                                         seed=run.streams.seed_for("coldstart", "expert", task.id, k)))
+            if trace.reward < 1.0:
+                continue
+            subgoals = json.loads(json.dumps(expert_subgoals(task)))
+            thoughts = writer.thoughts(task.instruction, hindsight_steps(trace, RELATIVE), subgoals=subgoals)
+            skipped += [f"task {task.id} trace {k} {t.skipped}" for t in thoughts if t.text is None]
+            traces.append(coldstart_trajectory(trace, thoughts, grammar_of(run.config.rollout.prompt)))
+    bar.close()
+    trained = len(coldstart_refs(traces))
+    if not trained:
+        raise RuntimeError(f"coldstart: no step to train on from {len(tasks)} training tasks ({len(traces)} expert "
+                           f"successes, {len(skipped)} steps skipped)")
+    directory = run.workdir / "coldstart_trajectories"
+    for stale in directory.glob("coldstart.*"):  # a crashed attempt's shard (shards are immutable)
+        stale.unlink()
+    TrajectoryStore(directory).append(traces, name="coldstart")
+    write_text_atomic(run.workdir / "coldstart.json", json.dumps(
+        {"traces": len(traces), "steps": sum(len(t.steps) for t in traces), "trained_steps": trained,
+         "skipped_steps": skipped, "hindsight": c.hindsight, "brief": c.brief,
+         "grammar": grammar_of(run.config.rollout.prompt)}, indent=1))
+    return f"{len(traces)} successful traces, {trained} steps with a thought; {len(skipped)} steps skipped"
