@@ -8,11 +8,13 @@ the trainer must compute reference log-probs (a KL term to the initial policy).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from guijax import advantages as adv_lib
 from guijax import losses
@@ -183,10 +185,50 @@ def make_loss(name: str, train: Any) -> Loss:
     return loss
 
 
+STEP_WEIGHTINGS = ("trajectory", "step0", "final")
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
+    """A loss, the advantage estimator that feeds it, and how a trajectory's advantage reaches its step rows
+    (`steps`):
+
+    * "trajectory": every step row carries the trajectory's Â_i (GRPO on every step, as BEPA and ARPO train);
+    * "step0": EvoCUA's STEP0 (Eq. 4-5): each step row carries Â_i / T_i, and each batch's loss is divided by
+      the number of trajectories its rows stand for (the batch's share of the iteration's on-policy
+      trajectories, Eq. 5's 1/G over the groups), so with a per-step token mean (`sequence` aggregation) a
+      trajectory pushes as much in total whatever its length;
+    * "final": only each trajectory's last step is trained, with Â_i (the trajectory-level baseline STEP0 is
+      compared with: one sample per trajectory, the final step's context)."""
+
     loss: Any
     advantages: AdvantageFn = ADVANTAGES["group"]
+    steps: str = "trajectory"
+
+    def __post_init__(self):
+        if self.steps not in STEP_WEIGHTINGS:
+            raise ValueError(f"Objective.steps must be one of {STEP_WEIGHTINGS}, got {self.steps!r}")
+
+    def step_rows(self, refs: Sequence[Any]) -> list[Any]:
+        """The step rows (`guijax.data.pipeline.StepRef`, one per step of each trained trajectory, carrying
+        the trajectory's advantage) this objective trains on, with their advantages."""
+        refs = list(refs)
+        if self.steps == "trajectory":
+            return refs
+        if self.steps == "step0":
+            counts = collections.Counter(r.trajectory for r in refs)
+            split = adv_lib.step0_step_advantages(np.asarray([r.advantage for r in refs], np.float32),
+                                                  np.asarray([counts[r.trajectory] for r in refs]))
+            return [dataclasses.replace(r, advantage=float(a)) for r, a in zip(refs, np.asarray(split))]
+        last: dict[int, int] = {}
+        for r in refs:
+            last[r.trajectory] = max(last.get(r.trajectory, -1), r.step)
+        return [r for r in refs if r.step == last[r.trajectory]]
+
+    @property
+    def trajectory_normalized(self) -> bool:
+        """Whether each batch's loss is divided by the trajectories its rows stand for (`batch['normalizer']`)."""
+        return self.steps == "step0"
 
     @property
     def reference_kl(self) -> bool:

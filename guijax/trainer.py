@@ -29,6 +29,7 @@ from guijax.models.policy import Policy
 from guijax.progress import Progress
 from guijax.rng import Streams
 from guijax.rollout.engine import RolloutConfig, RolloutEngine, episode_seed
+from guijax.rollout.prompt import grammar_of
 from guijax.rollout.stream import RolloutStream, group_index, sampling_version, shard_name
 from guijax.rollout.trajectory import Status, Trajectory
 from guijax.sampling import Sampler, SamplingConfig
@@ -61,7 +62,7 @@ def rollout_config(config: ml_collections.ConfigDict, system_prompt: str) -> Rol
         raise ValueError(f"pipeline.length_buckets (largest {max(config.pipeline.length_buckets)}) leave no room for a "
                          f"prompt beside rollout.max_new_tokens={r.max_new_tokens}")
     return RolloutConfig(max_images=r.max_images, format_reward=r.format_reward, format_weight=r.format_weight,
-                         system_prompt=system_prompt,
+                         system_prompt=system_prompt, grammar=grammar_of(r.prompt),
                          max_prompt_tokens=max(config.pipeline.length_buckets) - r.max_new_tokens)
 
 
@@ -82,6 +83,7 @@ def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str,
     return PipelineConfig(batch_size=config.train.minibatch_size, max_images=config.rollout.max_images,
                           length_buckets=tuple(config.pipeline.length_buckets),
                           patch_bucket=config.pipeline.patch_bucket, system_prompt=system_prompt,
+                          grammar=grammar_of(config.rollout.prompt),
                           seed=config.seed, worker_count=config.pipeline.worker_count,
                           response_bucket=config.pipeline.get("response_bucket", 64),
                           dedupe_images=config.pipeline.get("dedupe_images", True),
@@ -256,7 +258,7 @@ class Trainer:
         won = [s.behaviour_logprobs for t in on_policy if t.success for s in t.steps if len(s.behaviour_logprobs)]
         metrics["logp_success_on_policy"] = float(np.mean(np.concatenate(won))) if won else None
         metrics.update(self.hook.metrics())
-        update = self._update(trajectories, advantages, keep) if keep else {}
+        update = self._update(trajectories, advantages, keep, scored) if keep else {}
         metrics.update(update)
         metrics["time_iteration_s"] = wall = time.perf_counter() - t_start
         metrics["tokens_per_s"] = metrics.get("trained_tokens", 0) / max(metrics.get("time_update_s", 0.0), 1e-9)
@@ -275,15 +277,20 @@ class Trainer:
                            self.parts.pool.num_workers * metrics["time_iteration_s"], 1e-9))
 
     def _update(self, trajectories: Sequence[Trajectory], advantages: np.ndarray,
-                keep: Sequence[int]) -> dict[str, float]:
+                keep: Sequence[int], scored: int | None = None) -> dict[str, float]:
+        """PPO epochs over the kept trajectories' step rows; `scored` is how many on-policy trajectories the
+        iteration's objective averages over (the zero-advantage ones, not trained on, included; default: the
+        kept ones)."""
         cfg = self.config
-        refs = step_refs(trajectories, {i: float(advantages[i]) for i in keep})
+        scored = len(keep) if scored is None else scored
+        refs = self.objective.step_rows(step_refs(trajectories, {i: float(advantages[i]) for i in keep}))
         data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
                             dataclasses.replace(self.pipeline, seed=self.streams.seed_for("batches", self.iteration)))
         t0 = time.perf_counter()
-        prepared, injected_logp, screenshots = [], [], np.zeros(2)
+        prepared, injected_logp, screenshots, rows = [], [], np.zeros(2), []
         for batch in data:  # old log-probs under θ_old, fixed for every epoch
             screenshots += [batch["meta"].get("unique_screenshots", 0), batch["meta"].get("screenshots", 0)]
+            rows.append(int(np.any(np.asarray(batch["loss_mask"]) > 0, axis=-1).sum()))
             batch = self._place(device_batch(batch))
             old, _ = self.logprob_fn(self.state.params, batch)
             extra = {"old_logp": old}
@@ -295,6 +302,9 @@ class Trainer:
                 injected_logp.append((float(jnp.sum(old * off_mask)), float(jnp.sum(off_mask))))
             prepared.append(dict(batch, **extra))
         t_old = time.perf_counter() - t0
+        if self.objective.trajectory_normalized:  # each batch stands for its share of the trajectories
+            prepared = [dict(b, normalizer=np.float32(scored * n / sum(rows) if n else 1.0))
+                        for b, n in zip(prepared, rows)]
         total_tokens = sum(float(jnp.sum(b["loss_mask"])) for b in prepared)
         collected: dict[str, list[float]] = {}
         t0 = time.perf_counter()

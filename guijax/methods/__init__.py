@@ -9,17 +9,19 @@ import ml_collections
 from guijax.methods.arpo import ARPO
 from guijax.methods.base import Context, Hook, IdentityHook, Method
 from guijax.methods.bepa import BEPA, Level1Only, Level2Only
-from guijax.methods.evocua import EvoCUA, EvoCUADPO, EvoCUARFT
+from guijax.methods.evocua import EvoCUA, EvoCUACycle, EvoCUADPO, EvoCUARFT
 from guijax.methods.expert_mix import LUFFY, RLPlusSFT, TraceReplacement
 from guijax.methods.expert_sft import SFT, SFTThenRL
 from guijax.methods.grpo import GRPO
 from guijax.methods.offline import DPO, KTO, RFT
 from guijax.methods.seagent import SEAgent
 from guijax.methods.sgcd import SGCD, SGCDFullSupervision, SGCDNoContinuations
+from guijax.methods.step0 import STEP0, FinalStepGRPO
 
 REGISTRY: dict[str, type[Method]] = {m.name: m for m in (
     GRPO, ARPO, BEPA, Level1Only, Level2Only, TraceReplacement, LUFFY, RLPlusSFT, SFT, SFTThenRL, RFT, DPO, KTO,
-    EvoCUARFT, EvoCUADPO, EvoCUA, SGCD, SGCDNoContinuations, SGCDFullSupervision, SEAgent)}
+    EvoCUARFT, EvoCUADPO, EvoCUA, EvoCUACycle, SGCD, SGCDNoContinuations, SGCDFullSupervision, SEAgent,
+    STEP0, FinalStepGRPO)}
 
 
 def option_sections() -> dict[str, type]:

@@ -2,6 +2,7 @@
 reads reference log-probs of the initial policy, and each normalisation divides by what it says."""
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -29,14 +30,15 @@ def prepared(tmp_path_factory, tiny_config):
     return workdir, base_stages.expert_trajectories(run, run.all_tasks()), lambda *o: tiny_config("grpo_cpu", *OBJECTIVES, *o)
 
 
-def _trainer(workdir: pathlib.Path, make_config, overrides: list[str], on_mesh: bool = False) -> Trainer:
+def _trainer(workdir: pathlib.Path, make_config, overrides: list[str], on_mesh: bool = False,
+             method: str = "grpo") -> Trainer:
     config = make_config(*overrides)
     run = Run(config, workdir)
     policy = run.load_policy(run.base_model_dir)
-    method = get_method("grpo", config)
-    parts = Components(policy, None, policy.processor, [], lambda score: method.hook(None), method.objective(),
+    unit = get_method(method, config)
+    parts = Components(policy, None, policy.processor, [], lambda score: unit.hook(None), unit.objective(),
                        run.system_prompt, run.mesh() if on_mesh else None, streams=run.streams)
-    return Trainer(config, workdir / "trainer", parts)
+    return Trainer(config, workdir / f"trainer_{method}", parts)
 
 
 def _row_advantages(trajectories, advantages) -> np.ndarray:
@@ -106,3 +108,42 @@ def test_per_device_vision_blocks_train_the_same_update(prepared):
     assert moved.mean() < 1e-4, f"{moved.sum()} of {moved.size} weights differ"
     for t in (whole, blocked):
         t.close()
+
+
+def _uneven(trajectories):
+    """The traces with the first one cut to a single step, so trajectories differ in length."""
+    assert all(len(t.steps) >= 2 for t in trajectories)
+    return [dataclasses.replace(trajectories[0], steps=trajectories[0].steps[:1])] + list(trajectories[1:])
+
+
+def test_step0_shares_each_advantage_over_its_steps_and_divides_by_the_trajectories(prepared):
+    """EvoCUA Eq. 4-5 through the trainer on an 8-device mesh, one batch: at the first epoch the ratio is 1, so
+    a row's per-token surrogate is −Â_i/T_i, its token mean the same, and the rows' sum over the trajectories
+    in the objective is −ΣÂ_i/N whatever the lengths (GRPO's per-row mean would weigh long ones more)."""
+    workdir, trajectories, make_config = prepared
+    trajectories = _uneven(trajectories)
+    advantages = np.linspace(1.5, -0.5, len(trajectories)).astype(np.float32)
+    keep = list(range(len(trajectories)))
+    trainer = _trainer(workdir, make_config, ["train.minibatch_size=32", "optim.learning_rate=1e-9"], on_mesh=True,
+                       method="step0")
+    scored = len(trajectories) + 2  # two more trajectories with zero advantage count in 1/G but are not rows
+    m = trainer._update(trajectories, advantages, keep, scored)
+    trainer.close()
+    assert m["loss"] == pytest.approx(-advantages.sum() / scored, rel=1e-4, abs=1e-5)
+    rows = _row_advantages(trajectories, advantages)
+    assert abs(-rows.mean() - m["loss"]) > 1e-2  # what GRPO's per-row mean would have given
+    with pytest.raises(ValueError, match="steps must be one of"):
+        objectives.Objective(trainer.objective.loss, steps="every")
+
+
+@pytest.mark.slow  # 20 s
+def test_final_step_grpo_trains_one_row_per_trajectory(prepared):
+    workdir, trajectories, make_config = prepared
+    trajectories = _uneven(trajectories)
+    advantages = np.linspace(1.5, -0.5, len(trajectories)).astype(np.float32)
+    trainer = _trainer(workdir, make_config, ["train.minibatch_size=32", "optim.learning_rate=1e-9"],
+                       method="grpo_final_step")
+    m = trainer._update(trajectories, advantages, list(range(len(trajectories))))
+    trainer.close()
+    assert m["loss"] == pytest.approx(-advantages.mean(), rel=1e-4, abs=1e-5)  # one row of −Â_i per trajectory
+    assert abs(-_row_advantages(trajectories, advantages).mean() - m["loss"]) > 1e-2

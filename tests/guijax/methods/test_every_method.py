@@ -29,7 +29,8 @@ EVERY = ("stages=('base_model', 'tasks', 'expert', 'sft')", "env.num_tasks=6",
          "evocua.rft_learning_rate=1e-3", "evocua.dpo_learning_rate=1e-3", "sgcd.rollouts_per_task=1",
          "sgcd.max_handoff=2", "sgcd.sft_steps=2", "sgcd.batch_trajectories=4", "sgcd.learning_rate=1e-3",
          "seagent.episodes_per_task=1", "seagent.group_size=2", "seagent.update_epochs=2", "seagent.batch_rows=8",
-         "seagent.learning_rate=1e-3", "seagent.curriculum=desk", "seagent.tasks_per_phase=2")
+         "seagent.learning_rate=1e-3", "seagent.curriculum=desk", "seagent.tasks_per_phase=2", "evocua.rounds=1",
+         "evocua.budgets=(1, 2)", "evocua.thresholds=(1.0, 0.5)")
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +184,17 @@ def _seagent(run, workdir, policy, history, planted):
     assert history == [] and _moved(run, policy) > 0
 
 
+def _cycle(run, workdir, policy, history, planted):
+    """The tiny policy fails every task: the round spends the whole ladder on each, finds no success to
+    fine-tune on and no forking point, says so, and leaves the policy as it was (tests/guijax/evocua/test_cycle.py
+    trains both phases on scripted rollouts)."""
+    (report,) = json.loads((workdir / "rounds.json").read_text())
+    train = len(run.tasks()["train"])
+    assert report["start_success"] == 0.0 and report["episodes"] == 2 * train and report["exhausted"] == train
+    assert "no success" in report["rft_skipped"] and "no critical forking point" in report["step_dpo_skipped"]
+    assert history == [] and _moved(run, policy) == 0
+
+
 EFFECTS = {
     "grpo": _no_expert_data,
     "arpo": _arpo,
@@ -204,6 +216,9 @@ EFFECTS = {
     "sgcd_no_continuations": _sgcd(False),
     "sgcd_full_supervision": _sgcd(True),
     "seagent": _seagent,
+    "evocua_cycle": _cycle,
+    "step0": _no_expert_data,
+    "grpo_final_step": _no_expert_data,
 }
 
 
@@ -211,9 +226,12 @@ EFFECTS = {
 # checks the DPO objective in test_bepa_recipe.py, both losses in test_losses.py and step-level DPO in `evocua`;
 # SGCD's two variants differ from `sgcd` only in what Stage IV trains on (tests/guijax/sgcd/test_round.py); the
 # variants of a method the default suite covers (LEVEL-1 / LEVEL-2 of `bepa`, trace replacement and RL+SFT of
-# `luffy`'s expert rows, SFT then RL of `sft`, RFT of `evocua`) run with -m slow to keep CI within its budget
+# `luffy`'s expert rows, SFT then RL of `sft`, RFT of `evocua`) run with -m slow to keep CI within its budget; so do
+# the evolution cycle (trained on scripted rollouts in tests/guijax/evocua/test_cycle.py) and STEP0 and its
+# final-step baseline, whose rows and normalisation tests/guijax/test_trainer_objectives.py checks (the tiny
+# policy's groups all fail, so here they train nothing)
 SLOW = {"dpo", "kto", "evocua_dpo", "sgcd_no_continuations", "sgcd_full_supervision", "level1_only", "level2_only",
-        "trace_replacement", "rl_sft", "sft_rl", "evocua_rft"}
+        "trace_replacement", "rl_sft", "sft_rl", "evocua_rft", "evocua_cycle", "step0", "grpo_final_step"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(EFFECTS)])
