@@ -26,12 +26,16 @@ def first_level_success(rollouts: Sequence[Trajectory], first_budget: int) -> tu
 
 def rounds_table(reports: Sequence[dict[str, Any]]) -> str:
     """A markdown table, one line per round: the success it started from and what it trained on."""
-    lines = ["| round | start success (first budget) | episodes (uniform) | tasks with a success | RFT trajectories "
-             "| step-DPO pairs (correction + reflection) |", "|---|---|---|---|---|---|"]
+    lines = ["| round | start success (first budget) | of it: train / synthesized | episodes (uniform) "
+             "| tasks with a success | RFT trajectories | step-DPO pairs (correction + reflection) |",
+             "|---|---|---|---|---|---|---|"]
     for r in reports:
         pairs = (f"{r.get('dpo_action_correction_pairs', 0)} + {r.get('dpo_reflection_pairs', 0)}"
                  if "dpo_failures" in r else "–")
-        lines.append(f"| {r['round']} | {100 * r['start_success']:.1f}% ({r['tasks']} tasks) | {r['episodes']} "
+        split = (f"{100 * r['start_success_train']:.1f}% / " + (f"{100 * r['start_success_synthesized']:.1f}%"
+                                                                if "start_success_synthesized" in r else "–")
+                 if "start_success_train" in r else "–")
+        lines.append(f"| {r['round']} | {100 * r['start_success']:.1f}% ({r['tasks']} tasks) | {split} | {r['episodes']} "
                      f"({r['uniform_episodes']}) | {r['tasks_with_success']} | {r.get('rft_trajectories', '–')} "
                      f"| {pairs} |")
     return "\n".join(lines)

@@ -216,6 +216,12 @@ class EvoCUACycle(_EvoCUA):
         report: dict[str, Any] = {"round": rnd.index, **lib.summary(budgets, ladder)}
         report["start_success"], report["tasks"] = first_level_success(rollouts, ladder.budgets[0])
         report["synthesized_tasks"] = len(tasks) - len(ctx.train_tasks)
+        train_ids = {t.id for t in ctx.train_tasks}
+        report["start_success_train"], _ = first_level_success([t for t in rollouts if t.task_id in train_ids],
+                                                               ladder.budgets[0])
+        if report["synthesized_tasks"]:
+            report["start_success_synthesized"], _ = first_level_success(
+                [t for t in rollouts if t.task_id not in train_ids], ladder.budgets[0])
         for phase in self.phases:
             try:
                 report.update(getattr(self, phase)(ctx, policy, pipeline, rollouts, rnd.writer, rnd.streams,

@@ -98,7 +98,8 @@ def test_rounds_roll_out_the_last_rounds_policy_and_keep_their_data(cycle_run, t
     reports = json.loads((tmp_path / "rounds.json").read_text())
     assert [r["round"] for r in reports] == [1, 2]
     for r in reports:  # each task: 1 of its first 2 episodes succeeds (< τ_1 = 1.0), topped up to 4 (0.5 >= τ_2)
-        assert r["start_success"] == 0.5 and r["tasks"] == n and r["synthesized_tasks"] == 0
+        assert r["start_success"] == r["start_success_train"] == 0.5 and r["tasks"] == n
+        assert r["synthesized_tasks"] == 0 and "start_success_synthesized" not in r
         assert r["episodes"] == 4 * n and r["settled_at"] == {"2": 0, "4": n} and r["rft_trajectories"] == 2 * n
         assert "no critical forking point" in r["step_dpo_skipped"] and "rft_skipped" not in r
     for k in (1, 2):
@@ -107,7 +108,8 @@ def test_rounds_roll_out_the_last_rounds_policy_and_keep_their_data(cycle_run, t
     sums = {desc.split()[1]: total for desc, total in engine.calls}
     leaf = jax.tree.leaves(run.load_policy(run.base_model_dir).params)[0]
     assert sums["r2"] == pytest.approx(sums["r1"] + np.size(leaf), rel=1e-5)  # round 1's shift, rolled out
-    assert f"| 2 | 50.0% ({n} tasks) | {4 * n} ({4 * n}) | {n} | {2 * n} | – |" in (tmp_path / "rounds.md").read_text()
+    assert f"| 2 | 50.0% ({n} tasks) | 50.0% / – | {4 * n} ({4 * n}) | {n} | {2 * n} | – |" in (
+        tmp_path / "rounds.md").read_text()
     assert (tmp_path / "rounds.png").stat().st_size > 0
 
 
@@ -133,7 +135,7 @@ def test_each_round_rolls_out_the_policy_it_trained_and_keeps_its_data(cycle_run
     by_round = {desc.split()[1]: s for desc, s in engine.calls}
     assert by_round["r1"] != by_round["r2"]
     n = len(train)
-    assert f"| 2 | 50.0% ({n} tasks) | {4 * n} ({4 * n}) | {n} | {2 * n} | {2 * n} + {2 * n} |" in (
+    assert f"| 2 | 50.0% ({n} tasks) | 50.0% / – | {4 * n} ({4 * n}) | {n} | {2 * n} | {2 * n} + {2 * n} |" in (
         tmp_path / "rounds.md").read_text()
     assert (tmp_path / "rounds.png").stat().st_size > 0
 
@@ -158,7 +160,7 @@ def test_first_level_success_reads_only_each_tasks_first_budget():
     assert first_level_success(rollouts, 2) == (0.25, 2)
     table = rounds_table([{"round": 1, "start_success": 0.25, "tasks": 2, "episodes": 6, "uniform_episodes": 8,
                            "tasks_with_success": 1, "rft_trajectories": 3}])
-    assert "| 1 | 25.0% (2 tasks) | 6 (8) | 1 | 3 | – |" in table
+    assert "| 1 | 25.0% (2 tasks) | – | 6 (8) | 1 | 3 | – |" in table
 
 
 def test_the_cycle_rolls_out_synthesized_tasks_when_asked(cycle_run, tmp_path):

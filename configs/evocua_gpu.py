@@ -1,0 +1,41 @@
+"""EvoCUA for Qwen3-VL-8B on OSWorld from one 8-GPU H100 node (`python -m guijax.launch --config=evocua_gpu`).
+
+The policy writes EvoCUA's computer_use tool calls (Table 6) in 0-1000 coordinates, with the last five steps
+shown with their screenshots and older ones as their semantic action (§5.1). From the released checkpoint
+(which carries its own cold start): dynamic compute budgeting over the training tasks (Eq. 1), then from the
+same policy: RFT on the step-denoised successes, RFT then step-level DPO, two rounds of the evolution cycle,
+and STEP0 online (§7, Eq. 3-6, asymmetric clip 0.2/0.28 and a KL of 0.01 to the starting policy); evaluation
+at 50 steps with success at 15 scored from the same episodes (§6's 15 vs 50). Edit model.path,
+env.osworld_dir and env.server_urls for your machines; Qwen3-VL-32B: --config.model.preset=qwen3_vl_32b
+--config.model.path=/models/Qwen3-VL-32B-Instruct (evocua_tpu). Not here: the synthesis and coldstart
+stages, which build desk tasks and desk expert traces; check the sizes with --dry_run.
+"""
+from configs._common import base, uitars_on_osworld
+
+
+def get_config():
+    c = uitars_on_osworld(base("evocua_gpu"))
+    c.accelerator = "gpu"
+    c.model.path = "/models/Qwen3-VL-8B-Instruct"
+    c.model.preset = "qwen3_vl_8b"
+    c.stages = ("base_model", "tasks", "budget", "eval_base", "methods", "table", "report")
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+    c.mesh.num_devices = 8
+    c.rollout.prompt = "computer_use"
+    c.rollout.max_images = 5
+    c.rollout.temperature = 1.0
+    c.env.step_limit = 50
+    c.optim.learning_rate = 1e-6
+    c.train.eps_low, c.train.eps_high = 0.2, 0.28
+    c.train.kl_coef = 0.01
+    c.evocua.budgets = (4, 8, 16)
+    c.evocua.thresholds = (1.0, 0.5, 0.25)
+    c.evocua.rft_steps = 500
+    c.evocua.dpo_steps = 200
+    c.evocua.batch_trajectories = 64
+    c.evocua.rounds = 2
+    c.compare.methods = ("evocua_rft", "evocua", "evocua_cycle", "step0")
+    c.eval.episodes_per_task = 4
+    c.eval.pass_k = (1, 4)
+    c.eval.step_limits = (15, 50)
+    return c

@@ -1,0 +1,19 @@
+"""EvoCUA for Qwen3-VL-32B on OSWorld on a TPU v5p pod slice (v5p-128: 64 chips, data 4 x FSDP 16), launched on
+every host by launch/tpu_pod.sh; the settings of evocua_gpu otherwise. Qwen3-VL-8B:
+--config.model.preset=qwen3_vl_8b --config.model.path=/models/Qwen3-VL-8B-Instruct. `--dry_run` checks the
+sizes on any machine.
+"""
+from configs import evocua_gpu
+
+
+def get_config():
+    c = evocua_gpu.get_config()
+    c.name = "evocua_tpu"
+    c.accelerator = "tpu"
+    c.dry_run.topology = "v5p:4x4x4"
+    c.model.path = "/models/Qwen3-VL-32B-Instruct"
+    c.model.preset = "qwen3_vl_32b"
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, -1, 1
+    c.mesh.num_devices = 64
+    c.train.minibatch_size = 64
+    return c
