@@ -189,6 +189,18 @@ def page_html(episodes: Iterable[Trajectory | tuple[str, Trajectory]], title: st
             f'<h1 class="title">{html.escape(title)} · {summary}</h1>' + "".join(body) + "</body></html>")
 
 
+def spread(episodes: Sequence[tuple[str, Trajectory]], limit: int) -> list[tuple[str, Trajectory]]:
+    """At most `limit` of (label, trajectory) pairs, covering tasks evenly: every task's first episode, then
+    every task's second, and so on, in their original order within each pass."""
+    rank: dict[str, int] = {}
+    keyed = []
+    for i, (label, traj) in enumerate(episodes):
+        key = f"{label}/{traj.task_id}"
+        keyed.append((rank.get(key, 0), i))
+        rank[key] = rank.get(key, 0) + 1
+    return [episodes[i] for _, i in sorted(keyed)[:limit]]
+
+
 def write_page(episodes: Iterable[Trajectory | tuple[str, Trajectory]], path: str | pathlib.Path,
                title: str = "trajectories", **options) -> pathlib.Path:
     """Write `page_html(episodes, title, **options)` to `path` atomically."""

@@ -293,6 +293,9 @@ class Eval:
     # step limits to score the same episodes under, as if cut after L steps (EvoCUA's 15 vs 50 steps); each
     # split's report gains success_at_step_limit; a limit above one an episode was cut at scores None
     step_limits: tuple[int, ...] = ranged((), low=1)
+    # episodes on each evaluation's inspector page (every task's first episode, then its second, ...; the
+    # stored episodes keep all of them); 0: no page. Pages embed screenshots, so full-HD desktops make them large
+    inspector_episodes: int = ranged(24, low=0)
 
 
 @dataclasses.dataclass(frozen=True)

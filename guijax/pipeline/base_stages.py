@@ -202,14 +202,14 @@ def policy_dir(run: Run) -> pathlib.Path:
 
 def evaluate_into(run: Run, model_dir: pathlib.Path, report_path: pathlib.Path) -> str:
     """Evaluate the policy in `model_dir` on the recipe's eval splits; write the report, its episodes (a
-    TrajectoryStore folder `<stem>_trajectories/`, one shard per split) and their inspector page
-    (`<stem>.html`) beside it; return its headline. On the desk, `eval.step_limits` are scored exactly by
+    TrajectoryStore folder `<stem>_trajectories/`, one shard per split) and an inspector page of up to
+    `eval.inspector_episodes` of them (`<stem>.html`) beside it; return its headline. On the desk, `eval.step_limits` are scored exactly by
     replaying each episode's first L steps; elsewhere from the recorded episodes (a lower bound)."""
     import shutil
 
     from guijax.data.store import TrajectoryStore
     from guijax.evaluation import desk_replay_scorer, evaluate_with_trajectories, write_report
-    from guijax.inspector import write_page
+    from guijax.inspector import spread, write_page
 
     ev = run.config.eval
     policy = run.load_policy(model_dir)
@@ -228,10 +228,16 @@ def evaluate_into(run: Run, model_dir: pathlib.Path, report_path: pathlib.Path) 
     store = TrajectoryStore(store_dir)
     for split, trajs in trajectories.items():
         store.append([dataclasses.replace(t, meta={**t.meta, "eval_split": split}) for t in trajs], name=split)
-    page = write_page([(split, t) for split, trajs in trajectories.items() for t in trajs],
-                      report_path.with_suffix(".html"), title=f"{run.config.name} {report_path.stem}",
-                      coordinate_model=engine.config.coordinate_model, grammar=engine.config.grammar, max_side=1280)
-    report["trajectories"], report["inspector"] = store_dir.name, page.name
+    report["trajectories"] = store_dir.name
+    episodes = [(split, t) for split, trajs in trajectories.items() for t in trajs]
+    page_path = report_path.with_suffix(".html")
+    page_path.unlink(missing_ok=True)
+    if ev.inspector_episodes:
+        shown = spread(episodes, ev.inspector_episodes)
+        title = f"{run.config.name} {report_path.stem}" + (
+            f" ({len(shown)} of {len(episodes)} episodes)" if len(shown) < len(episodes) else "")
+        report["inspector"] = write_page(shown, page_path, title=title, coordinate_model=engine.config.coordinate_model,
+                                         grammar=engine.config.grammar, max_side=1280).name
     write_report(report_path.parent, report_path.stem, report)
     return ", ".join(f"{s} {100 * r.get('success_rate', 0):.1f}%" for s, r in report["splits"].items())
 

@@ -182,7 +182,7 @@ def test_evaluate_into_keeps_episodes_page_and_step_limits(tmp_path):
                            RolloutConfig(show_progress=False))
     config = types.SimpleNamespace(
         name="t", eval=types.SimpleNamespace(splits=("train", "held_out"), episodes_per_task=2, temperature=0.6,
-                                             pass_k=(1,), step_limits=(2, 3, 4, 8)),
+                                             pass_k=(1,), step_limits=(2, 3, 4, 8), inspector_episodes=3),
         env=types.SimpleNamespace(kind="desk", screen=SCREEN, popups=False))
     run = types.SimpleNamespace(config=config, load_policy=lambda d: types.SimpleNamespace(params=None),
                                 tasks=lambda: {"train": tasks[:1], "held_out": tasks[1:], "other": tasks},
@@ -209,4 +209,6 @@ def test_evaluate_into_keeps_episodes_page_and_step_limits(tmp_path):
     assert [p.name for p in store.shards] == ["held_out.array_record", "train.array_record"]
     assert sorted(t.meta["eval_split"] for t in store) == ["held_out"] * 2 + ["train"] * 2
     page = (tmp_path / "eval_final.html").read_text()
-    assert page.count('class="episode"') == 4 and tasks[0].id in page and tasks[1].id in page
+    # 3 of the 4 episodes: each task's first, then the train task's second
+    assert page.count('class="episode"') == 3 and tasks[0].id in page and tasks[1].id in page
+    assert "(3 of 4 episodes)" in page

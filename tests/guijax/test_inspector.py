@@ -179,3 +179,14 @@ def test_chromium_draws_the_markers_on_the_target_pixels(tmp_path):
     # the WAIT step's copy of the same screenshot carries no marker
     ty, tx = top1_again
     assert np.abs(rendered[ty + start[1], tx + start[0]].astype(int) - shots[1][start[1], start[0]]).max() <= 2
+
+
+def test_a_capped_page_covers_every_task_before_repeating_one():
+    from guijax.inspector import spread
+    from guijax.rollout.trajectory import Trajectory
+
+    episodes = [(split, Trajectory(task, "", [])) for split, task in
+                [("train", "a"), ("train", "a"), ("train", "a"), ("train", "b"), ("held_out", "c"), ("held_out", "c")]]
+    picked = [(s, t.task_id) for s, t in spread(episodes, 4)]
+    assert picked == [("train", "a"), ("train", "b"), ("held_out", "c"), ("train", "a")]
+    assert len(spread(episodes, 100)) == 6 and spread(episodes, 0) == []
