@@ -239,3 +239,12 @@ class Objective:
             inner = inner.inner
         clip = getattr(inner, "clip", None)
         return bool(clip is not None and clip.kl_coef)
+
+
+def trajectory_normalizers(rows: Sequence[int], trajectories: int) -> list[float]:
+    """Each batch's share of `trajectories` (the on-policy trajectories the iteration's objective averages
+    over), in proportion to its step rows with loss (`rows`, per batch): each batch's loss is then an estimate
+    of Eq. 5's (1/G)·Σ over every row, and their mean weighted by rows is exactly it; a batch with no such row
+    gets 1 (its loss is 0 either way)."""
+    total = sum(rows)
+    return [trajectories * n / total if n else 1.0 for n in rows]

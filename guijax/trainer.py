@@ -303,8 +303,8 @@ class Trainer:
             prepared.append(dict(batch, **extra))
         t_old = time.perf_counter() - t0
         if self.objective.trajectory_normalized:  # each batch stands for its share of the trajectories
-            prepared = [dict(b, normalizer=np.float32(scored * n / sum(rows) if n else 1.0))
-                        for b, n in zip(prepared, rows)]
+            prepared = [dict(b, normalizer=np.float32(z))
+                        for b, z in zip(prepared, objectives.trajectory_normalizers(rows, scored))]
         total_tokens = sum(float(jnp.sum(b["loss_mask"])) for b in prepared)
         collected: dict[str, list[float]] = {}
         t0 = time.perf_counter()

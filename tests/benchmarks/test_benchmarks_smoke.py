@@ -7,6 +7,7 @@ import pytest
 from benchmark_scripts import load as load_script, outputs, read as read_outputs
 
 
+@pytest.mark.slow  # 25 s; recipe_step's smoke test below runs the same train step through the recipe's builder
 def test_train_step_benchmark(tmp_path):
     mod = load_script("train_step")
     assert mod.main(["--presets", "tiny", "--batch", "1", "--seq", "16", "--repeats", "1", "--peak-n", "256",
@@ -67,6 +68,7 @@ def test_vs_torch_benchmark(tmp_path):
     assert out["target_met"] is None  # the target is for the small preset
 
 
+@pytest.mark.slow  # 21 s, to keep CI within its budget; the engine and sampler are tested in tests/guijax
 def test_rollout_benchmark_env_and_sampler(tmp_path):
     mod = load_script("rollout")
     assert mod.main(["--parts", "env,sampler", "--env-steps", "30", "--batches", "2", "--prompt-len", "16",

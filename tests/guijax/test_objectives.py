@@ -101,3 +101,31 @@ def test_adversarial_imitation_rows_leave_the_surrogate_and_push_a_f_down(form):
         loss_fn(logp, logp, {k: v for k, v in batch.items() if k != "ref_logp"})
     with pytest.raises(ValueError, match="form must be one of"):
         objectives.WithAdversarialImitation(inner, form="printed")
+
+
+def test_step0_rows_share_each_advantage_and_batches_split_the_trajectories():
+    """EvoCUA Eq. 4-5 as the trainer lays them out: each step row carries Â_i/T_i; each batch divides by its
+    share of the trajectories, so with a ratio of 1 the batches' losses sum to −ΣÂ_i/N whatever the lengths."""
+    from guijax.data.pipeline import step_refs
+    from guijax.rollout.trajectory import Trajectory
+
+    trajectories = [Trajectory(f"t{i}", "", [None] * n) for i, n in enumerate((1, 3, 2))]
+    advantages = {0: 1.5, 1: -0.6, 2: 0.4}
+    loss = objectives.ClippedPolicyLoss(losses.ClipConfig(normalization="sequence"))
+    step0 = objectives.Objective(loss, steps="step0")
+    rows = step0.step_rows(step_refs(trajectories, advantages))
+    chex.assert_trees_all_close([r.advantage for r in rows], [1.5, -0.2, -0.2, -0.2, 0.2, 0.2], rtol=1e-6)
+    assert step0.trajectory_normalized and not objectives.Objective(loss).trajectory_normalized
+    final = objectives.Objective(loss, steps="final").step_rows(step_refs(trajectories, advantages))
+    assert [(r.trajectory, r.step, r.advantage) for r in final] == [(0, 0, 1.5), (1, 2, -0.6), (2, 1, 0.4)]
+    # two batches of 4 and 2 rows (and an empty one) for 5 scored trajectories (2 of them with zero advantage)
+    z = objectives.trajectory_normalizers([4, 2, 0], 5)
+    chex.assert_trees_all_close(z, [5 * 4 / 6, 5 * 2 / 6, 1.0])
+    batches = [rows[:4], rows[4:]]
+    # at ratio 1 a row's per-token surrogate is −A: each batch's loss estimates Eq. 5 on its rows, and weighted
+    # by its share of the rows they give −ΣÂ_i/N (a normaliser of N per batch would give −0.147, not −0.26)
+    per_batch = [float(losses.aggregate(-jnp.asarray([[r.advantage] * 3 for r in b]), jnp.ones((len(b), 3)),
+                                        "sequence", zb)) for b, zb in zip(batches, z)]
+    assert sum(len(b) / 6 * lb for b, lb in zip(batches, per_batch)) == pytest.approx(-sum(advantages.values()) / 5)
+    with pytest.raises(ValueError, match="steps must be one of"):
+        objectives.Objective(loss, steps="every")

@@ -116,6 +116,7 @@ def _uneven(trajectories):
     return [dataclasses.replace(trajectories[0], steps=trajectories[0].steps[:1])] + list(trajectories[1:])
 
 
+@pytest.mark.slow  # 60 s; the rows and normalisers are checked in tests/guijax/test_objectives.py
 def test_step0_shares_each_advantage_over_its_steps_and_divides_by_the_trajectories(prepared):
     """EvoCUA Eq. 4-5 through the trainer on an 8-device mesh, one batch: at the first epoch the ratio is 1, so
     a row's per-token surrogate is −Â_i/T_i, its token mean the same, and the rows' sum over the trajectories
