@@ -223,15 +223,15 @@ EFFECTS = {
 
 
 # DPO and KTO compile their own preference step (about 20 s each): they run with -m slow, and the default suite
-# checks the DPO objective in test_bepa_recipe.py, both losses in test_losses.py and step-level DPO in `evocua`;
-# SGCD's two variants differ from `sgcd` only in what Stage IV trains on (tests/guijax/sgcd/test_round.py); the
-# variants of a method the default suite covers (LEVEL-1 / LEVEL-2 of `bepa`, trace replacement and RL+SFT of
-# `luffy`'s expert rows, SFT then RL of `sft`, RFT of `evocua`) run with -m slow to keep CI within its budget; so do
-# the evolution cycle (trained on scripted rollouts in tests/guijax/evocua/test_cycle.py) and STEP0 and its
-# final-step baseline, whose rows and normalisation tests/guijax/test_trainer_objectives.py checks (the tiny
-# policy's groups all fail, so here they train nothing)
+# checks the DPO objective in test_bepa_recipe.py and both losses in test_losses.py; SGCD's two variants differ
+# from `sgcd` only in what Stage IV trains on (tests/guijax/sgcd/test_round.py); the variants of a method the
+# default suite covers (LEVEL-1 / LEVEL-2 of `bepa`, trace replacement and RL+SFT of `luffy`'s expert rows, SFT
+# then RL of `sft`) run with -m slow to keep CI within its budget. So do EvoCUA's methods (`evocua` alone is 100 s:
+# its SFT and DPO steps compile; pair mining and denoising are tested in tests/guijax/evocua/, the cycle's rounds
+# in test_cycle.py) and STEP0 and its final-step baseline, whose rows and normalisers tests/guijax/test_objectives.py
+# checks (the tiny policy's groups all fail, so here they train nothing)
 SLOW = {"dpo", "kto", "evocua_dpo", "sgcd_no_continuations", "sgcd_full_supervision", "level1_only", "level2_only",
-        "trace_replacement", "rl_sft", "sft_rl", "evocua_rft", "evocua_cycle", "step0", "grpo_final_step"}
+        "trace_replacement", "rl_sft", "sft_rl", "evocua_rft", "evocua", "evocua_cycle", "step0", "grpo_final_step"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(EFFECTS)])
