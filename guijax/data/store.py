@@ -314,3 +314,12 @@ def _fsync_dir(directory: pathlib.Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_named_shard(directory: str | os.PathLike, name: str, trajectories: Sequence[Trajectory]) -> pathlib.Path:
+    """A folder's single shard `name`, replacing one a crashed earlier attempt left behind (shards are
+    immutable; the writer of the folder marks it done only after this returns)."""
+    directory = pathlib.Path(directory)
+    for stale in directory.glob(f"{name}.*"):
+        stale.unlink()
+    return TrajectoryStore(directory).append(trajectories, name=name)

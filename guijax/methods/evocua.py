@@ -196,7 +196,7 @@ class EvoCUACycle(_EvoCUA):
     def round(self, ctx: Context, policy: Any, pipeline: Any, ladder: Any, rnd: Round) -> str:
         """One round from the current policy: its episodes up the ladder on the training tasks (kept in
         `round_N/rollouts`), RFT on their successes, step-DPO on their failures; `round_N/round.json`."""
-        from guijax.data.store import TrajectoryStore
+        from guijax.data.store import write_named_shard
         from guijax.evocua import budget as lib
         from guijax.evocua.cycle import first_level_success
 
@@ -210,9 +210,7 @@ class EvoCUACycle(_EvoCUA):
         if not tasks:
             raise ValueError(f"{self.name}: the run has no training tasks to roll out")
         rollouts, budgets = lib.budgeted_rollouts(episodes, tasks, ladder)
-        for stale in (rnd.folder / "rollouts").glob("rollouts.*"):  # a crashed attempt's shard
-            stale.unlink()
-        TrajectoryStore(rnd.folder / "rollouts").append(rollouts, name="rollouts")
+        write_named_shard(rnd.folder / "rollouts", "rollouts", rollouts)
         report: dict[str, Any] = {"round": rnd.index, **lib.summary(budgets, ladder)}
         report["start_success"], report["tasks"] = first_level_success(rollouts, ladder.budgets[0])
         report["synthesized_tasks"] = len(tasks) - len(ctx.train_tasks)

@@ -86,7 +86,7 @@ def coldstart(run: Run) -> str:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
     from envs.desk.expert import expert_subgoals
     from guijax import progress
-    from guijax.data.store import TrajectoryStore
+    from guijax.data.store import write_named_shard
     from guijax.evocua.hindsight import make_writer
 
     c, e = options(run.config), run.config.env
@@ -115,10 +115,7 @@ def coldstart(run: Run) -> str:
     if not trained:
         raise RuntimeError(f"coldstart: no step to train on from {len(tasks)} training tasks ({len(traces)} expert "
                            f"successes, {len(skipped)} steps skipped)")
-    directory = run.workdir / "coldstart_trajectories"
-    for stale in directory.glob("coldstart.*"):  # a crashed attempt's shard (shards are immutable)
-        stale.unlink()
-    TrajectoryStore(directory).append(traces, name="coldstart")
+    write_named_shard(run.workdir / "coldstart_trajectories", "coldstart", traces)
     write_text_atomic(run.workdir / "coldstart.json", json.dumps(
         {"traces": len(traces), "steps": sum(len(t.steps) for t in traces), "trained_steps": trained,
          "skipped_steps": skipped, "hindsight": c.hindsight, "brief": c.brief,

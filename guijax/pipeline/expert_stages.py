@@ -20,18 +20,10 @@ from typing import Any
 
 from envs.atomic import write_text_atomic
 from guijax import progress
+from guijax.data.store import write_named_shard as _write_shard  # each stage's single named shard
 from guijax.pipeline.base_stages import BASE_POLICY, ROLLOUT_READS, SPLITS, policy_dir
 from guijax.pipeline.run import Run
 from guijax.pipeline.stage import output_exists, stage
-
-def _write_shard(directory: pathlib.Path, name: str, trajectories) -> None:
-    """A stage's single named shard, replacing one a crashed earlier attempt left behind (shards are
-    immutable, and the stage's own marker file is written only after this)."""
-    from guijax.data.store import TrajectoryStore
-
-    for stale in directory.glob(f"{name}.*"):
-        stale.unlink()
-    TrajectoryStore(directory).append(trajectories, name=name)
 
 
 def _write_json(path: pathlib.Path, data: Any) -> None:
