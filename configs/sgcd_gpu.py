@@ -7,8 +7,10 @@ way: OSWorld VMs cannot save their state), the LLM judge, Stage IV at lr 1e-5 on
 tokens, three screenshots of history (the paper's H = 3), sampling at temperature 1.0 / top-p 0.95.
 Edit model.path, env.osworld_dir, env.server_urls and sgcd.chat_url for your machines; Qwen3-VL-30B-A3B:
 --config.model.preset=qwen3_vl_30b_a3b --config.model.path=/models/Qwen3-VL-30B-A3B-Instruct --config.mesh.expert=8.
-Differences from the paper: the policy is prompted in the UI-TARS action grammar (not Fig. 9's pyautogui code)
-and the vision tower is trained with the decoder (the paper freezes it); check the sizes with --dry_run.
+The policy writes Qwen3-VL's computer_use tool calls in 0-1000 coordinates (as evocua_gpu); the expert stage
+writes D_exp in the same grammar, and the rollouts, handoffs, judge and skill extractor read it.
+Differences from the paper: computer_use tool calls rather than Fig. 9's pyautogui code, and the vision tower
+is trained with the decoder (the paper freezes it); check the sizes with --dry_run.
 """
 from configs._common import base, uitars_on_osworld
 
@@ -21,6 +23,7 @@ def get_config():
     c.stages = ("base_model", "tasks", "expert", "eval_base", "methods", "table", "csr", "report")
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     c.mesh.num_devices = 8
+    c.rollout.prompt = "computer_use"
     c.rollout.max_images = 3
     c.rollout.temperature = 1.0
     c.rollout.top_p = 0.95

@@ -88,7 +88,9 @@ class SEAgent(Method):
 
         o, env = self.options, self.config.env
         if o.judge == "oracle":
-            return DeskOracleJudge(tuple(env.screen), popups=env.popups)
+            from guijax.rollout.prompt import grammar_of
+
+            return DeskOracleJudge(tuple(env.screen), popups=env.popups, grammar=grammar_of(self.config.rollout.prompt))
         from guijax.chat import ChatClient
 
         return ChatWorldStateJudge(ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env),
@@ -144,7 +146,8 @@ class SEAgent(Method):
             positives = positives[:o.max_states]
         samples = step_rl.sample_at_states(engine, policy.params, rollouts, positives, o.group_size,
                                            jax.random.PRNGKey(streams.seed_for("samples")), o.sampler_rows)
-        rewards = step_rl.sample_rewards(rollouts, positives, samples, engine.config.coordinate_model)
+        rewards = step_rl.sample_rewards(rollouts, positives, samples, engine.config.coordinate_model,
+                                         engine.config.grammar)
         data = step_rl.training_rows(rollouts, positives, samples, step_rl.group_advantages(rewards), failures)
         history: list[dict[str, float]] = []
         if data.refs:

@@ -111,6 +111,12 @@ class SGCD(Method):
         o = self.options
         return ChatClient(o.chat_url, o.chat_model, o.chat_api_key_env)
 
+    def grammar(self) -> str:
+        """The action grammar the run's policy writes, which the offline extractor and rule judge read."""
+        from guijax.rollout.prompt import grammar_of
+
+        return grammar_of(self.config.rollout.prompt)
+
     def extractor(self):
         o = self.options
         if o.skill_extractor == "chat":
@@ -119,7 +125,7 @@ class SGCD(Method):
             return ChatSkillExtractor(self._client(), retries=o.skill_retries)
         from guijax.sgcd.desk_skills import DeskSkillExtractor
 
-        return DeskSkillExtractor(tuple(self.config.env.screen), self.config.env.popups)
+        return DeskSkillExtractor(tuple(self.config.env.screen), self.config.env.popups, grammar=self.grammar())
 
     def judge(self):
         o = self.options
@@ -131,7 +137,8 @@ class SGCD(Method):
             from guijax.sgcd.judge import RuleJudge
 
             desk = self.config.env.kind == "desk"
-            return RuleJudge(o.judge_max_repeats, tuple(self.config.env.screen) if desk else None, self.config.env.popups)
+            return RuleJudge(o.judge_max_repeats, tuple(self.config.env.screen) if desk else None, self.config.env.popups,
+                             grammar=self.grammar())
         return None
 
     # ------------------------------------------------------------------ the rounds

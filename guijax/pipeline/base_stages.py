@@ -91,6 +91,7 @@ def expert_trajectories(run: Run, task_list) -> list:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
     from guijax.plans import RulePlanExtractor
     from guijax.rollout.conversion import convert_trace
+    from guijax.rollout.prompt import grammar_of
 
     e = run.config.env
     env = DeskEnv(tuple(e.screen), e.step_limit, seed=run.streams.seed_for("sft", "env"), popups=e.popups)
@@ -101,7 +102,7 @@ def expert_trajectories(run: Run, task_list) -> list:
             trace = run_expert(env, task, ScriptedExpert(noise=run.config.sft.expert_noise,
                                                          seed=run.streams.seed_for("sft", "expert", task.id, k)))
             if trace.reward >= 1.0:
-                converted = convert_trace(trace)
+                converted = convert_trace(trace, grammar=grammar_of(run.config.rollout.prompt))
                 converted.meta["phi_plan"] = extractor(trace)
                 out.append(converted)
     return out
@@ -138,13 +139,14 @@ def sft_trajectories(run: Run) -> list:
 
 def _skill_conditioned(run: Run, tasks) -> dict[str, str]:
     """{task id: its SGCD skill as the skill-guided policy reads it}, from the desk's ground truth alone."""
+    from guijax.rollout.prompt import grammar_of
     from guijax.sgcd.desk_skills import DeskSkillExtractor
 
     e = run.config.env
     if e.kind != "desk":
         raise ValueError(f"sft.conditioning='skill' writes skills from the synthetic desk's ground truth; env.kind is "
                          f"{e.kind!r}")
-    extractor = DeskSkillExtractor(tuple(e.screen), e.popups)
+    extractor = DeskSkillExtractor(tuple(e.screen), e.popups, grammar=grammar_of(run.config.rollout.prompt))
     return {t.id: extractor.extract(t, [], []).render() for t in tasks}
 
 

@@ -36,19 +36,23 @@ def plans(run: Run) -> dict[str, list[str]]:
 
 
 def _describe_expert(run: Run) -> str:
+    from guijax.rollout.prompt import grammar_of
+
     b = run.config.bepa
     source = f"recorded traces in {b.expert_dir}" if b.expert_dir else f"the scripted expert (noise {b.expert_noise})"
-    return (f"{source} on every task; plans by the {b.plan_extractor} extractor; UI-TARS conversion with "
-            f"{b.conversion_thoughts} thoughts")
+    return (f"{source} on every task; plans by the {b.plan_extractor} extractor; converted to the "
+            f"{grammar_of(run.config.rollout.prompt)} grammar with {b.conversion_thoughts} thoughts")
 
 
 @stage("expert", _describe_expert, done=output_exists("expert.json"),
        reads=("seed", "env", "bepa.expert_dir", "bepa.expert_noise", "bepa.plan_extractor", "bepa.plan_url",
-              "bepa.plan_model", "bepa.conversion_thoughts"), needs=("tasks",), outputs=("expert.json", "expert_traces"))
+              "bepa.plan_model", "bepa.conversion_thoughts", "rollout.prompt"), needs=("tasks",),
+       outputs=("expert.json", "expert_traces"))
 def expert(run: Run) -> str:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
     from guijax.plans import make_extractor
     from guijax.rollout.conversion import THOUGHT_STYLES, convert_trace
+    from guijax.rollout.prompt import grammar_of
 
     out = run.workdir / "expert.json"
     b, e = run.config.bepa, run.config.env
@@ -74,7 +78,8 @@ def expert(run: Run) -> str:
         ok = trace.reward >= 1.0
         results[task.id] = {"success": ok, "steps": len(trace.steps), "plan": extractor(trace) if ok else []}
         if ok:
-            converted.append(convert_trace(trace, thought_style=b.conversion_thoughts))
+            converted.append(convert_trace(trace, thought_style=b.conversion_thoughts,
+                                           grammar=grammar_of(run.config.rollout.prompt)))
     bar.close()
     _write_shard(run.workdir / "expert_traces", "expert", converted)
     _write_json(out, {"expert_noise": b.expert_noise, "conversion_thoughts": b.conversion_thoughts,

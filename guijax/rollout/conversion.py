@@ -1,5 +1,6 @@
-"""Expert traces -> UI-TARS-format trajectories (BEPA's D_conv): each framework step's actions rendered as
-`Thought: ... Action: ...` with a thought written from the S2 action, screenshots kept.
+"""Expert traces -> trajectories in the policy's action grammar (BEPA's D_conv): each framework step's actions
+rendered as UI-TARS's `Thought: ... Action: ...` (or computer_use's reasoning, semantic action and tool call)
+with a thought written from the S2 action, screenshots kept.
 
 Two thought styles. "terse" is the one the desk's SFT warm start teaches, so converted traces are close to
 what the base policy writes itself. "verbose" writes each thought the way a framework's worker narrates
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from envs.actions import parse_s2, render_uitars
+from envs.actions import parse_s2
+from envs.actions.grammar import render_response
 from envs.desk.expert import ExpertTrace
+from guijax.evocua.hindsight import semantic_action
 from guijax.rollout.trajectory import Source, Status, Step, Trajectory
 
 THOUGHT_STYLES = ("terse", "verbose")
@@ -56,12 +59,15 @@ def thought_for(s2_text: str, style: str = "terse") -> str:
     return voices[THOUGHT_STYLES.index(style)](action.args)
 
 
-def convert_trace(trace: ExpertTrace, model: str = "uitars-1.5", thought_style: str = "terse") -> Trajectory:
+def convert_trace(trace: ExpertTrace, model: str = "uitars-1.5", thought_style: str = "terse",
+                  grammar: str = "uitars") -> Trajectory:
+    """`grammar`: the one the policy is prompted to write (envs.actions.grammar), so expert steps train the same
+    format as its own rollouts."""
     steps = []
     for s in trace.steps:
         hw = s.screenshot.shape[:2]
-        response = render_uitars(s.actions, image_hw=hw, screen_hw=hw, model=model,
-                                 thought=thought_for(s.s2, thought_style))
+        response = render_response(thought_for(s.s2, thought_style), semantic_action(s.s2), s.actions,
+                                   grammar=grammar, screen_hw=hw, coordinate_model=model)
         steps.append(Step.text(s.screenshot, response))
     status = Status.DONE if trace.reward > 0.5 else Status.STEP_LIMIT
     return Trajectory(trace.task_id, trace.instruction, steps, trace.reward, status, Source.EXPERT,

@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from envs.actions import ActionParseError, parse_uitars
+from envs.actions import ActionParseError
+from envs.actions.grammar import parse_response
 from guijax.data.pipeline import PipelineConfig, StepRef, make_dataset
 from guijax.rollout.engine import response_text
 from guijax.rollout.prompt import Turn, build_messages
@@ -73,25 +74,26 @@ def sample_at_states(engine: Any, params: Any, trajectories: Sequence[Trajectory
     return [steps[i * group_size:(i + 1) * group_size] for i in range(len(states))]
 
 
-def _actions(response: str, screen_hw: tuple[int, int], coordinate_model: str):
+def _actions(response: str, screen_hw: tuple[int, int], coordinate_model: str, grammar: str):
     try:
-        return parse_uitars(response, image_hw=screen_hw, screen_hw=screen_hw, model=coordinate_model)
+        return parse_response(response, grammar=grammar, screen_hw=screen_hw, coordinate_model=coordinate_model)
     except (ActionParseError, ValueError):
         return None
 
 
 def sample_rewards(trajectories: Sequence[Trajectory], states: Sequence[State], samples: Sequence[Sequence[Step]],
-                   coordinate_model: str = "uitars-1.5") -> np.ndarray:
-    """[states, G] Eq. 4 rewards of each sample against its state's correct (a_T) response."""
+                   coordinate_model: str = "uitars-1.5", grammar: str = "uitars") -> np.ndarray:
+    """[states, G] Eq. 4 rewards of each sample against its state's correct (a_T) response, both read in
+    `grammar` (the rollout's, envs.actions.grammar), so r_dist compares screen-pixel actions in either."""
     out = np.zeros((len(states), max((len(g) for g in samples), default=0)), np.float32)
     for i, (state, group) in enumerate(zip(states, samples)):
         truth_step = trajectories[state.trajectory].steps[state.step]
         screen = truth_step.screenshot.shape[:2]
-        truth = _actions(truth_step.response, screen, coordinate_model)
+        truth = _actions(truth_step.response, screen, coordinate_model, grammar)
         if not truth:
             raise ValueError(f"state {state}: its a_T response does not parse: {truth_step.response[:200]!r}")
         for g, sample in enumerate(group):
-            out[i, g] = step_reward(_actions(sample.response, screen, coordinate_model), truth, screen).total
+            out[i, g] = step_reward(_actions(sample.response, screen, coordinate_model, grammar), truth, screen).total
     return out
 
 

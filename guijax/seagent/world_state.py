@@ -171,16 +171,20 @@ class WorldStateJudge(Protocol):
 
 
 class DeskOracleJudge:
-    """Judgments from the desk's ground truth (see the module docstring)."""
+    """Judgments from the desk's ground truth (see the module docstring); responses are read in `grammar`, the
+    action grammar the policy writes (envs.actions.grammar)."""
 
-    def __init__(self, screen_hw: tuple[int, int], popups: bool = False, coordinate_model: str = "uitars-1.5"):
+    def __init__(self, screen_hw: tuple[int, int], popups: bool = False, coordinate_model: str = "uitars-1.5",
+                 grammar: str = "uitars"):
         self.screen_hw, self.popups, self.coordinate_model = screen_hw, popups, coordinate_model
+        self.grammar = grammar
 
     def judge(self, task: Task, trajectory: Trajectory) -> Judgment:
         from envs.desk.expert import expert_subgoals, plan_text
         from guijax.sgcd.desk_skills import critical_targets, step_verdicts
 
-        verdicts = step_verdicts(task, trajectory, self.screen_hw, self.popups, self.coordinate_model)
+        verdicts = step_verdicts(task, trajectory, self.screen_hw, self.popups, self.coordinate_model,
+                                 grammar=self.grammar)
         repeated = tuple(v.index for v in verdicts if v.trap and v.trap.startswith("Do not repeat"))
         off_path = [v for v in verdicts if v.trap is not None]
         if trajectory.success:

@@ -19,7 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from envs.actions import ActionParseError, parse_uitars
+from envs.actions import ActionParseError
+from envs.actions.grammar import parse_response
 from envs.actions.model import ActionType
 from envs.api import Task
 from envs.desk.a11y import BANNER, CONFIRM, describe, parse_tree
@@ -118,9 +119,11 @@ def _node_at(a11y: str, point: tuple[int, int]):
 
 
 def step_verdicts(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int], popups: bool,
-                  coordinate_model: str = "uitars-1.5", step_limit: int = 15) -> list[StepVerdict]:
+                  coordinate_model: str = "uitars-1.5", step_limit: int = 15,
+                  grammar: str = "uitars") -> list[StepVerdict]:
     """Replay `trajectory` on a fresh desk with its episode seed; a verdict per step. Replay stops (one
-    'unreplayable' verdict) where the screen no longer equals the one the episode saw."""
+    'unreplayable' verdict) where the screen no longer equals the one the episode saw. Responses are read in
+    `grammar`, the one the policy wrote (envs.actions.grammar)."""
     env = DeskEnv(screen_hw, step_limit, popups=popups)
     obs = env.reset(task, trajectory.meta.get("seed"))
     targets = set(critical_targets(task))
@@ -131,14 +134,16 @@ def step_verdicts(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int]
             verdicts.append(StepVerdict(j, "unreplayable", None, None))
             break
         try:
-            actions = parse_uitars(step.response, image_hw=screen_hw, screen_hw=screen_hw, model=coordinate_model)
+            actions = parse_response(step.response, grammar=grammar, screen_hw=screen_hw,
+                                     coordinate_model=coordinate_model)
         except (ActionParseError, ValueError):
             verdicts.append(StepVerdict(j, "unparsable", None, "Write exactly one action of the action space per "
                                                                "step; an unparsable answer ends the episode"))
             break
         kind = actions[0].kind if actions else ActionType.WAIT
         element, trap = None, None
-        signature = (step.response.split("Action:")[-1].strip(), obs.screenshot.tobytes())
+        # the parsed actions, not their text: a computer_use step words the same call in free text
+        signature = (tuple(actions), obs.screenshot.tobytes())
         if kind in _POINTER and actions[0].point is not None:
             node = _node_at(obs.a11y_tree or "", actions[0].point)
             if node is not None:
@@ -164,28 +169,29 @@ def step_verdicts(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int]
 
 
 def first_off_track_step(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int], popups: bool,
-                         coordinate_model: str = "uitars-1.5") -> int | None:
+                         coordinate_model: str = "uitars-1.5", grammar: str = "uitars") -> int | None:
     """The first step of a failed episode that left the task's path (a trap), or None if none is seen."""
-    for v in step_verdicts(task, trajectory, screen_hw, popups, coordinate_model):
+    for v in step_verdicts(task, trajectory, screen_hw, popups, coordinate_model, grammar=grammar):
         if v.trap is not None:
             return v.index
     return None
 
 
 class DeskSkillExtractor:
-    """G without a model, from the desk's ground truth and the failed references' replays."""
+    """G without a model, from the desk's ground truth and the failed references' replays (read in `grammar`,
+    the one the policy wrote)."""
 
     def __init__(self, screen_hw: tuple[int, int], popups: bool, coordinate_model: str = "uitars-1.5",
-                 max_traps: int = 6):
+                 max_traps: int = 6, grammar: str = "uitars"):
         self.screen_hw, self.popups, self.coordinate_model = tuple(screen_hw), popups, coordinate_model
-        self.max_traps = max_traps
+        self.max_traps, self.grammar = max_traps, grammar
 
     def extract(self, task: Task, successes: Sequence[Trajectory], failures: Sequence[Trajectory]) -> Skill:
         traps: dict[str, None] = {}
         for t in failures:
             if t.status == Status.ENV_ERROR:
                 continue
-            for v in step_verdicts(task, t, self.screen_hw, self.popups, self.coordinate_model):
+            for v in step_verdicts(task, t, self.screen_hw, self.popups, self.coordinate_model, grammar=self.grammar):
                 if v.trap is not None:
                     traps.setdefault(v.trap)
         plans = [plan_text(g) for g in expert_subgoals(task)]

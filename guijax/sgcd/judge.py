@@ -6,10 +6,12 @@ instruction, looking at the post-handoff part (the prefix is the plain policy's,
   right control action (DONE on a feasible task, FAIL on an infeasible one; a verifier success at the step
   limit is accidental); no action may repeat more than `max_repeats` times in a row; every step has a thought.
   On the synthetic desk the continuation is also replayed against the accessibility tree: a click must hit the
-  element its thought names, a typed text must be the one its thought quotes.
+  element its thought names, a typed text must be the one its thought quotes. Responses are read in the
+  action grammar the policy writes (`grammar`: UI-TARS's Thought, computer_use's reasoning before `Action:`).
 - `ChatJudge`: an OpenAI-compatible model with the prompt below (the paper names the criteria but prints no
-  prompt; this one is ours). It reads the instruction, each step's thought and action and the outcome, not the
-  screenshots. An answer that is not the JSON verdict is asked again, then counted as a rejection with the reason.
+  prompt; this one is ours). It reads the instruction, each step's response as written (thought and action in
+  either grammar) and the outcome, not the screenshots. An answer that is not the JSON verdict is asked again,
+  then counted as a rejection with the reason.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ import dataclasses
 import re
 from typing import Protocol
 
-from envs.actions.uitars import parse_thought
+from envs.actions import ActionParseError
+from envs.actions.grammar import parse_response, reasoning
+from envs.actions.model import Action, ActionType
 from envs.api import Task
 from guijax.chat import ChatClient, ChatError, json_reply
-from guijax.rollout.trajectory import Status, Trajectory
+from guijax.rollout.trajectory import Status, Step, Trajectory
 
 JUDGE_PROMPT = """You review one computer-use episode in which an agent continued a task from a state reached by another policy (the first {handoff} steps, shown for context). The environment's verifier has already accepted the final state.
 
@@ -49,10 +53,19 @@ def _action(response: str) -> str:
 
 class RuleJudge:
     def __init__(self, max_repeats: int = 2, screen_hw: tuple[int, int] | None = None, popups: bool = False,
-                 coordinate_model: str = "uitars-1.5"):
-        """`screen_hw` (the desk's screen) turns on the accessibility-tree checks for desk tasks."""
+                 coordinate_model: str = "uitars-1.5", grammar: str = "uitars"):
+        """`screen_hw` (the desk's screen) turns on the accessibility-tree checks for desk tasks; `grammar` is
+        the action grammar the policy writes (envs.actions.grammar)."""
         self.max_repeats, self.screen_hw, self.popups = max_repeats, screen_hw, popups
-        self.coordinate_model = coordinate_model
+        self.coordinate_model, self.grammar = coordinate_model, grammar
+
+    def _actions(self, step: Step) -> tuple[Action, ...] | None:
+        """The step's actions on the screen it saw, None when its response does not parse."""
+        try:
+            return tuple(parse_response(step.response, grammar=self.grammar, screen_hw=step.screenshot.shape[:2],
+                                        coordinate_model=self.coordinate_model))
+        except (ActionParseError, ValueError):
+            return None
 
     def judge(self, task: Task, trajectory: Trajectory, handoff: int) -> Verdict:
         post = trajectory.steps[handoff:]
@@ -64,11 +77,13 @@ class RuleJudge:
                                   f"agent's own {'FAIL' if task.infeasible else 'DONE'}")
         run, last = 0, None
         for j, step in enumerate(post, handoff + 1):
-            if not parse_thought(step.response):
+            if not reasoning(step.response, self.grammar):
                 return Verdict(False, f"inconsistent reasoning: step {j} has no thought")
             action = _action(step.response)
-            run = run + 1 if action == last else 1
-            last = action
+            # the same call counts however its text words it (a computer_use step's semantic action is free text)
+            key = self._actions(step) or action
+            run = run + 1 if key == last else 1
+            last = key
             if run > self.max_repeats:
                 return Verdict(False, f"redundant loop: {action!r} {run} times in a row (step {j})")
         if self.screen_hw is not None and any(s.get("type") == "desk_scene" for s in task.config):
@@ -78,19 +93,20 @@ class RuleJudge:
     def _desk(self, task: Task, trajectory: Trajectory, handoff: int) -> Verdict:
         from guijax.sgcd.desk_skills import step_verdicts
 
-        for v in step_verdicts(task, trajectory, self.screen_hw, self.popups, self.coordinate_model):
+        for v in step_verdicts(task, trajectory, self.screen_hw, self.popups, self.coordinate_model,
+                               grammar=self.grammar):
             if v.index <= handoff:
                 continue
             if v.kind == "unreplayable":
                 return Verdict(False, f"step {v.index} cannot be replayed on the desk to check it")
-            thought = parse_thought(trajectory.steps[v.index - 1].response)
-            named = re.findall(r'"([^"]+)"', thought)
+            step = trajectory.steps[v.index - 1]
+            named = re.findall(r'"([^"]+)"', reasoning(step.response, self.grammar))
             if v.element is not None and named and v.element[1] not in named:
                 return Verdict(False, f"inconsistent reasoning: step {v.index}'s thought names {named} but its click "
                                       f"hits \"{v.element[1]}\"")
-            typed = re.search(r"type\(content='((?:[^'\\]|\\.)*)'", _action(trajectory.steps[v.index - 1].response))
-            if typed and named and typed.group(1) not in named:
-                return Verdict(False, f"inconsistent reasoning: step {v.index} types {typed.group(1)!r} but its "
+            typed = next((a.text for a in self._actions(step) or () if a.kind == ActionType.TYPE), None)
+            if typed is not None and named and typed not in named:
+                return Verdict(False, f"inconsistent reasoning: step {v.index} types {typed!r} but its "
                                       f"thought quotes {named}")
         return Verdict(True)
 

@@ -233,6 +233,18 @@ def test_expert_stage_reads_recorded_traces(tmp_path, make_config):
         load_recorded_traces(config.bepa.expert_dir)
 
 
+def test_expert_stage_writes_the_grammar_the_policy_is_prompted_in(tmp_path, make_config):
+    from guijax.pipeline.expert_stages import expert
+
+    config = make_config(("grpo",), "rollout.prompt=computer_use_compact")
+    run = Run(config, tmp_path / "run")
+    stages.tasks.fn(run)
+    expert.fn(run)
+    converted = list(TrajectoryStore(tmp_path / "run" / "expert_traces"))
+    assert converted and all("<tool_call>" in s.response and "Thought:" not in s.response
+                             for t in converted for s in t.steps)
+
+
 @pytest.mark.parametrize("name,devices", [("grpo_gpu", 1), ("grpo_tpu", 64), ("bepa_gpu", 1), ("bepa_tpu", 64)])
 def test_accelerator_recipes_dry_run(name, devices):
     from guijax.launch import dry_run

@@ -30,3 +30,26 @@ def test_default_is_the_terse_voice_and_unknown_styles_are_named():
     assert thought_for(text, "verbose").startswith("Looking at the current screen, I can see the OK button.")
     with pytest.raises(ValueError, match="'chatty'"):
         thought_for(text, "chatty")
+
+
+def test_traces_are_written_in_the_policys_grammar_with_the_same_actions():
+    """computer_use conversions (reasoning, semantic action, tool call in 0-1000 coordinates) parse back, in
+    their grammar, to the actions the UI-TARS conversion gives, up to the relative grid's rounding."""
+    from envs.actions.grammar import parse_response, reasoning
+    from envs.actions.computer_use import split_response
+
+    for trace in _traces():
+        uitars, tools = (convert_trace(trace, grammar=g) for g in ("uitars", "computer_use"))
+        for a, b in zip(uitars.steps, tools.steps, strict=True):
+            hw = a.screenshot.shape[:2]
+            assert "<tool_call>" in b.response and "<tool_call>" not in a.response
+            assert reasoning(b.response, "computer_use") == parse_thought(a.response)
+            assert split_response(b.response)[1]  # the semantic action
+            want = parse_response(a.response, grammar="uitars", screen_hw=hw)
+            got = parse_response(b.response, grammar="computer_use", screen_hw=hw)
+            assert [x.kind for x in got] == [x.kind for x in want]
+            for x, y in zip(got, want):
+                if y.point is not None:  # one 0-1000 step is a few pixels of this screen
+                    assert abs(x.point[0] - y.point[0]) <= hw[1] / 1000 + 1
+                    assert abs(x.point[1] - y.point[1]) <= hw[0] / 1000 + 1
+                assert (x.text, x.keys) == (y.text, y.keys)

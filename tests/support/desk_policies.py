@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import re
 
+from envs.actions.grammar import render_response
+from envs.actions.model import Action, ActionType
 from envs.desk import DeskEnv
 from envs.desk.a11y import parse_tree
 
@@ -83,6 +85,30 @@ def click(task, name: str, thought_name: str | None = None, screen=SCREEN) -> st
     return f"Thought: I should click the \"{thought_name or name}\" button.\nAction: click(start_box='({x},{y})')"
 
 
+class StepsIn:
+    """The scripted policies' steps written in `grammar` (envs.actions.grammar.render_response), for the tests
+    that run one trajectory in every grammar."""
+
+    def __init__(self, grammar: str, task, screen=SCREEN):
+        self.grammar, self.task, self.screen = grammar, task, screen
+        self.wait = self.respond("I wait for the screen.", "Wait", Action(ActionType.WAIT))
+        self.done = self.respond("The task is complete.", "Report the task done", Action(ActionType.FINISHED))
+
+    def respond(self, thought: str, semantic: str, *actions: Action) -> str:
+        return render_response(thought, semantic, actions, grammar=self.grammar, screen_hw=self.screen)
+
+    def click(self, name: str, thought_name: str | None = None) -> str:
+        """A click on button `name` whose thought names `thought_name` (default: the same button)."""
+        x, y, _ = button_center(self.task, self.screen, name)
+        shown = thought_name or name
+        return self.respond(f'I should click the "{shown}" button.', f'Click the "{shown}" button',
+                            Action(ActionType.CLICK, point=(x, y)))
+
+    def typed(self, text: str, quoted: str) -> str:
+        """Typing `text` while the thought quotes `quoted`."""
+        return self.respond(f'I type "{quoted}".', f'Type "{quoted}"', Action(ActionType.TYPE, text=text))
+
+
 def scripted(responses_by_step):
     """respond(params, prompt) answering the i-th step of an episode with responses_by_step[i]."""
     def respond(params, prompt):
@@ -93,8 +119,8 @@ def scripted(responses_by_step):
 
 @contextlib.contextmanager
 def scripted_episodes(task, screen=SCREEN, step_limit: int = 6):
-    """Yields run(responses) -> the trajectory of a scripted policy on `task`, rolled out on a real desk
-    (episode seed 3, no pop-ups); the desk pool is closed on exit."""
+    """Yields run(responses, grammar="uitars") -> the trajectory of a scripted policy on `task` writing
+    `grammar`, rolled out on a real desk (episode seed 3, no pop-ups); the desk pool is closed on exit."""
     import jax
 
     from envs.pool import DeskFactory, EnvPool
@@ -103,10 +129,10 @@ def scripted_episodes(task, screen=SCREEN, step_limit: int = 6):
 
     pool = EnvPool(DeskFactory(screen, step_limit=step_limit, popups=False), 1, timeout_s=60)
 
-    def run(responses):
+    def run(responses, grammar: str = "uitars"):
         processor = TextProcessor()
         engine = RolloutEngine(pool, PromptPolicySampler(processor, scripted(responses)), processor,
-                               RolloutConfig(show_progress=False))
+                               RolloutConfig(show_progress=False, grammar=grammar))
         (traj,), _ = engine.run(None, [task], 1, jax.random.PRNGKey(0), seed=3)
         return traj
 

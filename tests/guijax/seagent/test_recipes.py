@@ -28,3 +28,8 @@ def test_desk_only_parts_and_a_missing_chat_endpoint_are_named():
         get_method("seagent", launch.resolve("seagent_cpu", ["seagent.judge=chat"]))
     with pytest.raises(ValueError, match=r"curriculum_families names \['paint'\]"):
         get_method("seagent", launch.resolve("seagent_cpu", ["seagent.curriculum_families=('paint',)"]))
+
+
+@pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use")])
+def test_the_desk_oracle_reads_the_runs_grammar(prompt, grammar):
+    assert get_method("seagent", launch.resolve("seagent_cpu", [f"rollout.prompt={prompt}"])).judge().grammar == grammar

@@ -8,10 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from desk_policies import DONE, SCREEN, WAIT, buttons, click, click_task, scripted_episodes
+from desk_policies import DONE, SCREEN, WAIT, StepsIn, buttons, click, click_task, scripted_episodes
+from envs.actions.grammar import GRAMMARS
 from envs.pool import DeskFactory, EnvPool
 from guijax.rollout.engine import RolloutConfig, RolloutEngine
-from guijax.rollout.trajectory import Source
+from guijax.rollout.trajectory import Source, Step
 from guijax.seagent import step_rl
 from guijax.seagent.world_state import DeskOracleJudge, Label, step_labels
 from rollout_fakes import PromptPolicySampler, TextProcessor
@@ -86,3 +87,22 @@ def test_an_unparsable_correct_step_is_refused_by_name(judged):
             step_rl.sample_rewards(broken, [step_rl.State(0, 0)], [[]])
     finally:
         broken[0].steps[0].response = saved
+
+
+def test_eq4_rewards_read_the_rollouts_grammar(task, judged):
+    """The same a_T states and samples written in each grammar: the same Eq. 4 rewards."""
+    _, _, target, wrong = judged
+    states = [step_rl.State(0, 0), step_rl.State(0, 1)]
+    rewards = {}
+    with scripted_episodes(task) as run:
+        for grammar in GRAMMARS:
+            s = StepsIn(grammar, task)
+            clean = run([s.click(target), s.done], grammar)
+            answers = [s.click(target), s.click(wrong), s.wait, s.done, "no action here"]
+            samples = [[Step.text(clean.steps[k].screenshot, a) for a in answers] for k in range(2)]
+            rewards[grammar] = step_rl.sample_rewards([clean], states, samples, grammar=grammar)
+    np.testing.assert_allclose(rewards["computer_use"], rewards["uitars"], atol=1e-6)
+    # the target click: exact 2, another button 1 + closeness, wait 0, finished 0, unparsable 0; finished(): 2
+    first, second = rewards["uitars"]
+    assert first[0] == 2.0 and 1.0 < first[1] < 2.0 and np.all(first[2:] == 0.0)
+    np.testing.assert_array_equal(second, [0.0, 0.0, 0.0, 2.0, 0.0])

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from desk_policies import DONE, SCREEN, WAIT, buttons, click, click_task, scripted_episodes
+from desk_policies import DONE, SCREEN, WAIT, StepsIn, buttons, click, click_task, scripted_episodes
+from envs.actions.grammar import GRAMMARS
 from fake_chat import fake_chat_server
 from guijax.chat import ChatClient, ChatError
 from guijax.seagent.world_state import (JUDGE_PROMPT, ChatWorldStateJudge, DeskOracleJudge, Judgment,
@@ -87,6 +88,25 @@ def test_the_desk_oracle_judges_from_ground_truth(task, episode):
     assert not j.correct and j.first_error_step == 2 and j.redundant == (2, 3, 4, 5, 6)
     score = score_judge([judge.judge(task, t) for t in (clean, detour, failed, stuck)], [True, True, False, False])
     assert (score.precision, score.npv, score.accuracy) == (1.0, 1.0, 1.0)
+
+
+def test_the_desk_oracle_reads_the_policys_grammar(task, episode):
+    """Clean, detoured, failed and stuck episodes written in each grammar: the same judgments."""
+    target = task.instruction.split('"')[1]
+    wrong = next(b for b in buttons(task) if b != target)
+    seen = {}
+    for grammar in GRAMMARS:
+        s = StepsIn(grammar, task)
+        judge = DeskOracleJudge(SCREEN, grammar=grammar)
+        seen[grammar] = [judge.judge(task, episode(steps, grammar)) for steps in (
+            [s.click(target), s.done], [s.click(wrong), s.click(target), s.done],
+            [s.wait, s.click(wrong), s.done], [s.wait])]
+    assert seen["computer_use"] == seen["uitars"]
+    clean, detour, failed, stuck = seen["uitars"]
+    assert clean == Judgment(True, (), True, None, "", "") and detour.correct and detour.redundant == (1,)
+    assert not failed.correct and failed.first_error_step == 2 and f'"{wrong}" button' in failed.error_type
+    assert failed.correct_action == f'Click the "{target}" button'
+    assert not stuck.correct and stuck.first_error_step == 2 and stuck.redundant == (2, 3, 4, 5, 6)
 
 
 def test_the_chat_judge_sends_the_prompt_and_every_keyframe(task, episode):

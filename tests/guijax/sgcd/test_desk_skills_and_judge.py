@@ -3,10 +3,12 @@ policies (the replay against the accessibility tree needs the screens the episod
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from desk_policies import DONE, SCREEN, WAIT, buttons, click, click_task, scripted_episodes
+from desk_policies import DONE, SCREEN, WAIT, StepsIn, buttons, click, click_task, scripted_episodes
+from envs.actions.grammar import GRAMMARS
 from fake_chat import fake_chat_server
 from guijax.chat import ChatClient
 from guijax.rollout.trajectory import Status
@@ -73,6 +75,51 @@ def test_rule_judge_keeps_clean_continuations_and_names_what_it_removes(task, ep
     assert not verdict.accept and verdict.reason.startswith("inconsistent reasoning: step 2's thought names")
     assert RuleJudge().judge(task, mislabelled, 1).accept  # without the desk's tree only the generic rules apply
     assert not judge.judge(task, clean, 3).accept  # nothing after the handoff
+
+
+def test_step_verdicts_read_the_policys_grammar(task, episode):
+    """The same failed episode written in each grammar: the same verdicts, off-track step and traps."""
+    wrong = next(b for b in buttons(task) if b != _target(task))
+    seen = {}
+    for grammar in GRAMMARS:
+        s = StepsIn(grammar, task)
+        failed = episode([s.wait, s.click(wrong), s.click(wrong), s.done], grammar)
+        assert failed.status == Status.DONE and failed.reward == 0.0
+        seen[grammar] = (step_verdicts(task, failed, SCREEN, popups=False, grammar=grammar),
+                         first_off_track_step(task, failed, SCREEN, popups=False, grammar=grammar),
+                         DeskSkillExtractor(SCREEN, popups=False, grammar=grammar).extract(task, [], [failed]))
+    assert seen["computer_use"] == seen["uitars"]
+    verdicts, first, skill = seen["uitars"]
+    assert [v.kind for v in verdicts] == ["wait", "click", "click", "finished"] and first == 2
+    assert verdicts[1].element == ("button", wrong, "Dialog") and verdicts[0].trap is None
+    assert skill.failure_traps[0] == f'Do not click the "{wrong}" button in the "Dialog" window: it is not part of this task'
+    assert skill.failure_traps[-1] == "Do not report the task done while the success criteria do not hold yet"
+
+
+def test_rule_judge_reads_the_policys_grammar(task, episode):
+    """Clean, mislabelled, looping and mistyped continuations in each grammar: the same judgments."""
+    target = _target(task)
+    wrong = next(b for b in buttons(task) if b != target)
+    seen = {}
+    for grammar in GRAMMARS:
+        s = StepsIn(grammar, task)
+        judge = RuleJudge(max_repeats=2, screen_hw=SCREEN, popups=False, grammar=grammar)
+        runs = [episode(steps, grammar) for steps in (
+            [s.wait, s.click(target), s.done],
+            [s.wait, s.click(target, thought_name=wrong), s.done],
+            [s.wait, s.click(target), s.click(target), s.click(target), s.done],
+            [s.wait, s.click(target), s.typed("bye", quoted="hello"), s.done])]
+        assert all(t.status == Status.DONE and t.reward == 1.0 for t in runs)
+        # the reasons up to the action text, which is written in the grammar
+        seen[grammar] = [(v.accept, re.sub(r"redundant loop: .* (\d+ times)", r"redundant loop: \1", v.reason))
+                         for v in (judge.judge(task, t, 1) for t in runs)]
+    assert seen["computer_use"] == seen["uitars"]
+    clean, mislabelled, loop, mistyped = seen["uitars"]
+    assert clean == (True, "")
+    assert mislabelled == (False, f"inconsistent reasoning: step 2's thought names ['{wrong}'] but its click hits "
+                                  f"\"{target}\"")
+    assert loop == (False, "redundant loop: 3 times in a row (step 4)")
+    assert mistyped == (False, "inconsistent reasoning: step 3 types 'bye' but its thought quotes ['hello']")
 
 
 def test_chat_judge_reads_the_verdict_and_rejects_when_none_comes(task, episode):

@@ -34,3 +34,11 @@ def test_a_changed_measurement_reruns_the_csr_stage_but_retrains_nothing():
     trained = fingerprints(launch.resolve("sgcd_cpu", ["sgcd.sft_steps=2"]))
     assert measured["methods/sgcd"] == base["methods/sgcd"] and measured["csr"] != base["csr"]
     assert trained["methods/sgcd"] != base["methods/sgcd"] and trained["csr"] != base["csr"]
+
+
+@pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use")])
+def test_the_offline_extractor_and_rule_judge_read_the_runs_grammar(prompt, grammar):
+    from guijax.methods import get_method
+
+    method = get_method("sgcd", launch.resolve("sgcd_cpu", [f"rollout.prompt={prompt}"]))
+    assert method.extractor().grammar == method.judge().grammar == grammar
