@@ -18,6 +18,7 @@ import numpy as np
 from absl import logging
 
 from envs.actions import ActionParseError, to_pyautogui
+from envs.actions.model import Action
 from envs.actions.grammar import parse_response
 from envs.api import Task
 from envs.pool import EnvPool
@@ -173,26 +174,49 @@ class RolloutEngine:
         """One step of every live episode: one sampler call for all of them, parse, one pool step, and the
         evaluation of those that ended (they leave `live`). Each new step is marked as sampled by policy
         `version`. Returns the advanced key."""
-        while True:
-            slots = sorted(live)
-            if not slots:
-                return rng
+        rng, actions, ending = self.sample(params, live, rng, timings, version)
+        if actions:
+            t0 = time.perf_counter()
+            results = self.pool.step(actions)
+            _count_env_call(timings, t0, len(actions))
+            timings["steps"] += len(actions)
+            for slot, result in results.items():
+                outcome = self.record(live[slot], actions[slot], result)
+                if outcome == "failed":
+                    del live[slot]
+                elif outcome == "ended":
+                    ending.append(slot)
+        self._evaluate(live, ending, timings)
+        return rng
+
+    def sample(self, params: Any, live: dict[int, _Episode], rng: jax.Array, timings: dict[str, float],
+               version: int = 0) -> tuple[jax.Array, dict[int, list[Action]], list[int]]:
+        """The policy's half of a step for every episode in `live`: one sampler call, each response recorded
+        (as sampled by policy `version`) and parsed. Returns the advanced key, the parsed actions by slot, and
+        the slots that end here without a step, to be evaluated: an unparsable response, or a prompt over
+        `max_prompt_tokens` (not sampled). Every slot of `live` is in exactly one of the two."""
+        ending: list[int] = []
+        slots = sorted(live)
+        while slots:
             prompts = [self._prompt(live[s]) for s in slots]
             inputs = self.processor([p for p, _ in prompts], [imgs for _, imgs in prompts])
             if self.config.max_prompt_tokens:
                 lengths = np.asarray(inputs["attention_mask"]).sum(-1)
                 over = {s: int(n) for s, n in zip(slots, lengths) if n > self.config.max_prompt_tokens}
                 if over:
-                    self._end_overlong(live, over, timings)
+                    self._end_overlong(live, over)
+                    ending += list(over)
+                    slots = [s for s in slots if s not in over]
                     continue  # re-encode the episodes still running
             break
+        if not slots:
+            return rng, {}, ending
         rng, key = jax.random.split(rng)
         t0 = time.perf_counter()
         out = self.sampler.generate(params, key, **inputs)
         timings["sample_s"] += time.perf_counter() - t0
         timings["sampled_tokens"] += int(out.lengths.sum())
-        actions: dict[int, Any] = {}
-        unparsable: list[int] = []
+        actions: dict[int, list[Action]] = {}
         for row, slot in enumerate(slots):
             e = live[slot]
             tokens = out.tokens[row, :out.lengths[row]].copy()
@@ -208,29 +232,39 @@ class RolloutEngine:
             except (ActionParseError, ValueError) as err:
                 step.error = str(err)
                 e.status, e.error = Status.PARSE_ERROR, f"step {len(e.steps)}: {err}"
-                unparsable.append(slot)  # ends here, unstepped, and is evaluated below
-        finished = []
-        results = {}
-        if actions:
+                ending.append(slot)  # ends here, unstepped, and is evaluated
+        return rng, actions, ending
+
+    @staticmethod
+    def record(e: _Episode, actions: list[Action], result: Any) -> str:
+        """Apply one environment step's result to its episode: "running", "ended" (done: to be evaluated) or
+        "failed" (the environment failed: ENV_ERROR, not evaluated)."""
+        if not result.ok:
+            e.status, e.error = Status.ENV_ERROR, result.error
+            return "failed"
+        e.turns.append(Turn(e.screenshot, e.steps[-1].response))
+        e.screenshot = result.value.observation.screenshot
+        if not result.value.done:
+            return "running"
+        kinds = {a.kind.value for a in actions}
+        e.status = Status.DONE if "finished" in kinds else Status.FAIL if kinds & {"fail", "call_user"} \
+            else Status.STEP_LIMIT
+        return "ended"
+
+    def step_one(self, slot: int, e: _Episode, actions: list[Action] | None, timings: dict[str, float]) -> bool:
+        """The environment's half of one episode's step, on its own: step its slot with `actions` (None: the
+        episode ends unstepped, see `sample`) and evaluate it if it ended. Returns whether it ended. Calls for
+        different slots may run at once, in different threads."""
+        if actions is not None:
             t0 = time.perf_counter()
-            results = self.pool.step(actions)
-            _count_env_call(timings, t0, len(actions))
-            timings["steps"] += len(actions)
-        for slot, result in results.items():
-            e = live[slot]
-            if not result.ok:
-                e.status, e.error = Status.ENV_ERROR, result.error
-                del live[slot]
-                continue
-            e.turns.append(Turn(e.screenshot, e.steps[-1].response))
-            e.screenshot = result.value.observation.screenshot
-            if result.value.done:
-                kinds = {a.kind.value for a in actions[slot]}
-                e.status = Status.DONE if "finished" in kinds else Status.FAIL if kinds & {"fail", "call_user"} \
-                    else Status.STEP_LIMIT
-                finished.append(slot)
-        self._evaluate(live, finished + unparsable, timings)
-        return rng
+            result = self.pool.step({slot: actions})[slot]
+            _count_env_call(timings, t0, 1)
+            timings["steps"] = timings.get("steps", 0) + 1
+            outcome = self.record(e, actions, result)
+            if outcome != "ended":
+                return outcome == "failed"
+        self._evaluate({slot: e}, [slot], timings)
+        return True
 
     def _evaluate(self, live: dict[int, _Episode], slots: list[int], timings) -> None:
         """End the episodes in `slots` with the environment's evaluation as their reward. An unparsable last
@@ -255,13 +289,12 @@ class RolloutEngine:
             if e.status == Status.PARSE_ERROR:
                 e.reward += self.config.format_weight * self.config.format_reward
 
-    def _end_overlong(self, live: dict[int, _Episode], over: dict[int, int], timings) -> None:
+    def _end_overlong(self, live: dict[int, _Episode], over: dict[int, int]) -> None:
         for slot, n in over.items():
             e = live[slot]
             e.status = Status.STEP_LIMIT
             e.error = (f"step {len(e.steps) + 1}: prompt of {n} tokens exceeds max_prompt_tokens="
                        f"{self.config.max_prompt_tokens}; episode ended as at the step limit")
-        self._evaluate(live, list(over), timings)
 
     @staticmethod
     def episode(task: Task, seed: int, plan: Sequence[str] = (), guidance: str = "", handoff: int = 0) -> _Episode:

@@ -5,7 +5,9 @@ environment waits while the learner updates. Here a slot starts its next episode
 ends, sampling with the newest parameters the learner has published (each step records the policy version
 that sampled it), and each *group* (the G episodes of one task) is written to the trajectory store as one
 shard, `group-NNNNNN`, the moment its last episode ends; the learner reads groups back from the store in the
-order they complete. The same records serve analysis, resume and the learner.
+order they complete. The same records serve analysis, resume and the learner. Slots do not step in lockstep
+either: each slot's reset or step runs in a worker thread, and the sampler batches whichever episodes' screens
+have come back, so a slot whose environment has answered waits only for the sampler, never for slower slots.
 
 Back-pressure: at most `max_groups_ahead` groups are started and not yet taken by the learner, so memory and
 staleness stay bounded however slow the learner is. Group `i` is fully determined by the caller's
@@ -55,17 +57,23 @@ class _Building:
     issued: int = 0  # members started so far
 
 
+def _env_counts() -> dict[str, float]:
+    """The counters one environment call adds to, merged into the stream's timings when it returns."""
+    return {"env_s": 0.0, "env_slot_s": 0.0, "steps": 0}
+
+
 class RolloutStream:
     """Runs episodes continuously over `engine`'s pool in a thread; `get()` hands back completed group shard
     names. Call `publish(params, version)` after each update and `release()` for each group taken."""
 
     def __init__(self, engine: Any, group_spec: GroupSpec, group_size: int, store_dir: Any, rng: jax.Array, *,
-                 max_groups_ahead: int, skip: Iterable[int] = (), first: int = 0):
+                 max_groups_ahead: int, skip: Iterable[int] = (), first: int = 0, gather_s: float = 0.02):
         if max_groups_ahead < 1:
             raise ValueError(f"max_groups_ahead must be >= 1, got {max_groups_ahead}")
         self.engine, self.group_spec, self.group_size = engine, group_spec, group_size
         self.store = TrajectoryStore(store_dir)  # this thread's own reader/writer of the shared directory
         self.max_groups_ahead = max_groups_ahead
+        self.gather_s = gather_s  # how long the sampler waits for more environments once one has answered
         self._skip, self._next_group = set(skip), first
         self._rng = rng
         self._ready: queue.Queue[str] = queue.Queue()
@@ -174,52 +182,70 @@ class RolloutStream:
         return new
 
     def _loop(self) -> None:
-        """Resets run in helper threads while the live episodes step (a VM's reset takes as long as a step or
-        longer); they address different slots. Slots freed by a step are reset at once, beside earlier resets
-        still in flight."""
+        """Every slot moves on its own: a worker thread resets it or steps it, and the policy samples, in one
+        batched call, the next action of every episode whose environment has answered. A slot whose step or
+        reset is done never waits for the other slots' environments (a VM's step or reset takes seconds, and
+        their times differ), only for the sampler call in flight."""
         engine, timings = self.engine, self.timings
-        free = list(range(engine.pool.num_workers))
-        live: dict[int, Any] = {}
+        workers = engine.pool.num_workers
+        free = list(range(workers))
+        waiting: dict[int, Any] = {}  # slot -> episode whose environment has answered: it needs an action
         owner: dict[int, tuple[int, int]] = {}  # id(episode) -> (group, member)
         building: dict[int, _Building] = {}
         rng = self._rng
-        resets = concurrent.futures.ThreadPoolExecutor(engine.pool.num_workers, thread_name_prefix="rollout-resets")
-        starting: dict[concurrent.futures.Future, tuple[dict[int, Any], dict[str, float]]] = {}
+        # each call holds its slots until it returns, so there are never more calls in flight than workers
+        calls = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rollout-env")
+        # future -> (whether it is a reset, its episodes by slot, its counters)
+        in_flight: dict[concurrent.futures.Future, tuple[bool, dict[int, Any], dict[str, float]]] = {}
         try:
             while not self._stop.is_set():
-                new = self._claim(free, building, owner)
+                # nothing to sample: wait for an environment; then keep taking the environments that answer
+                # within `gather_s` of each other, so one sampler call serves the steps that end together
+                timeout = 0.1 if not waiting else 0.0
+                while in_flight:
+                    done, _ = concurrent.futures.wait(list(in_flight), timeout=timeout,
+                                                      return_when=concurrent.futures.FIRST_COMPLETED)
+                    if not done:
+                        break
+                    for future in done:
+                        self._collect(future, in_flight.pop(future), waiting, free, owner, building)
+                    timeout = self.gather_s
+                new = self._claim(free, building, owner)  # freed slots start resetting before the sampler runs
                 if new:
-                    reset_timings = {"env_s": 0.0, "env_slot_s": 0.0}
-                    starting[resets.submit(engine.start, new, reset_timings)] = (new, reset_timings)
-                if starting and not live:  # nothing to step meanwhile: wait for a reset
-                    concurrent.futures.wait(list(starting), timeout=0.1,
-                                            return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in [f for f in starting if f.done()]:
-                    new, reset_timings = starting.pop(future)
-                    started = future.result()
-                    for key, value in reset_timings.items():
-                        timings[key] += value
-                    for slot, ep in new.items():
-                        if slot not in started:  # reset failed: the episode ends as ENV_ERROR
-                            free.append(slot)
-                            self._finish(ep, owner, building)
-                    live.update(started)
-                if not live:
-                    if not starting:
+                    counts = _env_counts()
+                    in_flight[calls.submit(engine.start, new, counts)] = (True, new, counts)
+                if not waiting:
+                    if not in_flight:
                         with self._cond:
                             if not self._stop.is_set():
                                 self._cond.wait(timeout=0.1)
                     continue
                 with self._cond:
                     version, params = self._params
-                before = dict(live)
-                rng = engine.advance(params, live, rng, timings, version)
-                for slot, ep in before.items():
-                    if slot not in live:
-                        free.append(slot)
-                        self._finish(ep, owner, building)
+                batch, waiting = waiting, {}
+                rng, actions, _ = engine.sample(params, batch, rng, timings, version)
+                for slot, ep in batch.items():  # the slots without actions end unstepped: only evaluated
+                    counts = _env_counts()
+                    in_flight[calls.submit(engine.step_one, slot, ep, actions.get(slot), counts)] = (
+                        False, {slot: ep}, counts)
         finally:
-            resets.shutdown(wait=True)
+            calls.shutdown(wait=True)
+
+    def _collect(self, future: concurrent.futures.Future, call: tuple[bool, dict[int, Any], dict[str, float]],
+                 waiting: dict[int, Any], free: list[int], owner: dict[int, tuple[int, int]],
+                 building: dict[int, _Building]) -> None:
+        """A finished environment call: its counters into the timings, its running episodes to `waiting`, the
+        ended ones (or those whose reset failed: ENV_ERROR) finished and their slots freed."""
+        reset, episodes, counts = call
+        outcome = future.result()  # a reset: the episodes that started; a step: whether its episode ended
+        for key, value in counts.items():
+            self.timings[key] = self.timings.get(key, 0) + value
+        for slot, ep in episodes.items():
+            if (slot in outcome) if reset else not outcome:
+                waiting[slot] = ep
+            else:
+                free.append(slot)
+                self._finish(ep, owner, building)
 
     def _finish(self, ep: Any, owner: dict[int, tuple[int, int]], building: dict[int, _Building]) -> None:
         gi, member = owner.pop(id(ep))

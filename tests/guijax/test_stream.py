@@ -24,8 +24,11 @@ SHOT = np.zeros((28, 28, 3), np.uint8)
 class LengthPool:
     """Task 'len<N>' ends after N steps; task 'broken' never resets. Records every reset."""
 
-    def __init__(self, num_workers: int, step_s: float = 0.0, reset_s: float = 0.0):
+    def __init__(self, num_workers: int, step_s: float = 0.0, reset_s: float = 0.0,
+                 step_s_of: dict[str, float] | None = None):
         self.num_workers, self.step_s, self.reset_s = num_workers, step_s, reset_s
+        self.step_s_of = step_s_of or {}  # task id -> its own step time (a slower VM)
+        self.task_of: dict[int, str] = {}
         self.calls: list[tuple[str, float, float]] = []  # (method, start, end)
         self.resets: list[tuple[int, str, int]] = []  # (slot, task, seed)
         self.events: list[tuple[str, int]] = []  # ("reset", seed) / ("end", slot), in order
@@ -44,13 +47,15 @@ class LengthPool:
                 out[slot] = Result(False, error="setup of broken failed")
                 continue
             self.left[slot] = int(task.id[3:])
+            self.task_of[slot] = task.id
             out[slot] = Result(True, Observation(SHOT, task.id))
         self.calls.append(("reset", t0, time.perf_counter()))
         return out
 
     def step(self, actions, timeout_s=None):
         t0 = time.perf_counter()
-        time.sleep(self.step_s)  # a reset started meanwhile (in the stream's helper thread) is done by then
+        # a reset started meanwhile (in the stream's helper thread) is done by then
+        time.sleep(max(self.step_s_of.get(self.task_of[s], self.step_s) for s in actions))
         out = {}
         for slot in actions:
             self.left[slot] -= 1
@@ -97,8 +102,8 @@ def _running(stream):
 
 
 def _stream(tmp_path, tasks: dict[int, str], *, workers=4, group_size=2, ahead=8, sampler=None, step_s=0.0,
-            reset_s=0.0, **kw):
-    pool = LengthPool(workers, step_s, reset_s)
+            reset_s=0.0, step_s_of=None, **kw):
+    pool = LengthPool(workers, step_s, reset_s, step_s_of)
     engine = RolloutEngine(pool, sampler or Sampler(), Processor(),
                            RolloutConfig(system_prompt=COMPACT_PROMPT, show_progress=False))
 
@@ -133,6 +138,19 @@ def test_a_slot_starts_its_next_episode_without_waiting_for_the_slowest(tmp_path
         assert all(t.meta["group"] == i and t.meta["policy_versions"] == [0] * len(t.steps) for t in members)
         assert all(len(t.steps) == (4 if i in (0, 3) else 1) for t in members)
     assert len(set(order)) == 4
+
+
+def test_a_slot_whose_environment_answered_does_not_wait_for_a_slower_slots_step(tmp_path):
+    # group 0's environment takes 0.4 s a step for 3 steps, group 1's 0.01 s for 8: stepped in lockstep, group 1
+    # would take a step only when group 0's slow step returned, and end after it (8 steps > 3)
+    stream, pool = _stream(tmp_path, {0: "len3", 1: "len8"}, ahead=2, step_s=0.01, step_s_of={"len3": 0.4})
+    with _running(stream):
+        order = [group_index(stream.get(timeout_s=30)) for _ in range(2)]
+        stream.release(2)
+    assert order == [1, 0], order
+    slot_of = {seed: slot for slot, _, seed in pool.resets}
+    assert pool.events.index(("end", slot_of[1000])) < pool.events.index(("end", slot_of[0])), pool.events
+    assert all(len(t.steps) == 8 for t in _read(tmp_path, shard_name(1), 2))
 
 
 def test_slots_reset_while_other_slots_step(tmp_path):
