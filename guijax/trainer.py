@@ -20,7 +20,7 @@ import numpy as np
 from absl import logging
 
 from envs.api import Task
-from guijax import objectives, optim, sharding, train_step
+from guijax import compile_stats, objectives, optim, sharding, train_step
 from guijax.checkpoint import Checkpointer
 from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
 from guijax.data.store import SUFFIX as STORE_SUFFIX, TrajectoryStore
@@ -200,9 +200,14 @@ class Trainer:
 
     def iterate(self) -> dict[str, float]:
         """One iteration: rollouts (synchronous: sampled now with the current parameters; asynchronous: the
-        next complete groups from the rollout stream), then the update."""
-        if self.stream is not None:
-            return self._iterate_async()
+        next complete groups from the rollout stream), then the update. Its metrics count the XLA compilations
+        that happened meanwhile (`compiles`, `time_compile_s`; any thread's, the rollout thread's included)."""
+        window = compile_stats.Window()
+        metrics = self._iterate_async() if self.stream is not None else self._iterate_sync()
+        metrics.update(window.read())
+        return metrics
+
+    def _iterate_sync(self) -> dict[str, float]:
         cfg = self.config
         t_start = time.perf_counter()
         tasks = self._tasks_for(self.iteration)

@@ -53,6 +53,8 @@ def test_iteration_metrics_are_those_of_the_stored_episodes(rl_run):
     _, workdir = rl_run
     records = _iteration_records(workdir)
     assert [r["iteration"] for r in records] == [0, 1]
+    # the first iteration compiles the sampler, the log-probs and the step (or fetches them from the cache)
+    assert records[0]["compiles"] >= 3 and records[0]["time_compile_s"] > 0
     store = TrajectoryStore(workdir / "trajectories")  # every episode of every iteration, readable back
     assert [p.name.split(".")[0] for p in store.shards] == ["iter-000000", "iter-000001"]
     episodes = list(store)
@@ -177,7 +179,7 @@ def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_f
     proc.wait()
     subprocess.run(command + [f"--workdir={killed}"], env=env, check=True, capture_output=True, timeout=900)
     ignore = {k for k in _iteration_records(clean)[0]
-              if k.startswith("time_") or k.endswith("_busy_fraction")
+              if k.startswith("time_") or k.endswith("_busy_fraction") or k == "compiles"
               or k in ("tokens_per_s", "env_wait_fraction")}  # wall-clock figures
     strip = lambda r: {k: v for k, v in r.items() if k not in ignore}  # noqa: E731
     clean_records = {r["iteration"]: strip(r) for r in _iteration_records(clean)}
