@@ -19,6 +19,10 @@ sampled more than `rollout.max_staleness` updates ago, counted apart).
   mean_staleness      updates between the parameters that sampled a trained group and the learner's
   env_busy_fraction   slot-seconds inside environment calls / (workers x wall time)
   learner_busy_fraction  old log-probs + update time / wall time
+  compile_seconds     seconds of XLA compilation inside the timed iterations (the `time_compile_s` metric):
+                      each mode compiles its own batch shapes, with the persistent compilation cache off so
+                      that what one mode (or an earlier run) compiled never speeds the other (unless
+                      --compilation_cache names one: a second run then measures the steady state)
 
   python benchmarks/async_rollout.py --json benchmarks/results/async_rollout_cpu.json \
       --markdown benchmarks/results/async_rollout_cpu.md --seeds 0,1,2 --latency 1.0 --iterations 8
@@ -66,6 +70,7 @@ def summarize(records: list[dict[str, Any]], last: int) -> dict[str, Any]:
         "env_busy_fraction": _mean([r["env_busy_fraction"] for r in timed]),
         "learner_busy_fraction": _mean([r["learner_busy_fraction"] for r in timed]),
         "env_wait_fraction": _mean([r["env_wait_fraction"] for r in timed]),
+        "compile_seconds": sum(r.get("time_compile_s", 0.0) for r in timed),
         "success_rate": [r["success_rate"] for r in records],
         "iteration_seconds": [r["time_iteration_s"] for r in records],
     }
@@ -76,7 +81,7 @@ def summarize(records: list[dict[str, Any]], last: int) -> dict[str, Any]:
 
 
 def run_seed(recipe: str, overrides: list[str], seed: int, workdir: pathlib.Path, latency: float,
-             last: int) -> dict[str, Any]:
+             last: int, compilation_cache: str = "") -> dict[str, Any]:
     from guijax import launch
     from guijax.methods import get_method
     from guijax.pipeline import base_stages
@@ -84,6 +89,7 @@ def run_seed(recipe: str, overrides: list[str], seed: int, workdir: pathlib.Path
     from guijax.pipeline.run import Run
 
     config = launch.resolve(recipe, [*overrides, f"seed={seed}", f"env.step_latency_s={latency}",
+                                     f"compilation_cache_dir={compilation_cache}",
                                      "stages=('base_model', 'tasks', 'sft')"])
     run_stages(config, workdir)
     run = Run(config, workdir)
@@ -102,6 +108,20 @@ def run_seed(recipe: str, overrides: list[str], seed: int, workdir: pathlib.Path
     return out
 
 
+def finished_seed(workdir: pathlib.Path, iterations: int, last: int) -> dict[str, Any] | None:
+    """A seed's result read back from its workdir when both modes ran all `iterations` (an interrupted
+    benchmark keeps the seeds it finished); None otherwise."""
+    out = {}
+    for mode in MODES:
+        path = workdir / f"rl_{mode}"
+        records = _records(path) if (path / "metrics.jsonl").exists() else []
+        if len(records) < iterations:
+            return None
+        out[mode] = summarize(records[:iterations], last)
+    out["speedup"] = out["async"]["episodes_per_hour"] / out["sync"]["episodes_per_hour"]
+    return out
+
+
 def aggregate(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
     seeds = list(per_seed.values())
 
@@ -116,7 +136,7 @@ def aggregate(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
         "mean_staleness": stat(lambda s: s["async"]["mean_staleness"]),
         "stale_dropped": stat(lambda s: s["async"]["stale_dropped"]),
         **{f"{mode}_{key}": stat(lambda s, m=mode, k=key: s[m][k]) for mode in MODES
-           for key in ("env_busy_fraction", "learner_busy_fraction", "success_last")},
+           for key in ("env_busy_fraction", "learner_busy_fraction", "success_last", "compile_seconds")},
     }
 
 
@@ -132,6 +152,8 @@ def markdown(payload: dict[str, Any]) -> str:
         f"| environment busy fraction | {ms('sync_env_busy_fraction')} | {ms('async_env_busy_fraction')} |",
         f"| learner busy fraction | {ms('sync_learner_busy_fraction')} | {ms('async_learner_busy_fraction')} |",
         f"| training success, last {payload['last']} iterations | {ms('sync_success_last')} | {ms('async_success_last')} |",
+        f"| XLA compilation in the timed iterations (s) | {ms('sync_compile_seconds', '{:.0f}')} | "
+        f"{ms('async_compile_seconds', '{:.0f}')} |",
         f"| mean staleness (updates) | 0 | {ms('mean_staleness')} |",
         f"| episodes dropped as too stale | 0 | {ms('stale_dropped', '{:.1f}')} |",
     ]
@@ -180,11 +202,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--last", type=int, default=3, help="iterations averaged for success_last")
     p.add_argument("--override", action="append", default=[], help="KEY=VALUE on the recipe (repeatable)")
     p.add_argument("--workdir", default="", help="default: a temporary directory, removed afterwards")
+    p.add_argument("--compilation_cache", default="",
+                   help="a persistent compilation cache directory; '' (default) leaves it off, so each mode pays "
+                        "for its own compilations. A second run on a filled cache measures the steady state")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.add_argument("--plot", default=None, help="PNG of trained episodes against wall-clock time")
     p.add_argument("--replot", default=None, help="a JSON this script wrote: draw --plot from it, run nothing")
+    p.add_argument("--from_workdir", action="store_true",
+                   help="run nothing: read the seeds of --workdir that finished both modes (an interrupted run's) "
+                        "and write the outputs from them")
     args = p.parse_args(argv)
+    if args.from_workdir and not args.workdir:
+        p.error("--from_workdir reads --workdir: name it")
     if args.replot:
         payload = json.loads(pathlib.Path(args.replot).read_text())
         plot(payload, pathlib.Path(args.plot or pathlib.Path(args.replot).with_suffix(".png")))
@@ -193,12 +223,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     overrides = [*args.override, f"train.iterations={args.iterations}", f"train.checkpoint_every={args.iterations}"]
     payload: dict[str, Any] = {"command": bc.command_line("async_rollout.py", argv), "recipe": args.recipe,
                                "latency_s": args.latency, "seeds": seeds, "last": args.last,
+                               "compilation_cache": args.compilation_cache,
                                "overrides": overrides, "machine": bc.machine_info(), "per_seed": {}}
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(args.workdir or tmp)
         for seed in seeds:
-            payload["per_seed"][seed] = run_seed(args.recipe, overrides, seed, root / f"seed-{seed}", args.latency,
-                                                 args.last)
+            if args.from_workdir:
+                result = finished_seed(root / f"seed-{seed}", args.iterations, args.last)
+                if result is None:
+                    print(f"seed {seed}: not finished in {root / f'seed-{seed}'}; left out")
+                    continue
+                payload["per_seed"][seed] = result
+            else:
+                payload["per_seed"][seed] = run_seed(args.recipe, overrides, seed, root / f"seed-{seed}",
+                                                     args.latency, args.last, args.compilation_cache)
+    if not payload["per_seed"]:
+        raise SystemExit(f"no finished seed in {args.workdir}")
+    payload["seeds"] = list(payload["per_seed"])
     payload["aggregate"] = agg = aggregate(payload["per_seed"])
     payload.update({k: agg[k]["mean"] for k in ("sync_episodes_per_hour", "async_episodes_per_hour", "speedup",
                                                 "mean_staleness")})

@@ -105,6 +105,7 @@ def test_async_rollout_benchmark(tmp_path):
         assert key in data, key
     seed = data["per_seed"]["0"]
     assert seed["sync"]["episodes_trained"] == seed["async"]["episodes_trained"] == 2 * 2 * 2
+    assert all(seed[mode]["compile_seconds"] >= 0 for mode in ("sync", "async"))
     assert data["speedup"] == pytest.approx(seed["async"]["episodes_per_hour"] / seed["sync"]["episodes_per_hour"])
     assert payload["env_busy_fraction"]["async"] > 0 and (tmp_path / "async.png").stat().st_size > 0
 
