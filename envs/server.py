@@ -119,12 +119,26 @@ class DesktopServer(ThreadingHTTPServer):
         self.max_body_bytes = max_body_bytes
         self.idle_timeout_s = idle_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._active_lock = threading.Lock()
+        self.active_connections = 0  # connections holding a slot now (a thread lingers a moment after release)
         super().__init__(address, Handler)
+
+    def _take_slot(self) -> bool:
+        if not self._slots.acquire(blocking=False):
+            return False
+        with self._active_lock:
+            self.active_connections += 1
+        return True
+
+    def _give_slot(self) -> None:
+        with self._active_lock:
+            self.active_connections -= 1
+        self._slots.release()
 
     def process_request(self, request, client_address) -> None:
         """One thread per connection, up to `max_connections` at once: beyond that the connection is answered
         503 and closed at once, so half-sent or idle connections cannot pile up threads without bound."""
-        if not self._slots.acquire(blocking=False):
+        if not self._take_slot():
             try:
                 body = b'{"status": "error", "message": "too many connections"}'
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -136,14 +150,14 @@ class DesktopServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._give_slot()
             raise
 
     def process_request_thread(self, request, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._give_slot()
 
     def handle_error(self, request, client_address) -> None:
         """A client that hangs up mid-reply is one log line, not a traceback on stderr; anything else is
