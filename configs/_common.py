@@ -103,6 +103,25 @@ def small_desk(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def gpu_node(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """One 8-GPU node: parameters, gradients and moments FSDP-sharded over all eight GPUs."""
+    c.accelerator = "gpu"
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+    c.mesh.num_devices = 8
+    return c
+
+
+def v5p_128(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A TPU v5p pod slice of 64 chips (v5p-128): 4-way data x 16-way FSDP, one 64-row minibatch per step (a
+    row per chip); the dry run compiles for that topology."""
+    c.accelerator = "tpu"
+    c.dry_run.topology = "v5p:4x4x4"
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, -1, 1
+    c.mesh.num_devices = 64
+    c.train.minibatch_size = 64
+    return c
+
+
 def bepa_on_osworld(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """BEPA's accelerator settings: Agent-S2 traces from a directory (one folder per task with trace.json +
     step PNGs, the layout envs.desk.expert.ExpertTrace.save writes), plans by an OpenAI-compatible model (key

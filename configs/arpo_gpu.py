@@ -8,16 +8,13 @@ gradient accumulation. The paper feeds the whole 15-step history; five full-HD s
 the 16k-token bucket one GPU's step holds (see grpo_gpu), so this recipe keeps the last five and the rest
 as text, as the other 7B recipes do.
 """
-from configs._common import base, uitars_on_osworld
+from configs._common import base, gpu_node, uitars_on_osworld
 
 
 def get_config():
-    c = uitars_on_osworld(base("arpo_gpu"))
-    c.accelerator = "gpu"
+    c = gpu_node(uitars_on_osworld(base("arpo_gpu")))
     c.stages = ("base_model", "tasks", "select", "eval_base", "rl", "eval_final", "report")
     c.method = "arpo"
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
-    c.mesh.num_devices = 8
     c.arpo.selection_rollouts = 16
     c.arpo.buffer_size = 8
     c.rollout.group_size = 8

@@ -10,17 +10,14 @@ env.osworld_dir and env.server_urls for your machines; Qwen3-VL-32B: --config.mo
 --config.model.path=/models/Qwen3-VL-32B-Instruct (evocua_tpu). Not here: the synthesis and coldstart
 stages, which build desk tasks and desk expert traces; check the sizes with --dry_run.
 """
-from configs._common import base, uitars_on_osworld
+from configs._common import base, gpu_node, uitars_on_osworld
 
 
 def get_config():
-    c = uitars_on_osworld(base("evocua_gpu"))
-    c.accelerator = "gpu"
+    c = gpu_node(uitars_on_osworld(base("evocua_gpu")))
     c.model.path = "/models/Qwen3-VL-8B-Instruct"
     c.model.preset = "qwen3_vl_8b"
     c.stages = ("base_model", "tasks", "budget", "eval_base", "methods", "table", "report")
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
-    c.mesh.num_devices = 8
     c.rollout.prompt = "computer_use"
     c.rollout.max_images = 5
     c.rollout.temperature = 1.0

@@ -4,16 +4,12 @@ every host by launch/tpu_pod.sh; the settings of evocua_gpu otherwise. Qwen3-VL-
 sizes on any machine.
 """
 from configs import evocua_gpu
+from configs._common import v5p_128
 
 
 def get_config():
-    c = evocua_gpu.get_config()
+    c = v5p_128(evocua_gpu.get_config())
     c.name = "evocua_tpu"
-    c.accelerator = "tpu"
-    c.dry_run.topology = "v5p:4x4x4"
     c.model.path = "/models/Qwen3-VL-32B-Instruct"
     c.model.preset = "qwen3_vl_32b"
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, -1, 1
-    c.mesh.num_devices = 64
-    c.train.minibatch_size = 64
     return c

@@ -12,17 +12,14 @@ writes D_exp in the same grammar, and the rollouts, handoffs, judge and skill ex
 Differences from the paper: computer_use tool calls rather than Fig. 9's pyautogui code, and the vision tower
 is trained with the decoder (the paper freezes it); check the sizes with --dry_run.
 """
-from configs._common import base, uitars_on_osworld
+from configs._common import base, gpu_node, uitars_on_osworld
 
 
 def get_config():
-    c = uitars_on_osworld(base("sgcd_gpu"))
-    c.accelerator = "gpu"
+    c = gpu_node(uitars_on_osworld(base("sgcd_gpu")))
     c.model.path = "/models/Qwen3-VL-8B-Instruct"
     c.model.preset = "qwen3_vl_8b"
     c.stages = ("base_model", "tasks", "expert", "eval_base", "methods", "table", "csr", "report")
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
-    c.mesh.num_devices = 8
     c.rollout.prompt = "computer_use"
     c.rollout.max_images = 3
     c.rollout.temperature = 1.0

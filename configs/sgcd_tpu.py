@@ -4,16 +4,13 @@ launched on every host by launch/tpu_pod.sh; the settings of sgcd_gpu otherwise.
 `--dry_run` checks the sizes on any machine.
 """
 from configs import sgcd_gpu
+from configs._common import v5p_128
 
 
 def get_config():
-    c = sgcd_gpu.get_config()
+    c = v5p_128(sgcd_gpu.get_config())
     c.name = "sgcd_tpu"
-    c.accelerator = "tpu"
-    c.dry_run.topology = "v5p:4x4x4"
     c.model.path = "/models/Qwen3-VL-30B-A3B-Instruct"
     c.model.preset = "qwen3_vl_30b_a3b"
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 4, -1, 1, 8
-    c.mesh.num_devices = 64
-    c.train.minibatch_size = 64
+    c.mesh.expert = 8  # data 4 x FSDP 2 x expert 8
     return c
