@@ -568,7 +568,7 @@ def server(seconds: float, seed: int, clients: int = 24, max_connections: int = 
     kinds = _requests(token)
     statuses: dict[str, dict[str, int]] = {k: {} for k in kinds}
     lock = threading.Lock()
-    peak_threads = 0
+    peak_connections = 0
     stop = time.monotonic() + seconds
     tracemalloc.start()
     base_traced = tracemalloc.get_traced_memory()[0]
@@ -599,17 +599,17 @@ def server(seconds: float, seed: int, clients: int = 24, max_connections: int = 
         t.start()
     while any(t.is_alive() for t in threads):
         # connections holding a slot: a handler thread that released its slot may still be alive a moment
-        peak_threads = max(peak_threads, srv.active_connections)
+        peak_connections = max(peak_connections, srv.active_connections)
         time.sleep(0.02)
     peak_traced = tracemalloc.get_traced_memory()[1] - base_traced
     tracemalloc.stop()
     srv.shutdown()
     srv.server_close()
-    if peak_threads > max_connections:
-        tally.lost.append(f"{peak_threads} connections handled at once, above the cap of {max_connections}")
+    if peak_connections > max_connections:
+        tally.lost.append(f"{peak_connections} connections handled at once, above the cap of {max_connections}")
     if peak_traced > 64 << 20:
         tally.lost.append(f"traced memory peaked {peak_traced / 2**20:.0f} MiB above its start")
-    tally.notes.update(statuses=statuses, peak_handler_threads=peak_threads, connection_cap=max_connections,
+    tally.notes.update(statuses=statuses, peak_handler_threads=peak_connections, connection_cap=max_connections,
                        peak_traced_mib=round(peak_traced / 2**20, 1), clients=clients)
     return tally
 

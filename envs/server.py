@@ -118,22 +118,21 @@ class DesktopServer(ThreadingHTTPServer):
         self.loopback = _is_loopback(host)
         self.max_body_bytes = max_body_bytes
         self.idle_timeout_s = idle_timeout_s
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._active_lock = threading.Lock()
+        self.max_connections = max_connections
+        self._slots_lock = threading.Lock()
         self.active_connections = 0  # connections holding a slot now (a thread lingers a moment after release)
         super().__init__(address, Handler)
 
     def _take_slot(self) -> bool:
-        if not self._slots.acquire(blocking=False):
-            return False
-        with self._active_lock:
+        with self._slots_lock:
+            if self.active_connections >= self.max_connections:
+                return False
             self.active_connections += 1
-        return True
+            return True
 
     def _give_slot(self) -> None:
-        with self._active_lock:
+        with self._slots_lock:
             self.active_connections -= 1
-        self._slots.release()
 
     def process_request(self, request, client_address) -> None:
         """One thread per connection, up to `max_connections` at once: beyond that the connection is answered
