@@ -93,7 +93,7 @@ def run_seed(recipe: str, overrides: list[str], seed: int, workdir: pathlib.Path
                                      "stages=('base_model', 'tasks', 'sft')"])
     run_stages(config, workdir)
     run = Run(config, workdir)
-    out = {}
+    wall = {}
     try:
         for mode in MODES:
             mode_config = copy.deepcopy(config)
@@ -101,10 +101,12 @@ def run_seed(recipe: str, overrides: list[str], seed: int, workdir: pathlib.Path
                 mode_config.rollout.mode = mode
             t0 = time.perf_counter()
             base_stages.train_with(run, get_method("grpo", mode_config), workdir / f"rl_{mode}", f"grpo {mode}")
-            out[mode] = dict(summarize(_records(workdir / f"rl_{mode}"), last), wall_seconds=time.perf_counter() - t0)
+            wall[mode] = time.perf_counter() - t0
     finally:
         run.close()
-    out["speedup"] = out["async"]["episodes_per_hour"] / out["sync"]["episodes_per_hour"]
+    out = finished_seed(workdir, config.train.iterations, last)
+    for mode in MODES:
+        out[mode]["wall_seconds"] = wall[mode]
     return out
 
 

@@ -91,10 +91,9 @@ def expert_trajectories(run: Run, task_list) -> list:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
     from guijax.plans import RulePlanExtractor
     from guijax.rollout.conversion import convert_trace
-    from guijax.rollout.prompt import grammar_of
-
     e = run.config.env
     env = DeskEnv(tuple(e.screen), e.step_limit, seed=run.streams.seed_for("sft", "env"), popups=e.popups)
+    grammar = run.grammar
     extractor = RulePlanExtractor()
     out = []
     for i, task in enumerate(task_list):
@@ -102,7 +101,7 @@ def expert_trajectories(run: Run, task_list) -> list:
             trace = run_expert(env, task, ScriptedExpert(noise=run.config.sft.expert_noise,
                                                          seed=run.streams.seed_for("sft", "expert", task.id, k)))
             if trace.reward >= 1.0:
-                converted = convert_trace(trace, grammar=grammar_of(run.config.rollout.prompt))
+                converted = convert_trace(trace, grammar=grammar)
                 converted.meta["phi_plan"] = extractor(trace)
                 out.append(converted)
     return out
@@ -139,14 +138,13 @@ def sft_trajectories(run: Run) -> list:
 
 def _skill_conditioned(run: Run, tasks) -> dict[str, str]:
     """{task id: its SGCD skill as the skill-guided policy reads it}, from the desk's ground truth alone."""
-    from guijax.rollout.prompt import grammar_of
     from guijax.sgcd.desk_skills import DeskSkillExtractor
 
     e = run.config.env
     if e.kind != "desk":
         raise ValueError(f"sft.conditioning='skill' writes skills from the synthetic desk's ground truth; env.kind is "
                          f"{e.kind!r}")
-    extractor = DeskSkillExtractor(tuple(e.screen), e.popups, grammar=grammar_of(run.config.rollout.prompt))
+    extractor = DeskSkillExtractor(tuple(e.screen), e.popups, grammar=run.grammar)
     return {t.id: extractor.extract(t, [], []).render() for t in tasks}
 
 
@@ -205,8 +203,9 @@ def policy_dir(run: Run) -> pathlib.Path:
 def evaluate_into(run: Run, model_dir: pathlib.Path, report_path: pathlib.Path) -> str:
     """Evaluate the policy in `model_dir` on the recipe's eval splits; write the report, its episodes (a
     TrajectoryStore folder `<stem>_trajectories/`, one shard per split) and an inspector page of up to
-    `eval.inspector_episodes` of them (`<stem>.html`) beside it; return its headline. On the desk, `eval.step_limits` are scored exactly by
-    replaying each episode's first L steps; elsewhere from the recorded episodes (a lower bound)."""
+    `eval.inspector_episodes` of them (`<stem>.html`) beside it; return its headline. On the desk,
+    `eval.step_limits` are scored exactly by replaying each episode's first L steps; elsewhere from the recorded
+    episodes (a lower bound)."""
     import shutil
 
     from guijax.data.store import TrajectoryStore

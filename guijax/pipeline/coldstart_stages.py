@@ -23,7 +23,6 @@ from envs.actions.model import ActionType
 from envs.atomic import write_text_atomic
 from guijax.pipeline.run import Run
 from guijax.pipeline.stage import output_exists, stage
-from guijax.rollout.prompt import grammar_of
 from guijax.rollout.trajectory import Source, Status, Step, Trajectory
 
 
@@ -77,7 +76,7 @@ def _describe(run: Run) -> str:
     c = run.config.coldstart
     writer = f"a VLM at {c.hindsight_url}" if c.hindsight == "chat" else "the desk's accessibility-tree rules"
     return (f"{c.traces_per_task} scripted-expert trace(s) per training task in the "
-            f"{grammar_of(run.config.rollout.prompt)} grammar; hindsight thoughts by {writer}")
+            f"{run.grammar} grammar; hindsight thoughts by {writer}")
 
 
 @stage("coldstart", _describe, done=output_exists("coldstart.json"), reads=("seed", "env", "coldstart", "rollout.prompt"),
@@ -109,7 +108,7 @@ def coldstart(run: Run) -> str:
             subgoals = json.loads(json.dumps(expert_subgoals(task)))
             thoughts = writer.thoughts(task.instruction, hindsight_steps(trace, RELATIVE), subgoals=subgoals)
             skipped += [f"task {task.id} trace {k} {t.skipped}" for t in thoughts if t.text is None]
-            traces.append(coldstart_trajectory(trace, thoughts, grammar_of(run.config.rollout.prompt)))
+            traces.append(coldstart_trajectory(trace, thoughts, run.grammar))
     bar.close()
     trained = len(coldstart_refs(traces))
     if not trained:
@@ -119,5 +118,5 @@ def coldstart(run: Run) -> str:
     write_text_atomic(run.workdir / "coldstart.json", json.dumps(
         {"traces": len(traces), "steps": sum(len(t.steps) for t in traces), "trained_steps": trained,
          "skipped_steps": skipped, "hindsight": c.hindsight, "brief": c.brief,
-         "grammar": grammar_of(run.config.rollout.prompt)}, indent=1))
+         "grammar": run.grammar}, indent=1))
     return f"{len(traces)} successful traces, {trained} steps with a thought; {len(skipped)} steps skipped"

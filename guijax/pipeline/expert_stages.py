@@ -36,12 +36,10 @@ def plans(run: Run) -> dict[str, list[str]]:
 
 
 def _describe_expert(run: Run) -> str:
-    from guijax.rollout.prompt import grammar_of
-
     b = run.config.bepa
     source = f"recorded traces in {b.expert_dir}" if b.expert_dir else f"the scripted expert (noise {b.expert_noise})"
     return (f"{source} on every task; plans by the {b.plan_extractor} extractor; converted to the "
-            f"{grammar_of(run.config.rollout.prompt)} grammar with {b.conversion_thoughts} thoughts")
+            f"{run.grammar} grammar with {b.conversion_thoughts} thoughts")
 
 
 @stage("expert", _describe_expert, done=output_exists("expert.json"),
@@ -52,13 +50,12 @@ def expert(run: Run) -> str:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
     from guijax.plans import make_extractor
     from guijax.rollout.conversion import THOUGHT_STYLES, convert_trace
-    from guijax.rollout.prompt import grammar_of
-
     out = run.workdir / "expert.json"
     b, e = run.config.bepa, run.config.env
     if b.conversion_thoughts not in THOUGHT_STYLES:
         raise ValueError(f"bepa.conversion_thoughts={b.conversion_thoughts!r} is not one of {THOUGHT_STYLES}")
     extractor = make_extractor(b.plan_extractor, b.plan_url, b.plan_model, b.plan_api_key_env)
+    grammar = run.grammar
     results, converted = {}, []
     tasks = run.all_tasks()
     recorded = load_recorded_traces(b.expert_dir) if b.expert_dir else None
@@ -78,8 +75,7 @@ def expert(run: Run) -> str:
         ok = trace.reward >= 1.0
         results[task.id] = {"success": ok, "steps": len(trace.steps), "plan": extractor(trace) if ok else []}
         if ok:
-            converted.append(convert_trace(trace, thought_style=b.conversion_thoughts,
-                                           grammar=grammar_of(run.config.rollout.prompt)))
+            converted.append(convert_trace(trace, thought_style=b.conversion_thoughts, grammar=grammar))
     bar.close()
     _write_shard(run.workdir / "expert_traces", "expert", converted)
     _write_json(out, {"expert_noise": b.expert_noise, "conversion_thoughts": b.conversion_thoughts,

@@ -12,7 +12,7 @@ import ml_collections
 from guijax.models.lora import from_run_config
 from guijax.pipeline.records import StageRecords
 from guijax.rng import Streams
-from guijax.rollout.prompt import prompt_template
+from guijax.rollout.prompt import grammar_of, prompt_template
 
 
 def adapter_dir(model_dir: pathlib.Path) -> pathlib.Path:
@@ -36,6 +36,11 @@ class Run:
     @property
     def system_prompt(self) -> str:
         return prompt_template(self.config.rollout.prompt)
+
+    @property
+    def grammar(self) -> str:
+        """The action grammar `rollout.prompt` asks the policy to write (envs.actions.grammar)."""
+        return grammar_of(self.config.rollout.prompt)
 
     def mesh(self):
         """The training mesh: every device, or those past `rollout.sampler_devices` when the sampler has its own."""

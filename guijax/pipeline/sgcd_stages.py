@@ -91,10 +91,9 @@ def csr(run: Run) -> str:
 
 def _off_track_steps(run: Run, prefixes) -> list[int | None]:
     """Where each base-policy prefix first left its task's path (desk replay against the accessibility tree)."""
-    from guijax.rollout.prompt import grammar_of
     from guijax.rollout.trajectory import Trajectory
     from guijax.sgcd.desk_skills import first_off_track_step
 
-    env, grammar = run.config.env, grammar_of(run.config.rollout.prompt)
+    env, grammar = run.config.env, run.grammar
     return [first_off_track_step(p.task, Trajectory(p.task.id, p.task.instruction, p.steps, meta={"seed": p.seed}),
                                  tuple(env.screen), env.popups, grammar=grammar) for p in prefixes if p.steps]

@@ -18,8 +18,8 @@ import numpy as np
 from absl import logging
 
 from envs.actions import ActionParseError, to_pyautogui
-from envs.actions.model import Action
 from envs.actions.grammar import parse_response
+from envs.actions.model import Action
 from envs.api import Task
 from envs.pool import EnvPool
 from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages, guided_instruction
