@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -35,6 +36,7 @@ def rl_run(tiny_config, tmp_path_factory):
     """The tiny RL recipe run once through every stage; the tests below read what it left."""
     config = tiny_config("grpo_cpu", *RL)
     workdir = tmp_path_factory.mktemp("rl") / "run"
+    jax.clear_caches()  # an earlier test in this process may have compiled the same programs; count from scratch
     run_stages(config, workdir)
     return config, workdir
 
