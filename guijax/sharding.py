@@ -274,6 +274,12 @@ def pad_rows(batch: Mapping[str, Any], multiple: int) -> dict[str, Any]:
     multiple of `multiple`. Every loss and metric is masked, so padded rows change nothing but the shape."""
     rows = np.shape(batch["input_ids"])[0]
     extra = -rows % multiple
+    if "token_index" in batch:  # packed (guijax.data.packing): its shape is the pipeline's to choose
+        blocks = np.shape(batch["token_index"])[0]
+        if extra or blocks % multiple:
+            raise ValueError(f"a packed batch of {rows} rows in {blocks} blocks does not divide over {multiple} "
+                             "data-parallel devices; set pipeline pack_blocks (and pack_rows) to a multiple of them")
+        return dict(batch)
     if not extra:
         return dict(batch)
     out: dict[str, Any] = {}
@@ -302,7 +308,7 @@ def place_batch(local: Mapping[str, Any], mesh: Mesh, *, pad: bool = False,
     pad: append empty rows so the rows divide over the data-parallel devices (else a ValueError).
     image_token_id: needed only with several processes and images (see `place_vision`)."""
     ways, procs = data_parallel_size(mesh), jax.process_count()
-    if pad and not is_placed(local["input_ids"]):
+    if (pad or "token_index" in local) and not is_placed(local["input_ids"]):  # a packed batch is only checked
         local = pad_rows(local, max(ways // math.gcd(ways, procs), 1))
     rows = np.shape(local["input_ids"])[0] * (1 if is_placed(local["input_ids"]) else procs)
     if rows % ways:
@@ -328,6 +334,12 @@ def place_batch(local: Mapping[str, Any], mesh: Mesh, *, pad: bool = False,
 def _is_placed_tree(tree: Any) -> bool:
     leaves = jax.tree.leaves(tree)
     return bool(leaves) and all(is_placed(x) for x in leaves)
+
+
+def local_data_blocks(mesh: Mesh | None) -> int:
+    """This process's share of the mesh's data-parallel devices (1 without a mesh): the blocks a packed batch
+    is cut into, so each device gathers its own examples' positions."""
+    return 1 if mesh is None else max(data_parallel_size(mesh) // jax.process_count(), 1)
 
 
 def local_vision_blocks(config: Any, mesh: Mesh | None) -> int:

@@ -17,10 +17,12 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from guijax import kernels, objectives, sharding
+from guijax.data.packing import packed_hidden
 from guijax.models import lora as lora_lib
 from guijax.models import weights
 from guijax.models.moe import dropped_fraction, load_balancing_loss
@@ -71,7 +73,8 @@ def batch_logprobs(module: Qwen2_5_VL, params: Any, batch: Batch, temperature: f
     like: the sampler's behaviour log-probs are of softmax(logits / T)).
 
     With `response_positions` in the batch the LM head runs on those positions only (`response_logprobs`);
-    without it, on every position (`all_positions_logprobs`, the reference). `dropout_key`: LoRA dropout on
+    without it, on every position (`all_positions_logprobs`, the reference). A packed batch (`token_index`)
+    gives [b, R] arrays in response space (`packed_logprobs`). `dropout_key`: LoRA dropout on
     (training only)."""
     logp, entropy, _ = _logprobs_and_router_loss(module, params, batch, temperature, impl, mesh, router=False,
                                                  dropout_key=dropout_key)
@@ -100,6 +103,9 @@ def _logprobs_and_router_loss(module: Qwen2_5_VL, params: Any, batch: Batch, tem
     head = lm_head(params, module)
     if temperature != 1.0:
         head = head / temperature
+    if "token_index" in batch:  # a packed batch: its training arrays are already in response space
+        return (*packed_logprobs(hidden, head, batch["targets"], batch["loss_mask"], batch["token_index"], impl,
+                                 mesh), aux)
     positions = batch.get("response_positions")
     if positions is None:
         return (*all_positions_logprobs(hidden, head, batch["targets"], batch["loss_mask"], impl, mesh), aux)
@@ -137,6 +143,15 @@ def response_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, ma
     missed = (mask > 0) & ~covered
     nan = jnp.float32(jnp.nan)
     return jnp.where(missed, nan, scatter(logp)), jnp.where(missed, nan, scatter(entropy))
+
+
+def packed_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array,
+                    token_index: jax.Array, impl: str = "auto",
+                    mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropy [b, R] of a packed batch (guijax.data.packing): the hidden states of the packed
+    rows [P, L, d] gathered at each example's loss positions, then the head and the kernel on those alone."""
+    picked = packed_hidden(hidden, token_index.astype(jnp.int32))
+    return kernels.token_logprobs(picked, head, targets, mask, impl=impl, **kernel_mesh(impl, mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +222,7 @@ class BatchFn:
         out = self.fn(*first, self.place(batch))
         if not self.host_outputs or sharding.is_placed(batch["input_ids"]):
             return out
-        rows = batch["input_ids"].shape[0]
+        rows = np.shape(batch["loss_mask"])[0]  # a packed batch's outputs have its examples' rows, not its packed ones
         return jax.tree.map(lambda x: sharding.host_rows(x, self.mesh, rows), out)
 
     def lower(self, *args: Any) -> Any:

@@ -79,7 +79,13 @@ def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperatu
 def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str,
                     mesh: jax.sharding.Mesh | None = None) -> PipelineConfig:
     """The batch pipeline of a recipe; `mesh` (the one the batches are placed on) sets the per-device vision
-    blocks of `pipeline.vision_per_device`."""
+    blocks of `pipeline.vision_per_device` and the blocks a packed minibatch is cut into."""
+    blocks = sharding.local_data_blocks(mesh)
+    if config.pipeline.get("pack", False) and (config.train.minibatch_size % blocks
+                                                or config.pipeline.get("pack_rows", 0) % blocks):
+        raise ValueError(f"pipeline.pack: train.minibatch_size={config.train.minibatch_size} and pipeline.pack_rows="
+                         f"{config.pipeline.get('pack_rows', 0)} must be multiples of the {blocks} data-parallel "
+                         "devices each packing its own steps")
     return PipelineConfig(batch_size=config.train.minibatch_size, max_images=config.rollout.max_images,
                           length_buckets=tuple(config.pipeline.length_buckets),
                           patch_bucket=config.pipeline.patch_bucket, system_prompt=system_prompt,
@@ -88,7 +94,12 @@ def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str,
                           response_bucket=config.pipeline.get("response_bucket", 64),
                           dedupe_images=config.pipeline.get("dedupe_images", True),
                           shuffle_block=config.pipeline.get("shuffle_block", 1),
-                          vision_blocks=sharding.local_vision_blocks(config, mesh))
+                          vision_blocks=sharding.local_vision_blocks(config, mesh),
+                          max_response_tokens=config.pipeline.get("max_response_tokens", 0) or None,
+                          pack=config.pipeline.get("pack", False),
+                          pack_length=config.pipeline.get("pack_length", 0) or None,
+                          pack_rows=config.pipeline.get("pack_rows", 0) or None,
+                          pack_blocks=blocks)
 
 
 @dataclasses.dataclass
@@ -292,9 +303,10 @@ class Trainer:
         data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
                             dataclasses.replace(self.pipeline, seed=self.streams.seed_for("batches", self.iteration)))
         t0 = time.perf_counter()
-        prepared, injected_logp, screenshots, rows = [], [], np.zeros(2), []
+        prepared, injected_logp, screenshots, rows, fills = [], [], np.zeros(2), [], []
         for batch in data:  # old log-probs under θ_old, fixed for every epoch
             screenshots += [batch["meta"].get("unique_screenshots", 0), batch["meta"].get("screenshots", 0)]
+            fills.append(float(batch["meta"]["token_fill"]))
             rows.append(int(np.any(np.asarray(batch["loss_mask"]) > 0, axis=-1).sum()))
             batch = self._place(device_batch(batch))
             old, _ = self.logprob_fn(self.state.params, batch)
@@ -329,6 +341,8 @@ class Trainer:
         out = {k: float(np.mean(v)) for k, v in collected.items()}
         if screenshots[1]:  # distinct / all screenshots of the batches: what the vision tower was spared
             out["screenshot_dedupe_ratio"] = float(screenshots[0] / screenshots[1])
+        if fills:  # real tokens / token slots of the model's input rows: what padding (or packing) leaves
+            out["token_fill"] = float(np.mean(fills))
         if injected_logp:
             out["logp_injected"] = sum(a for a, _ in injected_logp) / max(sum(n for _, n in injected_logp), 1.0)
         out.update(time_old_logprobs_s=t_old, time_update_s=time.perf_counter() - t0, trained_tokens=total_tokens,

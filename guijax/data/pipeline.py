@@ -39,6 +39,7 @@ from typing import Any, Mapping, Sequence
 import grain
 import numpy as np
 
+from guijax.data.packing import PackingError, pack_tokens, plan_rows
 from guijax.models.config import ModelConfig
 from guijax.models.positions import mrope_positions, vision_layout
 from guijax.models.vision_blocks import stack_blocks
@@ -72,6 +73,14 @@ class PipelineConfig:
     # > 1: the vision inputs come in this many per-device blocks of consecutive rows, each laid out over its own
     # rows' screenshots (guijax.models.vision_blocks); a short batch leaves the last blocks short or empty
     vision_blocks: int = 1
+    # padding-free batches (guijax.data.packing): each batch's examples packed end to end into rows of
+    # `pack_length` tokens (None: the smallest length bucket that holds a block's tokens, else the largest),
+    # `pack_rows` rows per batch (None: as many as the batch needs; a number gives every batch one shape and
+    # raises for a batch that does not fit) in `pack_blocks` per-device blocks; rows padded to `batch_size`
+    pack: bool = False
+    pack_length: int | None = None
+    pack_rows: int | None = None
+    pack_blocks: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +303,8 @@ class Collate:
         self.model_cfg, self.config, self.pad_id = model_cfg, config, pad_id
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if self.config.pack:
+            return self.packed(examples)
         cfg = self.model_cfg
         lengths = [len(e["input_ids"]) for e in examples]
         try:
@@ -327,7 +338,8 @@ class Collate:
                         "step": np.asarray([e["step"] for e in examples], np.int32),
                         "task_id": np.asarray([e["task_id"] for e in examples]), "source": np.asarray(sources),
                         "screenshots": np.int32(len(grids)), "unique_screenshots": np.int32(images),
-                        "screenshot_dedupe_ratio": np.float32(images / max(len(grids), 1))}}
+                        "screenshot_dedupe_ratio": np.float32(images / max(len(grids), 1)),
+                        "token_fill": np.float32(sum(lengths) / mask.size)}}
         if self.config.response_bucket or self.config.max_response_tokens is not None:
             out["response_positions"] = self.response_positions(shifted["loss_mask"], examples)
         return out
@@ -341,25 +353,37 @@ class Collate:
             return None, 0
         blocks = self.config.vision_blocks
         if blocks == 1:
-            pixels, grids, index = self._pixels(examples, ids, grids)
-            return self._layout(pixels, grids, index, self.config.patch_bucket), len(grids)
+            return self._vision_parts([(examples, ids, None)])
         # block b holds rows [b * rows, (b + 1) * rows): the rows each device gets once the batch is padded to
         # a multiple of the devices (`sharding.pad_rows`); a short batch leaves the last blocks short or empty
         rows = -(-len(examples) // blocks)
-        parts = [self._pixels(examples[i:i + rows], ids[i:i + rows],
-                              np.concatenate([e["image_grid_thw"] for e in examples[i:i + rows]]
-                                             or [np.zeros((0, 3), np.int64)]).reshape(-1, 3))
-                 for i in range(0, blocks * rows, rows)]
-        bucket = self.config.patch_bucket
-        common = max(max(-(-len(pixels) // bucket) * bucket, bucket) for pixels, _, _ in parts)
-        return stack_blocks([self._layout(*part, common) for part in parts]), sum(len(g) for _, g, _ in parts)
+        return self._vision_parts([(examples[i:i + rows], ids[i:i + rows], None) for i in range(0, blocks * rows, rows)])
 
-    def _pixels(self, examples: Sequence[dict[str, Any]], ids: np.ndarray,
-                grids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def _vision_parts(self, parts: Sequence[tuple[Sequence[dict[str, Any]], np.ndarray, list[list[int]] | None]]
+                      ) -> tuple[dict[str, np.ndarray], int]:
+        """One layout per part (examples, their token rows, which examples each token row holds; None: one
+        each), stacked into per-device blocks when there are several."""
+        laid = []
+        for examples, ids, members in parts:
+            grids = np.concatenate([e["image_grid_thw"] for e in examples]
+                                   or [np.zeros((0, 3), np.int64)]).reshape(-1, 3)
+            laid.append(self._pixels(examples, ids, grids, members))
+        bucket = self.config.patch_bucket
+        if len(laid) == 1:
+            return self._layout(*laid[0], bucket), len(laid[0][1])
+        common = max(max(-(-len(pixels) // bucket) * bucket, bucket) for pixels, _, _ in laid)
+        return stack_blocks([self._layout(*part, common) for part in laid]), sum(len(g) for _, g, _ in laid)
+
+    def _pixels(self, examples: Sequence[dict[str, Any]], ids: np.ndarray, grids: np.ndarray,
+                members: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The rows' patches (each distinct image once under `dedupe_images`), their grids, and the feature
-        each image-pad token takes (None: in order)."""
+        each image-pad token takes (None: in order). `members`: the examples each row of `ids` holds, in
+        order (packed rows); None: row i is example i."""
         if self.config.dedupe_images and len(grids):
             images = unique_images(examples)
+            if members is not None:
+                images = dataclasses.replace(images, rows=[[k for i in row for k in images.rows[i]]
+                                                           for row in members])
             index = token_features(ids, self.model_cfg.image_token_id, images,
                                    self.model_cfg.vision.spatial_merge_size)
             return images.pixel_values, images.grids, index
@@ -381,6 +405,75 @@ class Collate:
         if self.config.dedupe_images:
             vision["token_features"] = np.zeros(0, np.int32) if index is None else index
         return vision
+
+    def packed(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The padding-free batch (guijax.data.packing): packed model inputs, response-space training arrays
+        over `batch_size` rows (examples first, then empty rows), per-row flags padded the same way."""
+        cfg, config = self.model_cfg, self.config
+        lengths = [len(e["input_ids"]) for e in examples]
+        blocks, size = config.pack_blocks, config.batch_size
+        if config.vision_blocks not in (1, blocks):
+            raise ValueError(f"vision_blocks={config.vision_blocks} with pack_blocks={blocks}: per-device vision "
+                             "blocks must be the packing blocks")
+        per_block = size // blocks if size % blocks == 0 else 0
+        length = config.pack_length or self._pack_length(
+            [sum(lengths[k * per_block:(k + 1) * per_block]) for k in range(blocks)] if per_block else lengths,
+            max(lengths))
+        try:
+            layout = plan_rows(lengths, size, length, config.pack_rows, blocks)
+        except PackingError as err:
+            e = examples[err.example]
+            raise ValueError(f"task {e['task_id']} (trajectory {e['trajectory']}) step {e['step']}: {err}; raise "
+                             "PipelineConfig.pack_length / pack_rows or leave them None") from None
+        positions = []
+        for e in examples:
+            grid = np.asarray(e["image_grid_thw"], np.int64).reshape(-1, 3)
+            positions.append(mrope_positions(np.asarray(e["input_ids"])[None], None, grid if len(grid) else None,
+                                             cfg)[0][:, 0])
+        counts = [int((np.asarray(e["loss_mask"])[1:] > 0).sum()) for e in examples]
+        bucket = config.response_bucket or 64
+        width = config.max_response_tokens or -(-max(max(counts, default=1), 1) // bucket) * bucket
+        try:
+            out = pack_tokens(examples, layout, size, positions, width, self.pad_id)
+        except PackingError as err:
+            e = examples[err.example]
+            raise ValueError(f"task {e['task_id']} (trajectory {e['trajectory']}) step {e['step']}: {err}; raise "
+                             f"PipelineConfig.max_response_tokens or leave it None") from None
+        grids = [np.asarray(e["image_grid_thw"]).reshape(-1, 3) for e in examples]
+        vision, images = None, 0
+        if sum(len(g) for g in grids):
+            rows = layout.rows_per_block
+            groups = ([range(len(layout.rows))] if config.vision_blocks == 1
+                      else [range(k * rows, (k + 1) * rows) for k in range(blocks)])
+            parts = []
+            for group in groups:
+                order = [i for r in group for i in layout.rows[r]]
+                where = {i: j for j, i in enumerate(order)}
+                parts.append(([examples[i] for i in order], out["input_ids"][list(group)],
+                               [[where[i] for i in layout.rows[r]] for r in group]))
+            vision, images = self._vision_parts(parts)
+        sources = [e["source"] for e in examples]
+        flag = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, size - len(examples)))  # noqa: E731
+        n = int(sum(len(g) for g in grids))
+        out.update(vision=vision, off_policy=flag([s != Source.ON_POLICY.value for s in sources], bool),
+                   expert=flag([not e["sampled"] for e in examples], np.float32),
+                   failure=flag([s == Source.FAILURE.value for s in sources], bool),
+                   meta={"trajectory": np.asarray([e["trajectory"] for e in examples], np.int32),
+                         "step": np.asarray([e["step"] for e in examples], np.int32),
+                         "task_id": np.asarray([e["task_id"] for e in examples]), "source": np.asarray(sources),
+                         "screenshots": np.int32(n), "unique_screenshots": np.int32(images),
+                         "screenshot_dedupe_ratio": np.float32(images / max(n, 1)),
+                         "token_fill": np.float32(sum(lengths) / out["input_ids"].size),
+                         "packed_rows": np.int32(len(layout.rows))})
+        return out
+
+    def _pack_length(self, block_tokens: Sequence[int], longest: int) -> int:
+        """The smallest length bucket that holds the fullest block's tokens (one row per block), else the
+        largest bucket (several rows)."""
+        buckets = sorted(self.config.length_buckets)
+        if longest > buckets[-1]:
+            return buckets[-1]  # plan_rows names the example that does not fit
+        return next((b for b in buckets if b >= max(block_tokens)), buckets[-1])
 
     def response_positions(self, loss_mask: np.ndarray, examples: Sequence[dict[str, Any]]) -> np.ndarray:
         try:

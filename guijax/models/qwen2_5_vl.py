@@ -304,8 +304,9 @@ class Qwen2_5_VL(nn.Module):
     ):
         """Forward pass.
 
-        input_ids [b, s]; positions [3, b, s] M-RoPE ids; attention_mask [b, s] (1 = real token; padding
-        attends nothing, so its outputs carry no information);
+        input_ids [b, s]; positions [3, b, s] M-RoPE ids; attention_mask [b, s] segment ids (1 = real token,
+        or 1, 2, ... for the examples packed into a row, each attending only itself; 0 = padding, which attends
+        nothing, so its outputs carry no information);
         vision: pixel_values + the VisionLayout arrays, or None for text-only; optionally `token_features`,
         the feature each image-pad token takes when the pixels hold each distinct image once (see `embed`).
         Cache mode: `cache` holds [layers, b, L, kvh, hd] keys and values, the s new tokens are written at slots
@@ -325,10 +326,11 @@ class Qwen2_5_VL(nn.Module):
         x = nn.with_logical_constraint(x, ("batch", "seq", "activation_embed"))
         cos, sin = mrope_cos_sin(positions, self.cfg)
         s = input_ids.shape[1]
-        segments = (attention_mask != 0).astype(jnp.int32)
-        if cache is None:
+        if cache is None:  # segment ids as given: 1 per row, or 1, 2, ... for the examples of a packed row
+            segments = attention_mask.astype(jnp.int32)
             mask = MaskSpec(segments, segments)
         else:
+            segments = (attention_mask != 0).astype(jnp.int32)
             b, total = input_ids.shape[0], cache.k.shape[2]
             slots = jnp.broadcast_to(cache_index + jnp.arange(s, dtype=jnp.int32), (b, s))
             mask = MaskSpec(segments, (kv_mask != 0).astype(jnp.int32), slots,

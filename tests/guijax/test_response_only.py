@@ -15,7 +15,7 @@ import pytest
 from guijax import objectives, sharding, train_step
 from guijax.data.pipeline import Collate, EncodeStep, PipelineConfig, make_dataset, step_refs
 from guijax.models import weights
-from guijax.rollout.trajectory import Source, Step, Trajectory
+from step_histories import trajectories
 
 CONFIG = PipelineConfig(batch_size=8, max_images=3, length_buckets=(128, 256, 512), patch_bucket=64,
                         system_prompt="Task: {instruction}\n", shuffle=False, response_bucket=16)
@@ -25,23 +25,6 @@ CONFIG = PipelineConfig(batch_size=8, max_images=3, length_buckets=(128, 256, 51
 def module_params(cfg):
     module = weights.build_module(cfg)
     return module, weights.init_params(module, jax.random.PRNGKey(0))
-
-
-def trajectories(proc, n: int = 2, steps: int = 4) -> list[Trajectory]:
-    """On-policy trajectories whose consecutive steps share screenshot history (max_images=3)."""
-    rs = np.random.RandomState(1)
-    im_end = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    out = []
-    for i in range(n):
-        shots = []
-        for j in range(steps):
-            h, w = [(56, 56), (56, 84)][(i + j) % 2]
-            text = f"Thought: step {j}\nAction: click(start_box='({i},{j})')"
-            tokens = np.asarray(proc.tokenizer(text, add_special_tokens=False)["input_ids"] + [im_end], np.int32)
-            shots.append(Step(rs.randint(0, 256, (h, w, 3), dtype=np.uint8), text, tokens,
-                              -rs.rand(len(tokens)).astype(np.float32)))
-        out.append(Trajectory(f"task-{i}", f"open the settings panel {i}", shots, source=Source.ON_POLICY))
-    return out
 
 
 def pipeline_batch(proc, cfg, **config) -> dict:

@@ -1,0 +1,162 @@
+"""Padding-free batches: a batch's examples packed end to end into fixed-length rows.
+
+A GUI step's prompt is mostly screenshot tokens and its length varies with the screenshots in its history,
+so padding every row to the longest one's bucket spends a large share of the forward pass on nothing.
+Packing puts several examples into one row of `length` tokens. The model sees:
+
+* `attention_mask` [P, L] as segment ids: 1, 2, ... for the examples of a row in order, 0 after the last,
+  so attention stays inside each example (guijax.models.attention takes segment ids as they are);
+* `positions` [3, P, L]: each example's own M-RoPE positions, restarting at 0 where it starts.
+
+The losses see the examples as rows again, in *response space*: `targets`, `loss_mask`, `advantages`,
+`behaviour_logprobs` are [b, R], the b examples of the batch (padded with empty rows up to the batch size)
+by their R loss positions, and `token_index` [blocks, b / blocks, R] says where in the packed rows each of
+those positions sits (flat over its block's rows, -1 in unused slots). The losses reduce over rows and masked
+tokens only, so they take [b, R] arrays exactly as they take [b, s] ones.
+
+Blocks. With `blocks` > 1 the examples and the packed rows are cut into that many equal blocks (example i in
+block i // (b / blocks)) and each block's examples go into that block's rows only; on a mesh the blocks are the
+data-parallel devices, so the gather from packed rows to response space never leaves a device.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class PackingError(ValueError):
+    """The examples do not fit the packed shape; `example` is the index of one that does not fit."""
+
+    def __init__(self, message: str, example: int):
+        super().__init__(message)
+        self.example = example
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Where each example of a batch sits: `rows[r]` lists the examples of packed row r in order (rows of block
+    k are rows[k * rows_per_block:(k + 1) * rows_per_block]); `starts[i]` is example i's (row, offset)."""
+
+    rows: list[list[int]]
+    starts: list[tuple[int, int]]
+    length: int
+    blocks: int
+
+    @property
+    def rows_per_block(self) -> int:
+        return len(self.rows) // self.blocks
+
+    def order(self) -> list[int]:
+        """The examples in row-major packed order: the order their image-pad tokens appear in."""
+        return [i for row in self.rows for i in row]
+
+
+def plan_rows(lengths: Sequence[int], batch_size: int, length: int, rows: int | None = None,
+              blocks: int = 1) -> PackedLayout:
+    """First-fit decreasing packing of examples of `lengths` into rows of `length` tokens.
+
+    Example i belongs to block i // (batch_size / blocks). `rows`: packed rows per batch (a multiple of
+    `blocks`; one shape for every batch) or None: as many as the fullest block needs, the same count in every
+    block. Raises PackingError when an example is longer than a row or a block's examples need more rows."""
+    if batch_size % blocks:
+        raise ValueError(f"batch size {batch_size} does not divide into {blocks} blocks")
+    if rows is not None and rows % blocks:
+        raise ValueError(f"{rows} packed rows do not divide into {blocks} blocks")
+    if len(lengths) > batch_size:
+        raise ValueError(f"{len(lengths)} examples for a batch of {batch_size}")
+    for i, n in enumerate(lengths):
+        if n > length:
+            raise PackingError(f"example {i} has {n} tokens, more than the packed row length {length}", i)
+    per_block = batch_size // blocks
+    block_rows: list[list[list[int]]] = []
+    for k in range(blocks):
+        members = range(k * per_block, min((k + 1) * per_block, len(lengths)))
+        filled: list[int] = []
+        placed: list[list[int]] = []
+        for i in sorted(members, key=lambda j: (-lengths[j], j)):
+            spot = next((r for r, used in enumerate(filled) if used + lengths[i] <= length), None)
+            if spot is None:
+                if rows is not None and len(placed) == rows // blocks:
+                    need = _rows_needed([lengths[j] for j in members], length)
+                    raise PackingError(f"block {k}'s {len(members)} examples ({sum(lengths[j] for j in members)} "
+                                       f"tokens) need {need} rows of {length} tokens; the packed shape has "
+                                       f"{rows // blocks} per block", i)
+                filled.append(0)
+                placed.append([])
+                spot = len(placed) - 1
+            filled[spot] += lengths[i]
+            placed[spot].append(i)
+        block_rows.append(placed)
+    per = rows // blocks if rows is not None else max(1, max(len(b) for b in block_rows))
+    out: list[list[int]] = []
+    for placed in block_rows:
+        out.extend(sorted(placed, key=min) + [[] for _ in range(per - len(placed))])
+    starts: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for r, members in enumerate(out):
+        offset = 0
+        for i in members:
+            starts[i] = (r, offset)
+            offset += lengths[i]
+    return PackedLayout(out, starts, length, blocks)
+
+
+def _rows_needed(lengths: Sequence[int], length: int) -> int:
+    filled: list[int] = []
+    for n in sorted(lengths, reverse=True):
+        spot = next((r for r, used in enumerate(filled) if used + n <= length), None)
+        if spot is None:
+            filled.append(n)
+        else:
+            filled[spot] += n
+    return len(filled)
+
+
+def pack_tokens(examples: Sequence[dict[str, Any]], layout: PackedLayout, batch_size: int,
+                positions: Sequence[np.ndarray], response_width: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """The packed model inputs and the response-space training arrays (module docstring) of `examples`
+    (EncodeStep's token-aligned examples) placed as `layout` says; `positions[i]` is example i's own
+    [3, n_i] M-RoPE positions. A row with more loss tokens than `response_width` raises PackingError."""
+    rows, length = len(layout.rows), layout.length
+    ids = np.full((rows, length), pad_id, np.int32)
+    segments = np.zeros((rows, length), np.int32)
+    pos = np.zeros((3, rows, length), np.int32)
+    response = {k: np.zeros((batch_size, response_width), np.float32)
+                for k in ("loss_mask", "advantages", "behaviour_logprobs")}
+    targets = np.zeros((batch_size, response_width), np.int32)
+    index = np.full((batch_size, response_width), -1, np.int32)
+    per_block_rows, per_block = layout.rows_per_block, batch_size // layout.blocks
+    for r, members in enumerate(layout.rows):
+        for segment, i in enumerate(members, start=1):
+            e = examples[i]
+            n = len(e["input_ids"])
+            _, offset = layout.starts[i]
+            ids[r, offset:offset + n] = e["input_ids"]
+            segments[r, offset:offset + n] = segment
+            pos[:, r, offset:offset + n] = positions[i]
+            # prediction position t predicts token t + 1: a loss position is one whose next token is a response
+            where = np.flatnonzero(np.asarray(e["loss_mask"])[1:] > 0)
+            if len(where) > response_width:
+                raise PackingError(f"example {i} has {len(where)} loss tokens, more than the response budget of "
+                                   f"{response_width} positions", i)
+            k = len(where)
+            local_row = r - (i // per_block) * per_block_rows
+            index[i, :k] = local_row * length + offset + where
+            targets[i, :k] = np.asarray(e["input_ids"])[where + 1]
+            for key in response:
+                response[key][i, :k] = np.asarray(e[key])[where + 1]
+    return {"input_ids": ids, "attention_mask": segments, "positions": pos, "targets": targets, **response,
+            "token_index": index.reshape(layout.blocks, per_block, response_width)}
+
+
+def packed_hidden(hidden: Any, token_index: Any) -> Any:
+    """hidden [P, L, d] of packed rows -> [b, R, d] at `token_index` [blocks, b / blocks, R] (-1 slots read
+    position 0 of their block; their mask is 0). A batched gather per block, so it partitions along blocks."""
+    import jax.numpy as jnp
+
+    blocks, per_block, width = token_index.shape
+    rows, length, dim = hidden.shape
+    flat = hidden.reshape(blocks, (rows // blocks) * length, dim)
+    index = jnp.maximum(token_index, 0).reshape(blocks, per_block * width, 1)
+    return jnp.take_along_axis(flat, index, axis=1).reshape(blocks * per_block, width, dim)

@@ -1,0 +1,157 @@
+"""Padding-free batches: the packer's row plan, and packed batches that give every example the same log-probs,
+loss and gradients as the padded batch (screenshots deduplicated, per-device blocks, on a mesh)."""
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from guijax import objectives, sharding, train_step
+from guijax.data.packing import PackingError, plan_rows
+from guijax.data.pipeline import Collate, EncodeStep, PipelineConfig, step_refs
+from guijax.models import weights
+from step_histories import trajectories
+
+CONFIG = PipelineConfig(batch_size=8, max_images=3, length_buckets=(128, 256, 512, 1024), patch_bucket=64,
+                        system_prompt="Task: {instruction}\n", shuffle=False, response_bucket=16)
+
+
+@pytest.fixture(scope="module")
+def module_params(cfg):
+    module = weights.build_module(cfg)
+    return module, weights.init_params(module, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="module")
+def examples(proc):
+    trajs = trajectories(proc)
+    encode = EncodeStep(trajs, proc, CONFIG)
+    return [encode.map(r) for r in step_refs(trajs, [1.0, -0.5])]
+
+
+def test_rows_are_packed_first_fit_decreasing_within_their_blocks():
+    layout = plan_rows([60, 50, 40, 30, 20, 10], batch_size=8, length=100)
+    assert layout.rows == [[0, 2], [1, 3, 4], [5]] and layout.starts[3] == (1, 50)  # 100, 100, 10 tokens
+    # two blocks of four: examples 0-3 only in rows 0-1, examples 4-5 only in rows 2-3 (the last row empty)
+    blocked = plan_rows([60, 50, 40, 30, 20, 10], batch_size=8, length=100, blocks=2)
+    assert blocked.rows == [[0, 2], [1, 3], [4, 5], []] and blocked.rows_per_block == 2
+    assert plan_rows([60, 50], batch_size=8, length=100, rows=4, blocks=2).rows == [[0], [1], [], []]
+    with pytest.raises(PackingError, match="need 2 rows of 100 tokens; the packed shape has 1") as err:
+        plan_rows([60, 50], batch_size=2, length=100, rows=1)
+    assert err.value.example == 1
+    with pytest.raises(PackingError, match="example 1 has 120 tokens, more than the packed row length 100"):
+        plan_rows([60, 120], batch_size=2, length=100)
+
+
+def _per_example(padded: dict, values: np.ndarray) -> list[np.ndarray]:
+    """Each padded row's values at its loss positions, in order."""
+    return [values[i][padded["loss_mask"][i] > 0] for i in range(len(padded["loss_mask"]))]
+
+
+def test_packed_batch_gives_each_example_its_padded_log_probs(proc, cfg, examples, module_params):
+    module, params = module_params
+    padded = Collate(cfg, CONFIG)(examples)
+    packed = Collate(cfg, dataclasses.replace(CONFIG, pack=True, pack_length=1280))(examples)
+    assert packed["input_ids"].shape == (1, 1280) and packed["attention_mask"].max() == 8  # 8 segments, one row
+    # 1,260 tokens: 98% of one packed row against 62% of eight rows padded to the 256 bucket
+    assert packed["meta"]["token_fill"] > 0.98 and padded["meta"]["token_fill"] < 0.62
+    auto = Collate(cfg, dataclasses.replace(CONFIG, pack=True))(examples)
+    assert auto["input_ids"].shape == (2, 1024)  # the largest bucket, as many rows as first-fit needs
+    fn = train_step.make_logprob_fn(module, temperature=0.7)
+    strip = lambda b: {k: v for k, v in b.items() if k != "meta"}  # noqa: E731
+    logp, entropy = (np.asarray(x) for x in fn(params, strip(packed)))
+    ref_logp, ref_entropy = (np.asarray(x) for x in fn(params, strip(padded)))
+    counts = packed["loss_mask"].sum(1).astype(int)
+    for i, (want_lp, want_h) in enumerate(zip(_per_example(padded, ref_logp), _per_example(padded, ref_entropy))):
+        assert counts[i] == len(want_lp) > 0
+        np.testing.assert_allclose(logp[i, :counts[i]], want_lp, atol=2e-5)
+        np.testing.assert_allclose(entropy[i, :counts[i]], want_h, atol=2e-5)
+    for key in ("targets", "advantages", "behaviour_logprobs"):
+        for i, want in enumerate(_per_example(padded, padded[key])):
+            np.testing.assert_array_equal(packed[key][i, :counts[i]], want)
+
+
+def test_packed_grpo_loss_and_gradients_equal_the_padded_batch(proc, cfg, examples, module_params):
+    module, params = module_params
+    strip = lambda b: {k: v for k, v in b.items() if k != "meta"}  # noqa: E731
+    padded = strip(Collate(cfg, CONFIG)(examples[:5]))
+    packed = strip(Collate(cfg, dataclasses.replace(CONFIG, pack=True, pack_length=512))(examples[:5]))
+    assert packed["loss_mask"].shape[0] == 8 and packed["loss_mask"][5:].sum() == 0  # rows padded to the batch
+    # the same old log-probs, away from the current ones so the ratios clip: drawn per example's loss token
+    noise = np.random.RandomState(0).normal(0, 0.3, (5, 64)).astype(np.float32)
+    old_packed = np.zeros_like(packed["loss_mask"])
+    old_padded = np.zeros_like(padded["loss_mask"])
+    for i in range(5):
+        k = int(packed["loss_mask"][i].sum())
+        old_packed[i, :k] = packed["behaviour_logprobs"][i, :k] + noise[i, :k]
+        old_padded[i, padded["loss_mask"][i] > 0] = old_packed[i, :k]
+    step = train_step.StepConfig(objectives.WithCrossEntropy(objectives.ClippedPolicyLoss(), 0.1))
+    grad = jax.jit(jax.value_and_grad(train_step.loss_fn, has_aux=True), static_argnums=(2, 3))
+    (loss, metrics), grads = grad(params, dict(packed, old_logp=old_packed), module, step)
+    (ref_loss, ref_metrics), ref_grads = grad(params, dict(padded, old_logp=old_padded), module, step)
+    assert np.isfinite(float(loss)) and float(metrics["clip_frac_low"] + metrics["clip_frac_high"]) > 0
+    chex.assert_trees_all_close(metrics, ref_metrics, atol=1e-5, rtol=1e-4)
+    chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=1e-4)
+
+
+def test_a_fixed_packed_shape_gives_every_batch_the_same_text_shapes(proc, cfg, examples):
+    config = dataclasses.replace(CONFIG, batch_size=4, pack=True, pack_length=512, pack_rows=2,
+                                 max_response_tokens=32)
+    collate = Collate(cfg, config)
+    batches = [collate(examples[:4]), collate(examples[4:7]), collate(examples[7:])]
+    shapes = {tuple((k, np.shape(v)) for k, v in b.items() if k not in ("vision", "meta")) for b in batches}
+    assert len(shapes) == 1, shapes
+    with pytest.raises(ValueError, match=r"task task-\d .* need 3 rows of 256 tokens; the packed shape has 2"):
+        Collate(cfg, dataclasses.replace(config, pack_length=256))(examples[:4])
+
+
+@pytest.mark.parametrize("dedupe", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_packed_blocks_keep_each_example_and_its_screenshots_in_its_block(proc, cfg, examples, module_params, dedupe):
+    module, params = module_params
+    config = dataclasses.replace(CONFIG, pack=True, pack_length=512, pack_blocks=2, vision_blocks=2,
+                                 dedupe_images=dedupe)
+    packed = Collate(cfg, config)(examples[:6])
+    blocks, per_block, _ = packed["token_index"].shape
+    assert (blocks, per_block) == (2, 4)
+    per_block_tokens = packed["input_ids"].shape[0] // 2 * 512
+    assert packed["token_index"].max() < per_block_tokens  # indices local to the block
+    assert packed["vision"]["pixel_values"].shape[0] == 2
+    padded = Collate(cfg, CONFIG)(examples[:6])
+    fn = train_step.make_logprob_fn(module)
+    strip = lambda b: {k: v for k, v in b.items() if k != "meta"}  # noqa: E731
+    logp = np.asarray(fn(params, strip(packed))[0])
+    ref = _per_example(padded, np.asarray(fn(params, strip(padded))[0]))
+    for i in range(6):
+        np.testing.assert_allclose(logp[i, :len(ref[i])], ref[i], atol=2e-5)
+
+
+@pytest.mark.slow
+def test_packed_blocks_on_a_mesh_equal_one_device(proc, cfg, examples, module_params):
+    """Eight blocks over data x fsdp = 8 devices: each device gathers its own examples' positions."""
+    module, params = module_params
+    config = dataclasses.replace(CONFIG, pack=True, pack_length=512, pack_blocks=8, vision_blocks=8)
+    batch = {k: v for k, v in Collate(cfg, config)(examples).items() if k != "meta"}
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4, tensor=1))
+    fn = train_step.make_logprob_fn(module, mesh=mesh)
+    placed = fn.place(batch)
+    assert placed["token_index"].sharding.spec[0] == ("data", "fsdp")
+    chex.assert_trees_all_close(fn(params, batch), train_step.make_logprob_fn(module)(params, batch), atol=1e-5)
+    with pytest.raises(ValueError, match="packed batch .* does not divide over 8 data-parallel devices"):
+        fn.place({k: v for k, v in Collate(cfg, dataclasses.replace(config, pack_blocks=2, vision_blocks=2))(
+            examples).items() if k != "meta"})
+
+
+def test_a_recipe_packs_per_data_parallel_device(tiny_config):
+    from guijax.trainer import pipeline_config
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4, tensor=1))
+    config = tiny_config("grpo_cpu", "pipeline.pack=True", "pipeline.pack_rows=8", "pipeline.pack_length=512",
+                         "pipeline.max_response_tokens=32")
+    built = pipeline_config(config, "Task: {instruction}\n", mesh)
+    assert (built.pack, built.pack_rows, built.pack_length, built.max_response_tokens) == (True, 8, 512, 32)
+    assert built.pack_blocks == 8 and pipeline_config(config, "", None).pack_blocks == 1
+    with pytest.raises(ValueError, match="train.minibatch_size=6 .* multiples of the 8 data-parallel devices"):
+        pipeline_config(tiny_config("grpo_cpu", "pipeline.pack=True", "train.minibatch_size=6"), "", mesh)
