@@ -78,11 +78,41 @@ def batch_shape(config: ml_collections.ConfigDict, model_cfg: Any) -> BatchShape
     return BatchShape(config.train.minibatch_size, length, k, (h, w), grid, width)
 
 
-def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class PackedShape:
+    """A packed minibatch (guijax.data.packing): `rows` of `length` tokens in `blocks` per-device blocks, the
+    steps' loss positions `response` wide."""
+
+    rows: int
+    length: int
+    blocks: int
+    response: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def packed_shape(config: ml_collections.ConfigDict, shape: BatchShape, blocks: int) -> PackedShape | None:
+    """The recipe's packed shape under `pipeline.pack` (None without it): its fixed `pack_rows` /
+    `pack_length` / `max_response_tokens`, or where they are left to the batch, the padded step's rows, row
+    length and response width (a batch of the longest steps packs one to a row)."""
+    pipe = config.pipeline
+    if not pipe.get("pack", False):
+        return None
+    bucket = pipe.get("response_bucket", 64) or 64
+    response = (pipe.get("max_response_tokens", 0) or shape.response_width
+                or -(-config.rollout.max_new_tokens // bucket) * bucket)
+    return PackedShape(pipe.get("pack_rows", 0) or shape.rows, pipe.get("pack_length", 0) or shape.tokens_per_row,
+                       blocks, response)
+
+
+def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1,
+               packed: PackedShape | None = None) -> dict[str, Any]:
     """A batch with the pipeline's keys and shapes. The vision layout's index arrays are computed for real on
     the host (cheap, and their shapes follow the image grids); every other input stays abstract. Every
     screenshot is distinct (no deduplication: the largest vision batch a step can meet). With
-    `vision_blocks` > 1 the vision inputs are per-device blocks of rows / vision_blocks rows each."""
+    `vision_blocks` > 1 the vision inputs are per-device blocks of rows / vision_blocks rows each. `packed`:
+    the packed model inputs and response-space training arrays instead of padded rows."""
     from guijax.models.positions import vision_layout
     from guijax.models.vision_blocks import stack_blocks
 
@@ -100,10 +130,17 @@ def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1) -> dic
         vision["pixel_values"] = jax.ShapeDtypeStruct((vision_blocks, *pixels), jnp.float32)
     f32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)  # noqa: E731
     i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
+    flags = {"off_policy": jax.ShapeDtypeStruct((b,), jnp.bool_), "expert": f32(b),
+             "failure": jax.ShapeDtypeStruct((b,), jnp.bool_)}
+    if packed is not None:
+        if b % packed.blocks or packed.rows % packed.blocks:
+            raise ValueError(f"{b} steps and {packed.rows} packed rows cannot be split into {packed.blocks} blocks")
+        p, n, r = packed.rows, packed.length, packed.response
+        return {"input_ids": i32(p, n), "attention_mask": i32(p, n), "positions": i32(3, p, n), "vision": vision,
+                "targets": i32(b, r), "loss_mask": f32(b, r), "advantages": f32(b, r), "old_logp": f32(b, r),
+                "token_index": i32(packed.blocks, b // packed.blocks, r), **flags}
     return {"input_ids": i32(b, s), "attention_mask": i32(b, s), "positions": i32(3, b, s), "vision": vision,
-            "targets": i32(b, s), "loss_mask": f32(b, s), "advantages": f32(b, s), "old_logp": f32(b, s),
-            "off_policy": jax.ShapeDtypeStruct((b,), jnp.bool_), "expert": f32(b),
-            "failure": jax.ShapeDtypeStruct((b,), jnp.bool_),
+            "targets": i32(b, s), "loss_mask": f32(b, s), "advantages": f32(b, s), "old_logp": f32(b, s), **flags,
             **({"response_positions": i32(b, shape.response_width)} if shape.response_width else {})}
 
 
@@ -218,7 +255,8 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
                                   jax.ShapeDtypeStruct((), jnp.int32, sharding=shards.step))
     shape = batch_shape(config, model_cfg)
     blocks = sharding.local_vision_blocks(config, mesh)
-    batch = host_batch(shape, model_cfg, blocks)
+    packed = packed_shape(config, shape, sharding.local_data_blocks(mesh))
+    batch = host_batch(shape, model_cfg, blocks, packed)
     if config.train.kl_coef:  # the KL term's reference log-probs ride in the batch
         batch["ref_logp"] = batch["old_logp"]
     batch = _abstract(batch, sharding.batch_shardings(batch, mesh))
@@ -226,7 +264,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     report = {"compile_target": target.name, "exact": target.exact, "note": target.note, "devices": num_devices,
               "mesh": dict(zip(sharding.MESH_AXES, mesh.devices.shape)), "batch": shape.as_dict(),
               "remat": config.model.remat, "attention": config.model.attention, "logprob_impl": step_cfg.impl,
-              "vision_blocks": blocks,
+              "vision_blocks": blocks, **({"packed": packed.as_dict()} if packed else {}),
               "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
               "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
               "capacity_bytes_per_device": target.capacity_bytes}

@@ -189,14 +189,18 @@ class Pipeline:
     vision_per_device: bool = False
     # padding-free batches: each minibatch's steps packed end to end into rows of `pack_length` tokens (0: the
     # smallest length bucket that holds them, else the largest), `pack_rows` rows per minibatch (0: as many as
-    # it needs; a number gives every minibatch one shape, one compiled step, and refuses a minibatch that does
-    # not fit), each data-parallel device packing its own steps
+    # it needs; a number gives every minibatch that fits one shape, one compiled step, and one that does not
+    # pack_rows x 2^k rows), each data-parallel device packing its own steps
     pack: bool = False
     pack_length: int = ranged(0, low=0)
     pack_rows: int = ranged(0, low=0)
     # the response budget: loss tokens per step (0: the longest step's, rounded up to `response_bucket`); a
     # number fixes the shape, and a step with more loss tokens is refused
     max_response_tokens: int = ranged(0, low=0)
+    # > 0: every vision layout holds exactly this many screenshots (the distinct ones padded with blank ones of
+    # their size; one screenshot size; x 2^k for a minibatch with more), so the vision inputs keep one shape;
+    # 0: padded to `patch_bucket`
+    vision_images: int = ranged(0, low=0)
 
 
 @dataclasses.dataclass(frozen=True)

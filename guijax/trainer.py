@@ -99,7 +99,7 @@ def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str,
                           pack=config.pipeline.get("pack", False),
                           pack_length=config.pipeline.get("pack_length", 0) or None,
                           pack_rows=config.pipeline.get("pack_rows", 0) or None,
-                          pack_blocks=blocks)
+                          pack_blocks=blocks, vision_images=config.pipeline.get("vision_images", 0))
 
 
 @dataclasses.dataclass

@@ -54,12 +54,22 @@ class PackedLayout:
 
 
 def plan_rows(lengths: Sequence[int], batch_size: int, length: int, rows: int | None = None,
-              blocks: int = 1) -> PackedLayout:
+              blocks: int = 1, grow: bool = False) -> PackedLayout:
     """First-fit decreasing packing of examples of `lengths` into rows of `length` tokens.
 
     Example i belongs to block i // (batch_size / blocks). `rows`: packed rows per batch (a multiple of
     `blocks`; one shape for every batch) or None: as many as the fullest block needs, the same count in every
-    block. Raises PackingError when an example is longer than a row or a block's examples need more rows."""
+    block. Raises PackingError when an example is longer than a row, or when a block's examples need more
+    than `rows` rows; with `grow` such a batch gets rows x 2^k instead, the fewest that hold it (a second
+    shape, not a failed run)."""
+    if rows is not None and grow:
+        per = rows // blocks if rows % blocks == 0 else 0
+        if per:
+            need = max(_rows_needed(lengths[k * (batch_size // blocks):(k + 1) * (batch_size // blocks)], length)
+                       for k in range(blocks)) if batch_size % blocks == 0 else per
+            while per < need:
+                per *= 2
+            rows = per * blocks
     if batch_size % blocks:
         raise ValueError(f"batch size {batch_size} does not divide into {blocks} blocks")
     if rows is not None and rows % blocks:

@@ -75,12 +75,17 @@ class PipelineConfig:
     vision_blocks: int = 1
     # padding-free batches (guijax.data.packing): each batch's examples packed end to end into rows of
     # `pack_length` tokens (None: the smallest length bucket that holds a block's tokens, else the largest),
-    # `pack_rows` rows per batch (None: as many as the batch needs; a number gives every batch one shape and
-    # raises for a batch that does not fit) in `pack_blocks` per-device blocks; rows padded to `batch_size`
+    # `pack_rows` rows per batch (None: as many as the batch needs; a number gives every batch that fits one
+    # shape, and one that does not pack_rows x 2^k rows) in `pack_blocks` per-device blocks; the examples'
+    # rows (response space) padded to `batch_size`
     pack: bool = False
     pack_length: int | None = None
     pack_rows: int | None = None
     pack_blocks: int = 1
+    # > 0: every vision layout (each block's) holds exactly this many images, the distinct screenshots padded with
+    # blank ones of their size, so the vision inputs have one shape whatever the batch (screenshots of one
+    # size; a batch with more distinct ones gets this x 2^k). 0: padded to a multiple of `patch_bucket` patches.
+    vision_images: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,11 +373,46 @@ class Collate:
             grids = np.concatenate([e["image_grid_thw"] for e in examples]
                                    or [np.zeros((0, 3), np.int64)]).reshape(-1, 3)
             laid.append(self._pixels(examples, ids, grids, members))
+        encoded = sum(len(g) for _, g, _ in laid)
+        if self.config.vision_images:
+            count = self.config.vision_images
+            while count < max(len(g) for _, g, _ in laid):  # a batch past the fixed shape: the fewest doublings
+                count *= 2
+            fixed = [self._fixed_layout(*part, self._common_grid(parts), count) for part in laid]
+            return (fixed[0] if len(fixed) == 1 else stack_blocks(fixed)), encoded
         bucket = self.config.patch_bucket
         if len(laid) == 1:
-            return self._layout(*laid[0], bucket), len(laid[0][1])
+            return self._layout(*laid[0], bucket), encoded
         common = max(max(-(-len(pixels) // bucket) * bucket, bucket) for pixels, _, _ in laid)
-        return stack_blocks([self._layout(*part, common) for part in laid]), sum(len(g) for _, g, _ in laid)
+        return stack_blocks([self._layout(*part, common) for part in laid]), encoded
+
+    @staticmethod
+    def _common_grid(parts: Sequence[tuple[Sequence[dict[str, Any]], Any, Any]]) -> np.ndarray:
+        """The one screenshot grid of the batch (a fixed vision shape pads with blank images of it)."""
+        grids: dict[tuple[int, ...], dict[str, Any]] = {}  # each grid and the first step showing it
+        for examples, _, _ in parts:
+            for e in examples:
+                for g in np.asarray(e["image_grid_thw"]).reshape(-1, 3):
+                    grids.setdefault(tuple(int(v) for v in g), e)
+        if len(grids) > 1:
+            (a, ea), (b, eb) = list(grids.items())[:2]
+            raise ValueError(f"screenshots of different sizes in one batch (grid {a} in task {ea['task_id']} step "
+                             f"{ea['step']}, {b} in task {eb['task_id']} step {eb['step']}): "
+                             "PipelineConfig.vision_images needs one screenshot size; set it to 0")
+        return np.asarray(next(iter(grids)), np.int64)
+
+    def _fixed_layout(self, pixels: np.ndarray, grids: np.ndarray, index: np.ndarray | None,
+                      grid: np.ndarray, count: int) -> dict[str, np.ndarray]:
+        """Vision inputs over exactly `count` images of `grid`: the layout arrays then have one shape."""
+        per_image = int(np.prod(grid))
+        blank = np.zeros(((count - len(grids)) * per_image, pixels.shape[1] if pixels.ndim == 2 else
+                          self.model_cfg.vision.patch_dim), np.float32)
+        pixels = np.concatenate([pixels.reshape(-1, blank.shape[1]), blank])
+        grids = np.concatenate([grids.reshape(-1, 3), np.tile(grid, (count - len(grids), 1))])
+        vision = vision_layout(grids, self.model_cfg.vision).inputs(pixels)
+        if self.config.dedupe_images:
+            vision["token_features"] = np.zeros(0, np.int32) if index is None else index
+        return vision
 
     def _pixels(self, examples: Sequence[dict[str, Any]], ids: np.ndarray, grids: np.ndarray,
                 members: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -420,11 +460,11 @@ class Collate:
             [sum(lengths[k * per_block:(k + 1) * per_block]) for k in range(blocks)] if per_block else lengths,
             max(lengths))
         try:
-            layout = plan_rows(lengths, size, length, config.pack_rows, blocks)
+            layout = plan_rows(lengths, size, length, config.pack_rows, blocks, grow=True)
         except PackingError as err:
             e = examples[err.example]
             raise ValueError(f"task {e['task_id']} (trajectory {e['trajectory']}) step {e['step']}: {err}; raise "
-                             "PipelineConfig.pack_length / pack_rows or leave them None") from None
+                             "PipelineConfig.pack_length or leave it None") from None
         positions = []
         for e in examples:
             grid = np.asarray(e["image_grid_thw"], np.int64).reshape(-1, 3)

@@ -92,6 +92,34 @@ def test_the_dry_run_compiles_per_device_vision_blocks():
     assert report["compiled"] is True and report["vision_blocks"] == 8
 
 
+def test_the_packed_step_shape_of_a_recipe():
+    """bepa_tpu packed: its 64 steps in 64 rows of 16,384 tokens, one block per chip, responses in 512 columns."""
+    overrides = ["pipeline.pack=True", "pipeline.max_response_tokens=512"]
+    config = launch.resolve("bepa_tpu", overrides)
+    cfg = get_preset("qwen2_5_vl_7b")
+    shape = aot.batch_shape(config, cfg)
+    packed = aot.packed_shape(config, shape, 64)
+    assert packed == aot.PackedShape(rows=64, length=16384, blocks=64, response=512)
+    batch = aot.host_batch(shape, cfg, 64, packed)
+    assert batch["input_ids"].shape == (64, 16384) and batch["positions"].shape == (3, 64, 16384)
+    assert batch["token_index"].shape == (64, 1, 512) and batch["loss_mask"].shape == (64, 512)
+    assert "response_positions" not in batch
+    fixed = launch.resolve("bepa_tpu", [*overrides, "pipeline.pack_rows=32", "pipeline.pack_length=32768"])
+    assert aot.packed_shape(fixed, shape, 32) == aot.PackedShape(32, 32768, 32, 512)
+    assert aot.packed_shape(launch.resolve("bepa_tpu", []), shape, 64) is None
+    with pytest.raises(ValueError, match="64 steps and 32 packed rows cannot be split into 64 blocks"):
+        aot.host_batch(shape, cfg, 1, aot.PackedShape(32, 32768, 64, 512))
+
+
+@pytest.mark.slow
+def test_the_dry_run_compiles_a_packed_step():
+    config = launch.resolve("grpo_cpu", ["mesh.num_devices=8", "pipeline.pack=True", "pipeline.pack_rows=8",
+                                         "pipeline.pack_length=320", "dry_run.topology="])
+    report = aot.compile_train_step(config, get_preset("small"))
+    assert report["compiled"] is True and report["packed"] == {"rows": 8, "length": 320, "blocks": 8,
+                                                               "response": 64}
+
+
 def test_a_gpu_recipes_proxy_figure_is_scaled_before_the_capacity_check():
     """The TPU proxy under-counted grpo_gpu's step on a GPU (73.23 GiB compiled, 84.43 GiB held on an H200),
     so a GPU recipe's proxy peak is scaled by that measured ratio before it is checked against 80 GB."""

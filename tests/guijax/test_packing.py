@@ -25,11 +25,21 @@ def module_params(cfg):
     return module, weights.init_params(module, jax.random.PRNGKey(0))
 
 
-@pytest.fixture(scope="module")
-def examples(proc):
-    trajs = trajectories(proc)
+def _examples(proc, **kwargs) -> list[dict]:
+    trajs = trajectories(proc, **kwargs)
     encode = EncodeStep(trajs, proc, CONFIG)
     return [encode.map(r) for r in step_refs(trajs, [1.0, -0.5])]
+
+
+@pytest.fixture(scope="module")
+def examples(proc):
+    return _examples(proc)
+
+
+@pytest.fixture(scope="module")
+def one_size(proc):
+    """Every screenshot 56 x 84: what a fixed vision shape (`vision_images`) takes."""
+    return _examples(proc, sizes=((56, 84),))
 
 
 def test_rows_are_packed_first_fit_decreasing_within_their_blocks():
@@ -44,6 +54,9 @@ def test_rows_are_packed_first_fit_decreasing_within_their_blocks():
     assert err.value.example == 1
     with pytest.raises(PackingError, match="example 1 has 120 tokens, more than the packed row length 100"):
         plan_rows([60, 120], batch_size=2, length=100)
+    # growing: rows x 2^k per block, the fewest that hold the fullest block
+    assert len(plan_rows([60, 50, 40, 30, 20, 10], batch_size=8, length=100, rows=1, grow=True).rows) == 4
+    assert len(plan_rows([60, 50, 40, 30, 20, 10], batch_size=8, length=100, rows=2, blocks=2, grow=True).rows) == 4
 
 
 def _per_example(padded: dict, values: np.ndarray) -> list[np.ndarray]:
@@ -51,13 +64,17 @@ def _per_example(padded: dict, values: np.ndarray) -> list[np.ndarray]:
     return [values[i][padded["loss_mask"][i] > 0] for i in range(len(padded["loss_mask"]))]
 
 
-def test_packed_batch_gives_each_example_its_padded_log_probs(proc, cfg, examples, module_params):
+def test_packed_batch_gives_each_example_its_padded_log_probs(proc, cfg, one_size, module_params):
     module, params = module_params
+    examples = one_size
     padded = Collate(cfg, CONFIG)(examples)
-    packed = Collate(cfg, dataclasses.replace(CONFIG, pack=True, pack_length=1280))(examples)
+    # the 8 distinct screenshots padded with blank ones to 12: the tower's extra work changes no feature used
+    packed = Collate(cfg, dataclasses.replace(CONFIG, pack=True, pack_length=1280, vision_images=12))(examples)
     assert packed["input_ids"].shape == (1, 1280) and packed["attention_mask"].max() == 8  # 8 segments, one row
-    # 1,260 tokens: 98% of one packed row against 62% of eight rows padded to the 256 bucket
-    assert packed["meta"]["token_fill"] > 0.98 and padded["meta"]["token_fill"] < 0.62
+    assert packed["meta"]["unique_screenshots"] == 8 and packed["vision"]["image_tokens"].shape[0] == 12
+    # 99.8% of one packed row against 62% of eight rows padded to the 256 bucket
+    assert packed["meta"]["token_fill"] > 0.99 and padded["meta"]["token_fill"] < 0.63, (
+        packed["meta"]["token_fill"], padded["meta"]["token_fill"])
     auto = Collate(cfg, dataclasses.replace(CONFIG, pack=True))(examples)
     assert auto["input_ids"].shape == (2, 1024)  # the largest bucket, as many rows as first-fit needs
     fn = train_step.make_logprob_fn(module, temperature=0.7)
@@ -97,15 +114,35 @@ def test_packed_grpo_loss_and_gradients_equal_the_padded_batch(proc, cfg, exampl
     chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=1e-4)
 
 
-def test_a_fixed_packed_shape_gives_every_batch_the_same_text_shapes(proc, cfg, examples):
+def _shapes(batch: dict) -> tuple:
+    return tuple((k, np.shape(v)) for k, v in sorted({**batch, **(batch["vision"] or {})}.items())
+                 if k not in ("vision", "meta"))
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_a_fixed_packed_shape_gives_every_batch_one_shape(proc, cfg, one_size, examples, blocks):
+    """Packed rows, response budget and vision images fixed: batches of 4, 3 and 1 steps with different
+    numbers of distinct screenshots are one shape, vision layout included (one compiled train step)."""
     config = dataclasses.replace(CONFIG, batch_size=4, pack=True, pack_length=512, pack_rows=2,
-                                 max_response_tokens=32)
+                                 max_response_tokens=32, vision_images=12 // blocks, pack_blocks=blocks,
+                                 vision_blocks=blocks)
     collate = Collate(cfg, config)
-    batches = [collate(examples[:4]), collate(examples[4:7]), collate(examples[7:])]
-    shapes = {tuple((k, np.shape(v)) for k, v in b.items() if k not in ("vision", "meta")) for b in batches}
-    assert len(shapes) == 1, shapes
-    with pytest.raises(ValueError, match=r"task task-\d .* need 3 rows of 256 tokens; the packed shape has 2"):
-        Collate(cfg, dataclasses.replace(config, pack_length=256))(examples[:4])
+    batches = [collate(one_size[:4]), collate(one_size[4:7]), collate(one_size[7:])]
+    assert len({int(b["meta"]["unique_screenshots"]) for b in batches}) > 1  # 4, 3, 3 (6, 5, 3 in two blocks)
+    assert len({_shapes(b) for b in batches}) == 1, [_shapes(b) for b in batches]
+    # a batch past the fixed shape gets the fewest doublings that hold it (another shape, not a failed run)
+    grown = Collate(cfg, dataclasses.replace(config, vision_images=1, pack_length=256))(one_size[:4])
+    need = plan_rows([len(e["input_ids"]) for e in one_size[:4]], 4, 256, blocks=blocks).rows_per_block
+    per = 2 // blocks
+    while per < need:
+        per *= 2
+    assert per * blocks > 2 and grown["input_ids"].shape == (per * blocks, 256)
+    assert grown["vision"]["image_tokens"].shape[-2] == 4  # one image per layout doubled to hold 4 (2 and 4)
+    mixed = r"different sizes in one batch \(grid \(1, 4, [46]\) in task task-0 step \d, \(1, 4, [46]\) in"
+    with pytest.raises(ValueError, match=mixed):
+        collate(examples[:4])
+    with pytest.raises(ValueError, match=r"task task-\d .* step \d: example \d has \d+ tokens, more than the packed row"):
+        Collate(cfg, dataclasses.replace(config, pack_length=128))(one_size[:4])
 
 
 @pytest.mark.parametrize("dedupe", [True, pytest.param(False, marks=pytest.mark.slow)])
@@ -149,9 +186,10 @@ def test_a_recipe_packs_per_data_parallel_device(tiny_config):
 
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4, tensor=1))
     config = tiny_config("grpo_cpu", "pipeline.pack=True", "pipeline.pack_rows=8", "pipeline.pack_length=512",
-                         "pipeline.max_response_tokens=32")
+                         "pipeline.max_response_tokens=32", "pipeline.vision_images=8")
     built = pipeline_config(config, "Task: {instruction}\n", mesh)
-    assert (built.pack, built.pack_rows, built.pack_length, built.max_response_tokens) == (True, 8, 512, 32)
+    assert (built.pack, built.pack_rows, built.pack_length, built.max_response_tokens,
+            built.vision_images) == (True, 8, 512, 32, 8)
     assert built.pack_blocks == 8 and pipeline_config(config, "", None).pack_blocks == 1
     with pytest.raises(ValueError, match="train.minibatch_size=6 .* multiples of the 8 data-parallel devices"):
         pipeline_config(tiny_config("grpo_cpu", "pipeline.pack=True", "train.minibatch_size=6"), "", mesh)

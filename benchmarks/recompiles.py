@@ -1,0 +1,128 @@
+"""Benchmark: how often a recipe's RL iterations recompile, with padded minibatches against packed ones (of
+one fixed shape, or of fixed-length rows as many as each minibatch needs).
+
+Why: every distinct batch shape compiles the train step and the log-prob function again. Padded minibatches
+take their shape from the batch (row count of the last minibatch, length bucket, patch bucket, the vision
+tower's window and frame counts, response bucket), so on a short run the compiler, not the step, can take
+most of the update time. Packed minibatches (`pipeline.pack` with `pack_rows`, `pack_length`,
+`max_response_tokens` and `vision_images` fixed) have one shape for the whole run, sized for the fullest
+minibatch, so the others fill it less; with `pack_rows` left free only the row count varies.
+
+Each mode runs the recipe's `base_model`, `tasks`, `sft` (the warm start, so groups succeed and fail and
+the update has rows to train on) and `rl` stages in a subprocess of its own, with the
+persistent compilation cache off (neither mode profits from the other's programs), and reads each
+iteration's metrics: `compiles` and `time_compile_s` (XLA compilations the iteration paid for), the update's
+time, the real-token share of the model's input rows (`token_fill`), the loss. Iteration 0 compiles the
+sampler too, so the summary reports iterations 1 onward.
+
+  python benchmarks/recompiles.py --iterations 6 --workdir /tmp/recompiles \\
+      --json benchmarks/results/recompiles_cpu.json --md benchmarks/results/recompiles_cpu.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
+
+# grpo_cpu's minibatches: 8 steps of one 112x112 screenshot (max_images 1) and a response of at most 64
+# sampled tokens (+ the closing token); prompts of 150-500 tokens
+FIXED_RESPONSE_AND_VISION = ("pipeline.max_response_tokens=72", "pipeline.vision_images=8")
+MODES = {
+    "padded": (),
+    # one shape for the run: 4 rows of 1,024 hold any minibatch (fill = its tokens / 4,096)
+    "packed_fixed": ("pipeline.pack=True", "pipeline.pack_length=1024", "pipeline.pack_rows=4",
+                     *FIXED_RESPONSE_AND_VISION),
+    # rows of 512 tokens, as many as a minibatch needs: one shape per row count
+    "packed_rows": ("pipeline.pack=True", "pipeline.pack_length=512", *FIXED_RESPONSE_AND_VISION),
+}
+METRICS = ("compiles", "time_compile_s", "time_update_s", "time_old_logprobs_s", "time_iteration_s", "token_fill",
+           "loss", "success_rate")
+
+
+def run_mode(name: str, recipe: str, overrides: list[str], iterations: int, workdir: pathlib.Path,
+             timeout_s: float) -> list[dict[str, Any]]:
+    """The recipe's RL iterations in a subprocess; each iteration's metrics."""
+    out = workdir / name
+    command = [sys.executable, "-m", "guijax.launch", f"--config={recipe}", f"--workdir={out}",
+               "--config.stages=('base_model', 'tasks', 'sft', 'rl')", f"--config.train.iterations={iterations}",
+               "--config.compilation_cache_dir=", *[f"--config.{o}" for o in overrides]]
+    t0 = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode:
+        raise SystemExit(f"{name}: the recipe failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"iteration"' in line]
+    print(f"{name}: {len(records)} iterations in {time.perf_counter() - t0:.0f} s", flush=True)
+    return [{k: r.get(k) for k in ("iteration", *METRICS)} for r in records]
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    later = records[1:]
+    total = lambda k: float(sum(r[k] or 0.0 for r in later))  # noqa: E731  (an iteration with nothing to train: None)
+    return {"iterations": len(later), "compiles": int(total("compiles")), "compile_s": total("time_compile_s"),
+            "update_s": total("time_update_s") + total("time_old_logprobs_s"), "iteration_s": total("time_iteration_s"),
+            "token_fill": float(np.mean([r["token_fill"] for r in later if r["token_fill"] is not None] or [np.nan]))}
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    lines = [f"# Recompilation: padded against packed minibatches ({payload['recipe']})", "",
+             f"`{payload['command']}`", "", bc.machine_line(payload["machine"]), "",
+             f"Iterations 1-{payload['iterations'] - 1} (iteration 0 also compiles the sampler):", "",
+             "| minibatches | compilations | compile s | update + old log-probs s | iteration s | token fill |",
+             "|---|---|---|---|---|---|"]
+    for name, s in payload["summary"].items():
+        lines.append(f"| {name} | {s['compiles']} | {s['compile_s']:.1f} | {s['update_s']:.1f} | "
+                     f"{s['iteration_s']:.1f} | {s['token_fill']:.3f} |")
+    lines += ["", "Per iteration (compilations, compile s, token fill):", "",
+              "| iteration | " + " | ".join(payload["modes"]) + " |", "|---|" + "---|" * len(payload["modes"])]
+    for i in range(payload["iterations"]):
+        cells = []
+        for name in payload["modes"]:
+            r = payload["modes"][name][i] if i < len(payload["modes"][name]) else None
+            fill = "-" if r is None or r["token_fill"] is None else f"{r['token_fill']:.3f}"
+            cells.append("" if r is None else f"{r['compiles']}, {r['time_compile_s']:.1f}, {fill}")
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    lines += ["", "Overrides:", ""] + [f"- {n}: `{' '.join(o) or '(the recipe as it is)'}`"
+                                        for n, o in payload["overrides"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="grpo_cpu", help="the recipe")
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--override", action="append", default=[], help="KEY=VALUE for both modes (repeatable)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--timeout_s", type=float, default=3600.0, help="per mode")
+    p.add_argument("--json")
+    p.add_argument("--md")
+    args = p.parse_args(argv)
+    if args.iterations < 2:
+        raise SystemExit("--iterations must be at least 2 (iteration 0 is reported apart)")
+    workdir = pathlib.Path(args.workdir)
+    names = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(names) - set(MODES))
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
+    modes = {name: run_mode(name, args.config, [*args.override, *MODES[name]], args.iterations, workdir,
+                            args.timeout_s) for name in names}
+    payload = {"recipe": args.config, "iterations": args.iterations, "overrides": {n: list(MODES[n]) for n in names},
+               "command": bc.command_line("recompiles.py", argv), "machine": bc.machine_info(),
+               "modes": modes, "summary": {k: summary(v) for k, v in modes.items()}}
+    bc.write_outputs(args.json, args.md, payload, markdown(payload))
+    print(markdown(payload))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
