@@ -16,7 +16,7 @@ time, the real-token share of the model's input rows (`token_fill`), the loss. I
 sampler too, so the summary reports iterations 1 onward.
 
   python benchmarks/recompiles.py --iterations 6 --workdir /tmp/recompiles \\
-      --json benchmarks/results/recompiles_cpu.json --md benchmarks/results/recompiles_cpu.md
+      --json benchmarks/results/recompiles_cpu.json --markdown benchmarks/results/recompiles_cpu.md
 """
 from __future__ import annotations
 
@@ -46,13 +46,16 @@ MODES = {
     "packed_rows": ("pipeline.pack=True", "pipeline.pack_length=512", *FIXED_RESPONSE_AND_VISION),
 }
 METRICS = ("compiles", "time_compile_s", "time_update_s", "time_old_logprobs_s", "time_iteration_s", "token_fill",
-           "loss", "success_rate")
+           "trained_tokens", "loss", "success_rate")
 
 
 def run_mode(name: str, recipe: str, overrides: list[str], iterations: int, workdir: pathlib.Path,
-             timeout_s: float) -> list[dict[str, Any]]:
-    """The recipe's RL iterations in a subprocess; each iteration's metrics."""
+             timeout_s: float, rerun: bool = True) -> list[dict[str, Any]]:
+    """The recipe's RL iterations in a subprocess (`rerun` False: read back a finished run's); each iteration's
+    metrics."""
     out = workdir / name
+    if not rerun:
+        return read_mode(out)
     command = [sys.executable, "-m", "guijax.launch", f"--config={recipe}", f"--workdir={out}",
                "--config.stages=('base_model', 'tasks', 'sft', 'rl')", f"--config.train.iterations={iterations}",
                "--config.compilation_cache_dir=", *[f"--config.{o}" for o in overrides]]
@@ -60,8 +63,16 @@ def run_mode(name: str, recipe: str, overrides: list[str], iterations: int, work
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode:
         raise SystemExit(f"{name}: the recipe failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"iteration"' in line]
+    records = read_mode(out)
     print(f"{name}: {len(records)} iterations in {time.perf_counter() - t0:.0f} s", flush=True)
+    return records
+
+
+def read_mode(out: pathlib.Path) -> list[dict[str, Any]]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        raise SystemExit(f"{path} does not exist: run without --from_workdir first")
+    records = [json.loads(line) for line in path.read_text().splitlines() if '"iteration"' in line]
     return [{k: r.get(k) for k in ("iteration", *METRICS)} for r in records]
 
 
@@ -70,6 +81,7 @@ def summary(records: list[dict[str, Any]]) -> dict[str, float]:
     total = lambda k: float(sum(r[k] or 0.0 for r in later))  # noqa: E731  (an iteration with nothing to train: None)
     return {"iterations": len(later), "compiles": int(total("compiles")), "compile_s": total("time_compile_s"),
             "update_s": total("time_update_s") + total("time_old_logprobs_s"), "iteration_s": total("time_iteration_s"),
+            "trained_tokens": int(total("trained_tokens")),
             "token_fill": float(np.mean([r["token_fill"] for r in later if r["token_fill"] is not None] or [np.nan]))}
 
 
@@ -77,11 +89,15 @@ def markdown(payload: dict[str, Any]) -> str:
     lines = [f"# Recompilation: padded against packed minibatches ({payload['recipe']})", "",
              f"`{payload['command']}`", "", bc.machine_line(payload["machine"]), "",
              f"Iterations 1-{payload['iterations'] - 1} (iteration 0 also compiles the sampler):", "",
-             "| minibatches | compilations | compile s | update + old log-probs s | iteration s | token fill |",
-             "|---|---|---|---|---|---|"]
+             "| minibatches | compilations | compile s | update + old log-probs s | trained tokens | "
+             "update s per 1k trained tokens | iteration s | token fill |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, s in payload["summary"].items():
+        per_k = s["update_s"] / max(s["trained_tokens"], 1) * 1000
         lines.append(f"| {name} | {s['compiles']} | {s['compile_s']:.1f} | {s['update_s']:.1f} | "
-                     f"{s['iteration_s']:.1f} | {s['token_fill']:.3f} |")
+                     f"{s['trained_tokens']} | {per_k:.2f} | {s['iteration_s']:.1f} | {s['token_fill']:.3f} |")
+    lines += ["", "The modes' runs part ways after the warm start (packing changes the summation order), so they "
+              "train on different episodes: compare time per trained token, not totals."]
     lines += ["", "Per iteration (compilations, compile s, token fill):", "",
               "| iteration | " + " | ".join(payload["modes"]) + " |", "|---|" + "---|" * len(payload["modes"])]
     for i in range(payload["iterations"]):
@@ -103,9 +119,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workdir", required=True)
     p.add_argument("--override", action="append", default=[], help="KEY=VALUE for both modes (repeatable)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--from_workdir", action="store_true",
+                   help="write the outputs from the runs already in --workdir instead of running them")
     p.add_argument("--timeout_s", type=float, default=3600.0, help="per mode")
     p.add_argument("--json")
-    p.add_argument("--md")
+    p.add_argument("--markdown", "--md", dest="md")
     args = p.parse_args(argv)
     if args.iterations < 2:
         raise SystemExit("--iterations must be at least 2 (iteration 0 is reported apart)")
@@ -115,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
     modes = {name: run_mode(name, args.config, [*args.override, *MODES[name]], args.iterations, workdir,
-                            args.timeout_s) for name in names}
+                            args.timeout_s, rerun=not args.from_workdir) for name in names}
     payload = {"recipe": args.config, "iterations": args.iterations, "overrides": {n: list(MODES[n]) for n in names},
                "command": bc.command_line("recompiles.py", argv), "machine": bc.machine_info(),
                "modes": modes, "summary": {k: summary(v) for k, v in modes.items()}}

@@ -26,7 +26,9 @@ image-pad token takes; `meta` reports `screenshots`, `unique_screenshots` and th
 Encoding (chat template, tokenizer, image resize + patchify) and collation (M-RoPE positions, vision window
 layout) run inside grain transforms, so with `worker_count > 0` they run in grain worker processes, off the
 trainer's thread. Batches are padded to a few length buckets and patch-count multiples (static shapes: a
-handful of compiled programs).
+handful of compiled programs), or with `pack` packed padding-free (guijax.data.packing): the model then sees
+rows of several examples, and the training arrays come in response space [batch_size, R]; with `pack_rows`,
+`max_response_tokens` and `vision_images` fixed every batch has one shape.
 """
 from __future__ import annotations
 

@@ -199,3 +199,21 @@ def test_recipe_step_random_params_are_distinct_buffers_with_unit_norms():
     assert norms and all(np.all(np.asarray(x) == 1) for x in norms)
     weights_2d = [np.asarray(leaf) for _, leaf in flat if leaf.ndim == 2]
     assert all(0.01 < x.std() < 0.03 for x in weights_2d if x.size > 1000)
+
+
+def test_recompile_summary_leaves_out_the_first_iteration_and_reads_idle_ones():
+    """benchmarks/recompiles.py's table: iterations 1 onward summed, an iteration with nothing to train
+    (no update, no token fill) counted as zero time and left out of the fill."""
+    mod = load_script("recompiles")
+    record = lambda i, compiles, fill: {"iteration": i, "compiles": compiles, "time_compile_s": 2.0 * compiles,  # noqa: E731
+                                        "time_update_s": None if fill is None else 1.0, "time_old_logprobs_s": 0.5,
+                                        "time_iteration_s": 10.0, "token_fill": fill, "loss": 0.0,
+                                        "success_rate": 0.5, "trained_tokens": 0 if fill is None else 500}
+    records = [record(0, 30, 0.5), record(1, 2, 0.6), record(2, 0, None), record(3, 1, 0.8)]
+    summary = mod.summary(records)
+    assert summary == {"iterations": 3, "compiles": 3, "compile_s": 6.0, "update_s": 3.5, "iteration_s": 30.0,
+                       "trained_tokens": 1000, "token_fill": pytest.approx(0.7)}
+    payload = {"recipe": "grpo_cpu", "iterations": 4, "overrides": {"padded": []}, "command": "python x",
+               "machine": {"cpu_count": 2}, "modes": {"padded": records}, "summary": {"padded": summary}}
+    table = mod.markdown(dict(payload, machine=mod.bc.machine_info()))
+    assert "| padded | 3 | 6.0 | 3.5 | 1000 | 3.50 | 30.0 | 0.700 |" in table and "| 2 | 0, 0.0, - |" in table
