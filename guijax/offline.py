@@ -45,11 +45,14 @@ def dpo_pairs(rollouts: Sequence[Trajectory], seed: int = 0) -> list[tuple[Traje
 def _steps_batch(trajectories: Sequence[Trajectory], processor: Any, model_cfg: Any,
                  pipeline: PipelineConfig, last_step_only: bool = False) -> tuple[dict[str, Any], np.ndarray]:
     """All steps of `trajectories` (or each one's last step alone) as one batch (rows padded to a power of
-    two with rows of segment len(trajectories), which the segment sum drops) and each row's trajectory index."""
+    two, and packed to a multiple of the packing blocks, with rows of segment len(trajectories), which the
+    segment sum drops) and each row's trajectory index."""
     refs = ([StepRef(i, len(t.steps) - 1, 1.0) for i, t in enumerate(trajectories)] if last_step_only
             else step_refs(list(trajectories)))
     rows = len(refs)
     padded = 1 << max(rows - 1, 0).bit_length()
+    if pipeline.pack:  # a packed batch's steps divide into its per-device blocks
+        padded = -(-padded // pipeline.pack_blocks) * pipeline.pack_blocks
     refs = refs + [refs[0]] * (padded - rows)
     data = make_dataset(list(trajectories), refs, processor, model_cfg,
                         dataclasses.replace(pipeline, batch_size=len(refs), shuffle=False, num_epochs=1))

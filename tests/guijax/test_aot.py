@@ -47,6 +47,7 @@ def test_cli_compiles_the_cpu_recipe_and_writes_the_report(tmp_path):
     assert "train step compiled for cpu" in run.stdout and "peak bytes per device" in run.stdout
 
 
+@pytest.mark.slow  # 52 s of the default suite's 30-minute CI budget
 @pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
 def test_tpu_compiler_figures_for_a_small_topology():
     config = launch.resolve("grpo_cpu", ["dry_run.topology=v5p:2x2x1", "mesh.num_devices=4"])

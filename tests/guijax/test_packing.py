@@ -145,7 +145,8 @@ def test_a_fixed_packed_shape_gives_every_batch_one_shape(proc, cfg, one_size, e
         Collate(cfg, dataclasses.replace(config, pack_length=128))(one_size[:4])
 
 
-@pytest.mark.parametrize("dedupe", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 21 s each; blocks' shapes stay in the default suite (the fixed-shape test), values here
+@pytest.mark.parametrize("dedupe", [True, False])
 def test_packed_blocks_keep_each_example_and_its_screenshots_in_its_block(proc, cfg, examples, module_params, dedupe):
     module, params = module_params
     config = dataclasses.replace(CONFIG, pack=True, pack_length=512, pack_blocks=2, vision_blocks=2,
@@ -193,3 +194,15 @@ def test_a_recipe_packs_per_data_parallel_device(tiny_config):
     assert built.pack_blocks == 8 and pipeline_config(config, "", None).pack_blocks == 1
     with pytest.raises(ValueError, match="train.minibatch_size=6 .* multiples of the 8 data-parallel devices"):
         pipeline_config(tiny_config("grpo_cpu", "pipeline.pack=True", "train.minibatch_size=6"), "", mesh)
+
+
+def test_preference_batches_pad_their_steps_to_the_packing_blocks(proc, cfg):
+    """DPO / step-DPO score trajectories in one batch of all their steps: two last steps padded to 4 rows
+    for 4 blocks (a power of two alone would leave 2, which 4 devices cannot split)."""
+    from guijax.offline import _steps_batch
+
+    trajs = trajectories(proc)
+    config = dataclasses.replace(CONFIG, pack=True, pack_blocks=4)
+    batch, segments = _steps_batch(trajs, proc, cfg, config, last_step_only=True)
+    assert batch["loss_mask"].shape[0] == 4 and batch["token_index"].shape[:2] == (4, 1)
+    assert list(segments) == [0, 1, 2, 2]  # the padding rows' segment is dropped by the segment sum
