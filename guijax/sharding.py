@@ -345,9 +345,7 @@ def local_data_blocks(mesh: Mesh | None) -> int:
 def local_vision_blocks(config: Any, mesh: Mesh | None) -> int:
     """How many per-device vision blocks this process's batches hold: its share of the mesh's data-parallel
     devices under `pipeline.vision_per_device`, else 1 (one layout over the whole batch; always without a mesh)."""
-    if mesh is None or not config.pipeline.get("vision_per_device", False):
-        return 1
-    return max(data_parallel_size(mesh) // jax.process_count(), 1)
+    return local_data_blocks(mesh) if config.pipeline.get("vision_per_device", False) else 1
 
 
 def place_vision(vision: Mapping[str, Any] | None, mesh: Mesh, input_ids: Any = None, attention_mask: Any = None,

@@ -48,9 +48,13 @@ class PackedLayout:
     def rows_per_block(self) -> int:
         return len(self.rows) // self.blocks
 
-    def order(self) -> list[int]:
-        """The examples in row-major packed order: the order their image-pad tokens appear in."""
-        return [i for row in self.rows for i in row]
+
+def doubled(base: int, need: int) -> int:
+    """base x 2^k, the smallest that is at least `need`: how a fixed shape grows for a batch past it, so the
+    shapes a run meets stay few."""
+    while base < need:
+        base *= 2
+    return base
 
 
 def plan_rows(lengths: Sequence[int], batch_size: int, length: int, rows: int | None = None,
@@ -62,14 +66,6 @@ def plan_rows(lengths: Sequence[int], batch_size: int, length: int, rows: int | 
     block. Raises PackingError when an example is longer than a row, or when a block's examples need more
     than `rows` rows; with `grow` such a batch gets rows x 2^k instead, the fewest that hold it (a second
     shape, not a failed run)."""
-    if rows is not None and grow:
-        per = rows // blocks if rows % blocks == 0 else 0
-        if per:
-            need = max(_rows_needed(lengths[k * (batch_size // blocks):(k + 1) * (batch_size // blocks)], length)
-                       for k in range(blocks)) if batch_size % blocks == 0 else per
-            while per < need:
-                per *= 2
-            rows = per * blocks
     if batch_size % blocks:
         raise ValueError(f"batch size {batch_size} does not divide into {blocks} blocks")
     if rows is not None and rows % blocks:
@@ -80,47 +76,42 @@ def plan_rows(lengths: Sequence[int], batch_size: int, length: int, rows: int | 
         if n > length:
             raise PackingError(f"example {i} has {n} tokens, more than the packed row length {length}", i)
     per_block = batch_size // blocks
-    block_rows: list[list[list[int]]] = []
-    for k in range(blocks):
-        members = range(k * per_block, min((k + 1) * per_block, len(lengths)))
-        filled: list[int] = []
-        placed: list[list[int]] = []
-        for i in sorted(members, key=lambda j: (-lengths[j], j)):
-            spot = next((r for r, used in enumerate(filled) if used + lengths[i] <= length), None)
-            if spot is None:
-                if rows is not None and len(placed) == rows // blocks:
-                    need = _rows_needed([lengths[j] for j in members], length)
-                    raise PackingError(f"block {k}'s {len(members)} examples ({sum(lengths[j] for j in members)} "
-                                       f"tokens) need {need} rows of {length} tokens; the packed shape has "
-                                       f"{rows // blocks} per block", i)
-                filled.append(0)
-                placed.append([])
-                spot = len(placed) - 1
-            filled[spot] += lengths[i]
-            placed[spot].append(i)
-        block_rows.append(placed)
-    per = rows // blocks if rows is not None else max(1, max(len(b) for b in block_rows))
+    members = [range(k * per_block, min((k + 1) * per_block, len(lengths))) for k in range(blocks)]
+    block_rows = [_first_fit(m, lengths, length) for m in members]
+    need = max(1, max(len(placed) for placed in block_rows))
+    per = need if rows is None else rows // blocks
+    if need > per:
+        if not grow:
+            k = max(range(blocks), key=lambda j: len(block_rows[j]))
+            raise PackingError(f"block {k}'s {len(members[k])} examples ({sum(lengths[j] for j in members[k])} "
+                               f"tokens) need {need} rows of {length} tokens; the packed shape has {per} per block",
+                               block_rows[k][per][0])  # the example that opened the first row too many
+        per = doubled(per, need)
     out: list[list[int]] = []
     for placed in block_rows:
         out.extend(sorted(placed, key=min) + [[] for _ in range(per - len(placed))])
     starts: list[tuple[int, int]] = [(0, 0)] * len(lengths)
-    for r, members in enumerate(out):
+    for r, row in enumerate(out):
         offset = 0
-        for i in members:
+        for i in row:
             starts[i] = (r, offset)
             offset += lengths[i]
     return PackedLayout(out, starts, length, blocks)
 
 
-def _rows_needed(lengths: Sequence[int], length: int) -> int:
+def _first_fit(members: Sequence[int], lengths: Sequence[int], length: int) -> list[list[int]]:
+    """The examples `members`, longest first, each into the first row with room (a new row when none has)."""
     filled: list[int] = []
-    for n in sorted(lengths, reverse=True):
-        spot = next((r for r, used in enumerate(filled) if used + n <= length), None)
+    placed: list[list[int]] = []
+    for i in sorted(members, key=lambda j: (-lengths[j], j)):
+        spot = next((r for r, used in enumerate(filled) if used + lengths[i] <= length), None)
         if spot is None:
-            filled.append(n)
-        else:
-            filled[spot] += n
-    return len(filled)
+            filled.append(0)
+            placed.append([])
+            spot = len(placed) - 1
+        filled[spot] += lengths[i]
+        placed[spot].append(i)
+    return placed
 
 
 def pack_tokens(examples: Sequence[dict[str, Any]], layout: PackedLayout, batch_size: int,

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Sequence
 import grain
 import numpy as np
 
-from guijax.data.packing import PackingError, pack_tokens, plan_rows
+from guijax.data.packing import PackingError, doubled, pack_tokens, plan_rows
 from guijax.models.config import ModelConfig
 from guijax.models.positions import mrope_positions, vision_layout
 from guijax.models.vision_blocks import stack_blocks
@@ -297,6 +297,34 @@ def token_features(input_ids: np.ndarray, image_token_id: int, images: UniqueIma
     return out
 
 
+def step_name(example: Mapping[str, Any]) -> str:
+    """How errors name an example: its task, trajectory and step."""
+    return f"task {example['task_id']} (trajectory {example['trajectory']}) step {example['step']}"
+
+
+def row_flags(examples: Sequence[Mapping[str, Any]], rows: int) -> dict[str, np.ndarray]:
+    """Each row's `off_policy`, `expert` and `failure` flag (Collate's docstring), `rows` long: the examples'
+    rows first, then empty ones (no flag set)."""
+    sources = [e["source"] for e in examples]
+    pad = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, rows - len(examples)))  # noqa: E731
+    return {"off_policy": pad([s != Source.ON_POLICY.value for s in sources], bool),
+            "expert": pad([not e["sampled"] for e in examples], np.float32),
+            "failure": pad([s == Source.FAILURE.value for s in sources], bool)}
+
+
+def batch_meta(examples: Sequence[Mapping[str, Any]], screenshots: int, encoded: int,
+               token_fill: float) -> dict[str, Any]:
+    """The host-only `meta` of a batch: which step each example is, and what its screenshots and token slots
+    cost (`encoded` screenshots through the vision tower of `screenshots` shown; real tokens / token slots)."""
+    return {"trajectory": np.asarray([e["trajectory"] for e in examples], np.int32),
+            "step": np.asarray([e["step"] for e in examples], np.int32),
+            "task_id": np.asarray([e["task_id"] for e in examples]),
+            "source": np.asarray([e["source"] for e in examples]),
+            "screenshots": np.int32(screenshots), "unique_screenshots": np.int32(encoded),
+            "screenshot_dedupe_ratio": np.float32(encoded / max(screenshots, 1)),
+            "token_fill": np.float32(token_fill)}
+
+
 class Collate:
     """A list of examples -> one padded batch: exactly the arrays the model forward (ModelInputs fields) and
     the train step take, plus host-only `meta`. A class, not a lambda, so grain workers can unpickle it.
@@ -318,8 +346,8 @@ class Collate:
             length = bucket_for(max(lengths), self.config.length_buckets)
         except ValueError:
             e = examples[int(np.argmax(lengths))]
-            raise ValueError(f"task {e['task_id']} (trajectory {e['trajectory']}) step {e['step']}: {max(lengths)} "
-                             f"tokens exceed the largest length bucket {max(self.config.length_buckets)}") from None
+            raise ValueError(f"{step_name(e)}: {max(lengths)} tokens exceed the largest length bucket "
+                             f"{max(self.config.length_buckets)}") from None
         b = len(examples)
         ids = np.full((b, length), self.pad_id, np.int32)
         mask = np.zeros((b, length), np.int32)
@@ -335,18 +363,9 @@ class Collate:
         grids = np.concatenate([e["image_grid_thw"] for e in examples]).reshape(-1, 3)
         positions, _ = mrope_positions(ids, mask, grids if len(grids) else None, cfg)
         vision, images = self.vision(examples, ids, grids)
-        sources = [e["source"] for e in examples]
         out = {"input_ids": ids, "attention_mask": mask, "positions": positions, "vision": vision,
-               "targets": targets, **shifted,
-               "off_policy": np.asarray([s != Source.ON_POLICY.value for s in sources]),
-               "expert": np.asarray([not e["sampled"] for e in examples], np.float32),
-               "failure": np.asarray([s == Source.FAILURE.value for s in sources]),
-               "meta": {"trajectory": np.asarray([e["trajectory"] for e in examples], np.int32),
-                        "step": np.asarray([e["step"] for e in examples], np.int32),
-                        "task_id": np.asarray([e["task_id"] for e in examples]), "source": np.asarray(sources),
-                        "screenshots": np.int32(len(grids)), "unique_screenshots": np.int32(images),
-                        "screenshot_dedupe_ratio": np.float32(images / max(len(grids), 1)),
-                        "token_fill": np.float32(sum(lengths) / mask.size)}}
+               "targets": targets, **shifted, **row_flags(examples, b),
+               "meta": batch_meta(examples, len(grids), images, sum(lengths) / mask.size)}
         if self.config.response_bucket or self.config.max_response_tokens is not None:
             out["response_positions"] = self.response_positions(shifted["loss_mask"], examples)
         return out
@@ -376,11 +395,9 @@ class Collate:
                                    or [np.zeros((0, 3), np.int64)]).reshape(-1, 3)
             laid.append(self._pixels(examples, ids, grids, members))
         encoded = sum(len(g) for _, g, _ in laid)
-        if self.config.vision_images:
-            count = self.config.vision_images
-            while count < max(len(g) for _, g, _ in laid):  # a batch past the fixed shape: the fewest doublings
-                count *= 2
-            fixed = [self._fixed_layout(*part, self._common_grid(parts), count) for part in laid]
+        if self.config.vision_images:  # a batch past the fixed shape: the fewest doublings that hold it
+            count, grid = doubled(self.config.vision_images, max(len(g) for _, g, _ in laid)), self._common_grid(parts)
+            fixed = [self._fixed_layout(*part, grid, count) for part in laid]
             return (fixed[0] if len(fixed) == 1 else stack_blocks(fixed)), encoded
         bucket = self.config.patch_bucket
         if len(laid) == 1:
@@ -406,15 +423,9 @@ class Collate:
     def _fixed_layout(self, pixels: np.ndarray, grids: np.ndarray, index: np.ndarray | None,
                       grid: np.ndarray, count: int) -> dict[str, np.ndarray]:
         """Vision inputs over exactly `count` images of `grid`: the layout arrays then have one shape."""
-        per_image = int(np.prod(grid))
-        blank = np.zeros(((count - len(grids)) * per_image, pixels.shape[1] if pixels.ndim == 2 else
-                          self.model_cfg.vision.patch_dim), np.float32)
-        pixels = np.concatenate([pixels.reshape(-1, blank.shape[1]), blank])
-        grids = np.concatenate([grids.reshape(-1, 3), np.tile(grid, (count - len(grids), 1))])
-        vision = vision_layout(grids, self.model_cfg.vision).inputs(pixels)
-        if self.config.dedupe_images:
-            vision["token_features"] = np.zeros(0, np.int32) if index is None else index
-        return vision
+        blank = np.zeros(((count - len(grids)) * int(np.prod(grid)), pixels.shape[1]), np.float32)
+        return self._inputs(np.concatenate([pixels, blank]),
+                            np.concatenate([grids.reshape(-1, 3), np.tile(grid, (count - len(grids), 1))]), index)
 
     def _pixels(self, examples: Sequence[dict[str, Any]], ids: np.ndarray, grids: np.ndarray,
                 members: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -443,6 +454,10 @@ class Collate:
         else:  # a block whose rows show no screenshot: the filler alone
             pixels = np.zeros((multiple, pixels.shape[1]), np.float32)
             grids = np.asarray([[1, merge, multiple // merge]])
+        return self._inputs(pixels, grids, index)
+
+    def _inputs(self, pixels: np.ndarray, grids: np.ndarray, index: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The model's `vision` argument over `pixels` laid out by `grids` (fillers included)."""
         vision = vision_layout(grids, self.model_cfg.vision).inputs(pixels)
         if self.config.dedupe_images:
             vision["token_features"] = np.zeros(0, np.int32) if index is None else index
@@ -457,16 +472,16 @@ class Collate:
         if config.vision_blocks not in (1, blocks):
             raise ValueError(f"vision_blocks={config.vision_blocks} with pack_blocks={blocks}: per-device vision "
                              "blocks must be the packing blocks")
-        per_block = size // blocks if size % blocks == 0 else 0
+        if size % blocks:
+            raise ValueError(f"batch size {size} does not divide into {blocks} packing blocks")
+        per_block = size // blocks
         length = config.pack_length or self._pack_length(
-            [sum(lengths[k * per_block:(k + 1) * per_block]) for k in range(blocks)] if per_block else lengths,
-            max(lengths))
+            [sum(lengths[k * per_block:(k + 1) * per_block]) for k in range(blocks)], max(lengths))
         try:
             layout = plan_rows(lengths, size, length, config.pack_rows, blocks, grow=True)
         except PackingError as err:
             e = examples[err.example]
-            raise ValueError(f"task {e['task_id']} (trajectory {e['trajectory']}) step {e['step']}: {err}; raise "
-                             "PipelineConfig.pack_length or leave it None") from None
+            raise ValueError(f"{step_name(e)}: {err}; raise PipelineConfig.pack_length or leave it None") from None
         positions = []
         for e in examples:
             grid = np.asarray(e["image_grid_thw"], np.int64).reshape(-1, 3)
@@ -479,8 +494,8 @@ class Collate:
             out = pack_tokens(examples, layout, size, positions, width, self.pad_id)
         except PackingError as err:
             e = examples[err.example]
-            raise ValueError(f"task {e['task_id']} (trajectory {e['trajectory']}) step {e['step']}: {err}; raise "
-                             f"PipelineConfig.max_response_tokens or leave it None") from None
+            raise ValueError(f"{step_name(e)}: {err}; raise PipelineConfig.max_response_tokens or leave it "
+                             "None") from None
         grids = [np.asarray(e["image_grid_thw"]).reshape(-1, 3) for e in examples]
         vision, images = None, 0
         if sum(len(g) for g in grids):
@@ -494,19 +509,8 @@ class Collate:
                 parts.append(([examples[i] for i in order], out["input_ids"][list(group)],
                                [[where[i] for i in layout.rows[r]] for r in group]))
             vision, images = self._vision_parts(parts)
-        sources = [e["source"] for e in examples]
-        flag = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, size - len(examples)))  # noqa: E731
-        n = int(sum(len(g) for g in grids))
-        out.update(vision=vision, off_policy=flag([s != Source.ON_POLICY.value for s in sources], bool),
-                   expert=flag([not e["sampled"] for e in examples], np.float32),
-                   failure=flag([s == Source.FAILURE.value for s in sources], bool),
-                   meta={"trajectory": np.asarray([e["trajectory"] for e in examples], np.int32),
-                         "step": np.asarray([e["step"] for e in examples], np.int32),
-                         "task_id": np.asarray([e["task_id"] for e in examples]), "source": np.asarray(sources),
-                         "screenshots": np.int32(n), "unique_screenshots": np.int32(images),
-                         "screenshot_dedupe_ratio": np.float32(images / max(n, 1)),
-                         "token_fill": np.float32(sum(lengths) / out["input_ids"].size),
-                         "packed_rows": np.int32(len(layout.rows))})
+        meta = batch_meta(examples, int(sum(len(g) for g in grids)), images, sum(lengths) / out["input_ids"].size)
+        out.update(vision=vision, **row_flags(examples, size), meta=dict(meta, packed_rows=np.int32(len(layout.rows))))
         return out
 
     def _pack_length(self, block_tokens: Sequence[int], longest: int) -> int:
@@ -522,8 +526,8 @@ class Collate:
             return response_positions(loss_mask, self.config.response_bucket or 64, self.config.max_response_tokens)
         except ResponseBudgetError as err:
             e = examples[err.row]
-            raise ValueError(f"task {e['task_id']} (trajectory {e['trajectory']}) step {e['step']}: {err}; raise "
-                             f"PipelineConfig.max_response_tokens or leave it None") from None
+            raise ValueError(f"{step_name(e)}: {err}; raise PipelineConfig.max_response_tokens or leave it "
+                             "None") from None
 
 
 class BlockShuffle(grain.MapDataset):
