@@ -8,7 +8,7 @@ targets are escaped = 0 and lost = 0; the README's table is this script's output
     python benchmarks/hostile.py --budget full --json benchmarks/results/hostile.json \\
         --markdown benchmarks/results/hostile.md
 
-Campaigns: every action parser (UI-TARS 1.0/1.5, computer_use, S2) on mutated model outputs; the task
+Campaigns: every action parser (UI-TARS 1.0/1.5, computer_use, pyautogui, S2) on mutated model outputs; the task
 loaders (desk and OSWorld files) on mutated files; the trajectory store and the checkpoints on damaged
 copies; the environment pool under killed and hung workers; the environment server under concurrent,
 oversized, half-sent and idle connections, with its threads and memory measured. `pytest -m hostile` runs
@@ -156,7 +156,7 @@ def damaged_copy(clean: pathlib.Path, copy: pathlib.Path, pick: Callable[[pathli
 
 # ------------------------------------------------------------------------------------------ parsers
 def _parser_seeds() -> dict[str, tuple[Callable[[str], Any], list[str]]]:
-    from envs.actions import parse_computer_use, parse_s2, parse_uitars
+    from envs.actions import parse_computer_use, parse_pyautogui, parse_s2, parse_uitars
 
     hw = (480, 640)
     uitars = ["Thought: open it\nAction: click(start_box='(120,45)')",
@@ -170,12 +170,18 @@ def _parser_seeds() -> dict[str, tuple[Callable[[str], Any], list[str]]]:
                     '{"name": "computer_use", "arguments": {"action": "scroll", "pixels": -3}}',
                     '<tool_call>{"name": "computer_use", "arguments": {"action": "key", "keys": ["ctrl", "c"]}}'
                     '</tool_call>']
+    pyautogui = ["## Thought: open it\n## Action: click OK\n## Code:\n```python\npyautogui.click(120, 45)\n```",
+                 "```python\npyautogui.moveTo(10, 20)\npyautogui.dragTo(300, 400, duration=0.5)\n```",
+                 "```python\nimport pyautogui\npyautogui.hotkey('ctrl', 's')\npyautogui.write('hi\\n')\n```",
+                 '## Code: ```python computer.terminate(status="success", answer="4")```',
+                 "```python\npyautogui.scroll(-3, x=500, y=300)\ncomputer.wait()\n```"]
     s2 = ['agent.click("the OK button", 1, "left")', 'agent.type("name field", "Ada", overwrite=True)',
           'agent.scroll("the list", 3, False)', "agent.hotkey(['ctrl', 's'])", "agent.wait(1.5)", "agent.done()"]
     return {
         "uitars-1.5": (lambda t: parse_uitars(t, image_hw=hw, screen_hw=hw, model="uitars-1.5"), uitars),
         "uitars-1.0": (lambda t: parse_uitars(t, image_hw=hw, screen_hw=hw, model="uitars-1.0"), uitars),
         "computer_use": (lambda t: parse_computer_use(t, image_hw=hw, screen_hw=hw), computer_use),
+        "pyautogui": (lambda t: parse_pyautogui(t, image_hw=(1000, 1000), screen_hw=hw), pyautogui),
         "s2": (parse_s2, s2),
     }
 

@@ -1,5 +1,5 @@
-"""Agent prompts: the system prompt a recipe selects by name (`rollout.prompt`, in UI-TARS's or EvoCUA's
-computer_use grammar), the instruction (optionally with a numbered plan appended, BEPA Fig. 7), and a
+"""Agent prompts: the system prompt a recipe selects by name (`rollout.prompt`, in UI-TARS's grammar,
+EvoCUA's computer_use or SGCD's pyautogui code), the instruction (optionally with a numbered plan appended, BEPA Fig. 7), and a
 multi-turn history in which the last K screenshots are images and every earlier step survives as text only
 (K >= steps gives ARPO's full history).
 """
@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from envs.actions.computer_use import system_prompt as computer_use_prompt
+from envs.actions.pyautogui_code import system_prompt as pyautogui_prompt
 from envs.actions.grammar import RELATIVE, history_text
 
 # UI-TARS-1.5's computer-use prompt, the one it was trained on, character for character as ByteDance ships it:
@@ -58,17 +59,19 @@ COMPACT_PROMPT = ("You are a GUI agent. Reply with\nThought: ...\nAction: ...\n"
 
 # The templates `rollout.prompt` names; each leaves one slot, {instruction}, for build_messages. The
 # computer_use ones ask for EvoCUA's tool calls in 0-1000 relative coordinates (the compact one lists the
-# actions in one line instead of the tool's JSON schema, for small CPU models).
+# actions in one line instead of the tool's JSON schema, for small CPU models); `pyautogui` is SGCD's Fig. 9
+# (pyautogui code, 0-1000 relative), with OSWorld's default desktop password.
 PROMPTS = {
     "uitars_official": UITARS_COMPUTER_USE.format(language=UITARS_LANGUAGE, instruction="{instruction}"),
     "compact": COMPACT_PROMPT,
     "computer_use": computer_use_prompt(RELATIVE),
     "computer_use_compact": computer_use_prompt(RELATIVE, compact=True),
+    "pyautogui": pyautogui_prompt(),
 }
 SYSTEM_PROMPT = PROMPTS["uitars_official"]
 # the action grammar each prompt asks for (envs.actions.grammar)
 PROMPT_GRAMMARS = {"uitars_official": "uitars", "compact": "uitars", "computer_use": "computer_use",
-                   "computer_use_compact": "computer_use"}
+                   "computer_use_compact": "computer_use", "pyautogui": "pyautogui"}
 
 
 def prompt_template(name: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from envs.actions import ActionParseError, parse_computer_use, parse_s2, parse_uitars, smart_resize
+from envs.actions import ActionParseError, parse_computer_use, parse_pyautogui, parse_s2, parse_uitars, smart_resize
 from envs.actions import resize
 
 pytestmark = pytest.mark.hostile  # the standing hostile-input and fault suite
@@ -20,6 +20,11 @@ CU_BITS = ["<tool_call>", "</tool_call>", '{"name": "computer_use", "arguments":
            '"left_click"', '"scroll"', '"type"', '"key"', '"wait"', '"terminate"', '"left_click_drag"',
            '"coordinate": ', "[1, 2]", "[1]", '"x"', '"keys": ', '"pixels": ', '"time": ', '"status": ', "null",
            "3", '"3"', "[]", ", ", '"arguments": "{}"', '"arguments": "x"', "true"]
+PY_BITS = ["## Thought: ", "## Action: ", "## Code:", "```python\n", "```", "\n", "pyautogui.", "computer.", "time.",
+           "click(", "moveTo(", "dragTo(", "mouseDown(", "mouseUp(", "hotkey(", "press(", "write(", "scroll(",
+           "hscroll(", "wait()", "terminate(", "sleep(", "status=", "'success'", "answer=", "x=", "y=", "clicks=",
+           "button='right'", "presses=", "(", ")", "[", "]", ", ", "1", "-7", "1e999", "2.5", "'a'", "True", "None",
+           "import pyautogui", ";", "*", "**", "lambda", "=", " "]
 S2_BITS = ["agent.", "click", "type", "scroll", "wait", "hotkey", "done", "(", ")", '"a"', "1", "None", "[",
            "]", ", ", "num_clicks=", "time=", "{", "}", ":", "x", "lambda", "**"]
 
@@ -46,6 +51,12 @@ def test_uitars_never_raises_anything_but_parse_errors(text, model):
 @given(_fuzz(CU_BITS))
 def test_computer_use_never_raises_anything_but_parse_errors(text):
     _only_parse_errors(lambda t: parse_computer_use(t, image_hw=HW, screen_hw=HW), text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_fuzz(PY_BITS))
+def test_pyautogui_never_raises_anything_but_parse_errors(text):
+    _only_parse_errors(lambda t: parse_pyautogui(t, image_hw=(1000, 1000), screen_hw=HW), text)
 
 
 @settings(max_examples=300, deadline=None)

@@ -44,7 +44,8 @@ def test_recipes_prompt_their_policy_with_the_named_template(recipe, expected, t
 
 def test_unknown_prompt_name_is_refused_naming_the_key(tmp_path):
     config = launch.resolve("grpo_cpu", ["rollout.prompt=uitars"])
-    message = "rollout.prompt='uitars' is not one of uitars_official, compact, computer_use, computer_use_compact"
+    message = ("rollout.prompt='uitars' is not one of uitars_official, compact, computer_use, computer_use_compact, "
+               "pyautogui")
     with pytest.raises(ValueError, match=message):
         Run(config, tmp_path).system_prompt
     assert message in preflight.problems(config)

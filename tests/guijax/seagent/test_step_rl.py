@@ -102,6 +102,7 @@ def test_eq4_rewards_read_the_rollouts_grammar(task, judged):
             samples = [[Step.text(clean.steps[k].screenshot, a) for a in answers] for k in range(2)]
             rewards[grammar] = step_rl.sample_rewards([clean], states, samples, grammar=grammar)
     np.testing.assert_allclose(rewards["computer_use"], rewards["uitars"], atol=1e-6)
+    np.testing.assert_allclose(rewards["pyautogui"], rewards["uitars"], atol=1e-6)
     # the target click: exact 2, another button 1 + closeness, wait 0, finished 0, unparsable 0; finished(): 2
     first, second = rewards["uitars"]
     assert first[0] == 2.0 and 1.0 < first[1] < 2.0 and np.all(first[2:] == 0.0)

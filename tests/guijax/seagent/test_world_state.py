@@ -101,7 +101,7 @@ def test_the_desk_oracle_reads_the_policys_grammar(task, episode):
         seen[grammar] = [judge.judge(task, episode(steps, grammar)) for steps in (
             [s.click(target), s.done], [s.click(wrong), s.click(target), s.done],
             [s.wait, s.click(wrong), s.done], [s.wait])]
-    assert seen["computer_use"] == seen["uitars"]
+    assert seen["computer_use"] == seen["pyautogui"] == seen["uitars"]
     clean, detour, failed, stuck = seen["uitars"]
     assert clean == Judgment(True, (), True, None, "", "") and detour.correct and detour.redundant == (1,)
     assert not failed.correct and failed.first_error_step == 2 and f'"{wrong}" button' in failed.error_type

@@ -88,7 +88,7 @@ def test_step_verdicts_read_the_policys_grammar(task, episode):
         seen[grammar] = (step_verdicts(task, failed, SCREEN, popups=False, grammar=grammar),
                          first_off_track_step(task, failed, SCREEN, popups=False, grammar=grammar),
                          DeskSkillExtractor(SCREEN, popups=False, grammar=grammar).extract(task, [], [failed]))
-    assert seen["computer_use"] == seen["uitars"]
+    assert seen["computer_use"] == seen["pyautogui"] == seen["uitars"]
     verdicts, first, skill = seen["uitars"]
     assert [v.kind for v in verdicts] == ["wait", "click", "click", "finished"] and first == 2
     assert verdicts[1].element == ("button", wrong, "Dialog") and verdicts[0].trap is None
@@ -113,7 +113,7 @@ def test_rule_judge_reads_the_policys_grammar(task, episode):
         # the reasons up to the action text, which is written in the grammar
         seen[grammar] = [(v.accept, re.sub(r"redundant loop: .* (\d+ times)", r"redundant loop: \1", v.reason))
                          for v in (judge.judge(task, t, 1) for t in runs)]
-    assert seen["computer_use"] == seen["uitars"]
+    assert seen["computer_use"] == seen["pyautogui"] == seen["uitars"]
     clean, mislabelled, loop, mistyped = seen["uitars"]
     assert clean == (True, "")
     assert mislabelled == (False, f"inconsistent reasoning: step 2's thought names ['{wrong}'] but its click hits "

@@ -1,0 +1,154 @@
+"""SGCD's Fig. 9 grammar: every typed action renders to pyautogui code that reads back to it, a whole
+response's sections read back and a past step keeps its thought and action without the code, the cursor is
+followed within a response, anything but literal pyautogui / computer calls is refused by name (the code is
+never run), and a desk episode is prompted, answered, parsed and executed through the rollout engine."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+from envs.actions import ActionParseError
+from envs.actions.grammar import history_text, parse_response, reasoning, render_response
+from envs.actions.model import Action, ActionType
+from envs.actions.pyautogui_code import (WAIT_SECONDS, parse_pyautogui, render_code, split_response,
+                                         system_prompt)
+from envs.tasks import generate_desk_tasks
+
+from canonical_actions import CANONICAL, SCREEN
+
+REL = (1000, 1000)
+
+
+def _code(body: str) -> str:
+    return f"## Thought: t\n## Action: a\n## Code:\n```python\n{body}\n```"
+
+
+def _parse(body: str) -> list[Action]:
+    return parse_pyautogui(_code(body), image_hw=REL, screen_hw=SCREEN)
+
+
+@pytest.mark.parametrize("image_hw", [SCREEN, REL], ids=["pixels", "relative"])
+@pytest.mark.parametrize("action", CANONICAL, ids=lambda a: f"{a.kind.value}-{a.direction or ''}")
+def test_every_action_round_trips(action, image_hw):
+    expected = dataclasses.replace(action, amount=WAIT_SECONDS) if action.kind == ActionType.WAIT else action
+    code = render_code([action], image_hw=image_hw, screen_hw=SCREEN)
+    assert parse_pyautogui(f"```python\n{code}\n```", image_hw=image_hw, screen_hw=SCREEN) == [expected]
+
+
+def test_a_whole_response_reads_back_and_a_past_step_drops_its_code():
+    actions = [Action(ActionType.KEYDOWN, keys=("shift",)), Action(ActionType.CLICK, point=(30, 40)),
+               Action(ActionType.KEYUP, keys=("shift",)), Action(ActionType.FINISHED, text="3 files")]
+    text = render_response("I hold Shift\nto extend the selection.", 'Shift-click "b.txt".', actions,
+                           grammar="pyautogui", screen_hw=SCREEN)
+    assert split_response(text) == ("I hold Shift\nto extend the selection.", 'Shift-click "b.txt".')
+    assert reasoning(text, "pyautogui") == "I hold Shift\nto extend the selection."
+    assert parse_response(text, grammar="pyautogui", screen_hw=SCREEN) == actions
+    assert 'computer.terminate(status="success", answer=\'3 files\')' in text
+    past = history_text(text, "pyautogui")
+    assert past == '## Thought: I hold Shift\nto extend the selection.\n## Action: Shift-click "b.txt".'
+    assert history_text("no sections here", "pyautogui") == "no sections here"
+    # the code section unfenced, or fenced on its own line, reads the same
+    assert _parse("pyautogui.click(500, 500)") == parse_pyautogui(
+        "## Thought: t\n## Code: ```python pyautogui.click(500, 500)```", image_hw=REL, screen_hw=SCREEN)
+
+
+def test_the_cursor_is_followed_within_a_response():
+    assert _parse("pyautogui.moveTo(100, 200)\npyautogui.dragTo(500, 600, duration=1)") == [
+        Action(ActionType.DRAG, point=(28, 56), end_point=(140, 168))]
+    assert _parse("pyautogui.mouseDown(100, 200)\npyautogui.moveTo(300, 300)\npyautogui.mouseUp(500, 600)") == [
+        Action(ActionType.DRAG, point=(28, 56), end_point=(140, 168))]
+    assert _parse("pyautogui.moveTo(100, 200); pyautogui.mouseDown(); pyautogui.mouseUp()") == [
+        Action(ActionType.CLICK, point=(28, 56))]
+    assert _parse("pyautogui.moveTo((100, 200))\npyautogui.click(clicks=3)\npyautogui.click(button='right')") == [
+        Action(ActionType.HOVER, point=(28, 56)), Action(ActionType.LEFT_TRIPLE, point=(28, 56)),
+        Action(ActionType.RIGHT_SINGLE, point=(28, 56))]
+    assert _parse("pyautogui.click(x=1200, y=-5)") == [Action(ActionType.CLICK, point=(279, 0), clipped=True)]
+    assert _parse("import pyautogui, time\npyautogui.hotkey('ctrl', 'a')\ntime.sleep(0.5)\n"
+                  "pyautogui.typewrite(['tab', 'enter'])\npyautogui.press('down', presses=2)\n"
+                  "pyautogui.hscroll(-2, x=500, y=500)\ncomputer.wait()") == [
+        Action(ActionType.HOTKEY, keys=("ctrl", "a")), Action(ActionType.PRESS, keys=("tab", "enter")),
+        Action(ActionType.PRESS, keys=("down", "down")),
+        Action(ActionType.SCROLL, point=(140, 140), direction="left", amount=2.0),
+        Action(ActionType.WAIT, amount=WAIT_SECONDS)]
+
+
+@pytest.mark.parametrize("body, match", [
+    ("import os\nos.system('rm -rf /')", "line 1 is not a call: `import os`"),
+    ("__import__('os').system('ls')", "is not a pyautogui, computer or time call"),
+    ("subprocess.run(['ls'])", "`subprocess.run` is not a pyautogui"),
+    ("x = 500\npyautogui.click(x, 300)", "line 1 is not a call"),
+    ("pyautogui.click(x, 300)", "pyautogui.click's argument must be a literal value, got `x`"),
+    ("pyautogui.click(*point)", r"\*args / \*\*kwargs are not accepted"),
+    ("for i in range(3):\n    pyautogui.press('tab')", "line 1 is not a call"),
+    ("pyautogui.drag(10, 0)", "pyautogui.drag moves relative to the cursor"),
+    ("pyautogui.screenshot()", "pyautogui.screenshot is not an action"),
+    ("pyautogui.click()", "pyautogui.click needs x and y"),
+    ("pyautogui.click(100)", "needs both x and y"),
+    ("pyautogui.click(100, 200, clicks=2, button='right')", "button='right', clicks=2"),
+    ("pyautogui.click(100, 200, foo=1)", "has no argument 'foo'"),
+    ("pyautogui.click(True, 200)", "x must be a number"),
+    ("pyautogui.mouseDown(100, 200)", "mouseDown without mouseUp"),
+    ("pyautogui.mouseDown(1, 2)\npyautogui.press('a')\npyautogui.mouseUp()", "while the mouse button is held"),
+    ("pyautogui.keyDown(['shift', 'ctrl'])", "one key"),
+    ("pyautogui.press('a', presses=0)", "presses must be a count"),
+    ("pyautogui.scroll(0)", "scrolls nothing"),
+    ("pyautogui.write(42)", "needs the text to type"),
+    ("computer.terminate(status='done')", 'status must be "success" or "failure"'),
+    ("computer.wait(5)", "takes no arguments"),
+    ("computer.shutdown()", "not a control call"),
+    ("pyautogui.click(100, 200", "code is not Python"),
+    ("import time", "holds no action"),
+])
+def test_anything_but_literal_calls_is_refused_by_name(body, match):
+    with pytest.raises(ActionParseError, match=match):
+        _parse(body)
+
+
+def test_a_response_without_code_or_with_too_much_is_refused():
+    with pytest.raises(ActionParseError, match="no fenced code block"):
+        parse_pyautogui("## Thought: hmm\n## Action: click it", image_hw=REL, screen_hw=SCREEN)
+    with pytest.raises(ActionParseError, match="at most 20000"):
+        _parse("pyautogui.press('a')\n" * 2000)
+
+
+def test_the_prompt_is_fig_9_with_one_slot():
+    prompt = system_prompt("hunter2").format(instruction="Turn on Wi-Fi.")
+    assert "The password of the computer is hunter2." in prompt
+    assert "## Thought: {thought}\n## Action: {action}\n## Code: {code}" in prompt
+    assert "`computer.terminate(status=..., answer=...)`" in prompt and "Task instruction: Turn on Wi-Fi." in prompt
+
+
+def test_the_engine_rolls_out_a_desk_episode_in_the_grammar():
+    """Prompted with Fig. 9, answered in pyautogui code, parsed in 0-1000 coordinates and executed: the task
+    is solved, and the last prompt shows the first step as thought and action without its code."""
+    from envs.pool import DeskFactory, EnvPool
+    from guijax.rollout.engine import RolloutConfig, RolloutEngine
+    from guijax.rollout.prompt import PROMPTS, grammar_of
+    from guijax.rollout.trajectory import Status
+
+    from desk_policies import button_center
+    from rollout_fakes import PromptPolicySampler, TextProcessor
+
+    task = generate_desk_tasks(1, seed=5, families=["click_button"], screen_hw=SCREEN)[0]
+    x, y, name = button_center(task, SCREEN)
+    answers = [render_response(f"The {name} button is what the task asks for.", f"Click {name}.",
+                               [Action(ActionType.CLICK, point=(x, y))], grammar="pyautogui", screen_hw=SCREEN),
+               "## Thought: It was clicked.\n## Action: Report success.\n## Code:\n```python\n"
+               'computer.terminate(status="success")\n```']
+    processor = TextProcessor()
+    sampler = PromptPolicySampler(processor, lambda params, prompt: answers[min(prompt.count("assistant:"), 1)])
+    pool = EnvPool(DeskFactory(SCREEN, step_limit=4, popups=False), 1, timeout_s=60)
+    engine = RolloutEngine(pool, sampler, processor, RolloutConfig(
+        max_images=1, system_prompt=PROMPTS["pyautogui"], grammar=grammar_of("pyautogui"), show_progress=False))
+    try:
+        (episode,), _ = engine.run(None, [task], 1, jax.random.PRNGKey(0), seed=3)
+    finally:
+        pool.close()
+    assert episode.success and episode.status == Status.DONE and len(episode.steps) == 2
+    assert episode.steps[0].actions == [f"import pyautogui\nimport time\npyautogui.click({x}, {y}, button='left')"]
+    last_prompt = sampler.prompts[-1]
+    assert "The password of the computer is password." in last_prompt
+    assert f"assistant: ## Thought: The {name} button is what the task asks for.\n## Action: Click {name}.\n" \
+           in last_prompt and "pyautogui.click(" not in last_prompt  # the code left with the screenshot
