@@ -7,10 +7,11 @@ way: OSWorld VMs cannot save their state), the LLM judge, Stage IV at lr 1e-5 on
 tokens, three screenshots of history (the paper's H = 3), sampling at temperature 1.0 / top-p 0.95.
 Edit model.path, env.osworld_dir, env.server_urls and sgcd.chat_url for your machines; Qwen3-VL-30B-A3B:
 --config.model.preset=qwen3_vl_30b_a3b --config.model.path=/models/Qwen3-VL-30B-A3B-Instruct --config.mesh.expert=8.
-The policy writes Qwen3-VL's computer_use tool calls in 0-1000 coordinates (as evocua_gpu); the expert stage
-writes D_exp in the same grammar, and the rollouts, handoffs, judge and skill extractor read it.
-Differences from the paper: computer_use tool calls rather than Fig. 9's pyautogui code, and the vision tower
-is trained with the decoder (the paper freezes it); check the sizes with --dry_run.
+The policy is prompted with the paper's Fig. 9 and writes pyautogui code in 0-1000 coordinates; the expert
+stage writes D_exp in the same grammar, and the rollouts, handoffs, judge and skill extractor read it (steps
+older than the three screenshots stay as their thought and action, Appendix I).
+The vision tower and its merger stay frozen in every training stage, as in the paper (Appendix H: only the
+language tower is fine-tuned). Check the sizes with --dry_run.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 
@@ -20,11 +21,12 @@ def get_config():
     c.model.path = "/models/Qwen3-VL-8B-Instruct"
     c.model.preset = "qwen3_vl_8b"
     c.stages = ("base_model", "tasks", "expert", "eval_base", "methods", "table", "csr", "report")
-    c.rollout.prompt = "computer_use"
+    c.rollout.prompt = "pyautogui"  # Fig. 9
     c.rollout.max_images = 3
     c.rollout.temperature = 1.0
     c.rollout.top_p = 0.95
     c.pipeline.length_buckets = (4096, 8192, 10240)
+    c.model.frozen = ("visual",)  # ViT and aligner frozen (Table 8)
     c.optim.learning_rate = 1e-5
     c.train.minibatch_size = 8
     c.sgcd.rounds = 2

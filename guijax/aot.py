@@ -224,7 +224,8 @@ def recipe_step(config: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh) -
     module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
                                   remat_policy=config.model.remat, attention_impl=config.model.attention,
                                   scan_layers=config.model.scan_layers, lora=from_run_config(config),
-                                  expert_capacity_factor=config.model.expert_capacity_factor)
+                                  expert_capacity_factor=config.model.expert_capacity_factor,
+                                  frozen=tuple(config.model.frozen), attention_block=config.model.attention_block)
     tx, _ = optim.make_optimizer(config.optim)
     t = config.train
     step_cfg = train_step.StepConfig(get_method(config.method, config).loss(), config.rollout.temperature,
@@ -240,7 +241,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
 
     from guijax import train_step
     from guijax.models import weights
-    from guijax.models.lora import trainable
+    from guijax.models.trained import TrainedPart
 
     mesh_cfg = sharding.MeshConfig.from_run_config(config)
     num_devices = config.mesh.num_devices or jax.device_count()
@@ -250,7 +251,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     shards, step_cfg, step = built.shards, built.step_cfg, built.step
     params = nn.unbox(weights.abstract_params(built.module))
     state = train_step.TrainState(_abstract(params, shards.params),
-                                  _abstract(jax.eval_shape(built.tx.init, trainable(params, built.module.lora)),
+                                  _abstract(jax.eval_shape(built.tx.init, TrainedPart.of(built.module).trainable(params)),
                                             shards.opt_state),
                                   jax.ShapeDtypeStruct((), jnp.int32, sharding=shards.step))
     shape = batch_shape(config, model_cfg)
@@ -345,7 +346,8 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
     module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
                                   attention_impl=config.model.attention, scan_layers=config.model.scan_layers,
-                                  expert_capacity_factor=config.model.expert_capacity_factor)
+                                  expert_capacity_factor=config.model.expert_capacity_factor,
+                                  attention_block=config.model.attention_block)
     sampler = Sampler(module, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens,
                                              prompt_buckets=tuple(config.pipeline.length_buckets),
                                              patch_bucket=config.pipeline.patch_bucket), mesh=mesh)

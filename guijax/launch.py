@@ -78,6 +78,7 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
     from guijax.models import weights
     from guijax.models.lora import from_run_config, split
     from guijax.models.policy import resolve_dtype
+    from guijax.models.trained import TrainedPart
 
     cfg = model_config_for(config)
     mesh_cfg = sharding.MeshConfig.from_run_config(config)
@@ -86,13 +87,14 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
     mesh = AbstractMesh(shape, sharding.MESH_AXES)
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
     lora = from_run_config(config) if "lora" in config else None
+    part = TrainedPart(lora, tuple(config.model.get("frozen", ())))
     module = weights.build_module(cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype, lora=lora)
     boxed = weights.abstract_params(module)
     shardings = sharding.param_shardings(boxed, mesh)
     import flax.linen as nn
 
     leaves = nn.unbox(boxed)
-    adapters, base = split(leaves)
+    _, base = split(leaves)
     total = weights.count_params(base)
     vision = weights.count_params(base["visual"])
     shard_values = lambda tree, shards: sum(  # noqa: E731
@@ -101,8 +103,9 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
     per_device = sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
                      for x, s in zip(jax.tree.leaves(leaves), jax.tree.leaves(shardings)))
     opt_bytes_per_value = np.dtype(resolve_dtype(config.optim.state_dtype)).itemsize if "optim" in config else 4
-    # AdamW keeps two moments of each trained value: every parameter, or under LoRA the adapters alone
-    trained_tree, trained_shards = (adapters, split(shardings)[0]) if lora is not None else (leaves, shardings)
+    # AdamW keeps two moments of each trained value: every parameter, or under LoRA the adapters alone, less
+    # the groups model.frozen holds fixed
+    trained_tree, trained_shards = part.trainable(leaves), part.trainable(shardings)
     trained = weights.count_params(trained_tree)
     per_device_opt = shard_values(trained_tree, trained_shards) * 2 * opt_bytes_per_value
     report = {
@@ -114,7 +117,7 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
         "param_dtype": np.dtype(param_dtype).name,
         "param_bytes_per_device": per_device,
         "adam_state_bytes_per_device": per_device_opt,
-        "trained_params": trained,  # under LoRA the adapters (rank lora.rank), else every parameter
+        "trained_params": trained,  # under LoRA the adapters (rank lora.rank), else every parameter; less model.frozen
     }
     return report
 
@@ -177,7 +180,9 @@ def main(argv: list[str]) -> None:
               f"language {report['language_params']:,})")
         print(f"  parameter bytes per device ({report['param_dtype']}): {format_bytes(report['param_bytes_per_device'])}")
         if report["trained_params"] != report["params"]:
-            print(f"  LoRA rank {config.lora.rank}: {report['trained_params']:,} trained parameters (the adapters)")
+            what = [f"the LoRA adapters (rank {config.lora.rank})"] if config.lora.rank else []
+            what += [f"{', '.join(config.model.frozen)} frozen"] if config.model.frozen else []
+            print(f"  {report['trained_params']:,} trained parameters ({'; '.join(what)})")
         print(f"  AdamW state bytes per device: {format_bytes(report['adam_state_bytes_per_device'])}")
         if FLAGS.dry_run_compile:
             from guijax import aot

@@ -20,7 +20,7 @@ import optax
 
 from guijax import losses, optim, sharding, train_step
 from guijax.data.pipeline import PipelineConfig, StepRef, make_dataset, step_refs
-from guijax.models import lora as lora_lib
+from guijax.models.trained import TrainedPart
 from guijax.models.policy import Policy
 from guijax.progress import Progress
 from guijax.rollout.trajectory import Trajectory
@@ -108,9 +108,9 @@ def train_preferences(policy: Policy, kind: str, units: Sequence[Sequence[Trajec
     opt_cfg.learning_rate = learning_rate
     opt_cfg.total_steps = max(steps, opt_cfg.warmup_steps + 1)
     tx, _ = optim.make_optimizer(opt_cfg)
-    lora = policy.module.lora  # under LoRA only the adapters train (guijax.models.lora)
+    lora, part = policy.module.lora, TrainedPart.of(policy.module)  # what trains (guijax.models.trained)
     params = policy.params
-    opt_state = sharding.init_opt_state(tx, lora_lib.trainable(params, lora), policy.mesh)
+    opt_state = sharding.init_opt_state(tx, part.trainable(params), policy.mesh)
     dropout_key = jax.random.PRNGKey(seed) if lora is not None and lora.dropout > 0 else None
 
     def loss_of(params, batch, segments, n, ref, desirable, key):
@@ -123,12 +123,12 @@ def train_preferences(policy: Policy, kind: str, units: Sequence[Sequence[Trajec
     def update(params, opt_state, batch, segments, ref, desirable, step):
         n = ref.shape[0]
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, step)
-        trained = lora_lib.trainable(params, lora)
-        objective = lambda t: loss_of(lora_lib.with_trainable(params, t, lora), batch, segments, n, ref,  # noqa: E731
+        trained = part.trainable(params)
+        objective = lambda t: loss_of(part.with_trainable(params, t), batch, segments, n, ref,  # noqa: E731
                                       desirable, key)
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trained)
         updates, opt_state = tx.update(grads, opt_state, trained)
-        params = lora_lib.with_trainable(params, optax.apply_updates(trained, updates), lora)
+        params = part.with_trainable(params, optax.apply_updates(trained, updates))
         return params, opt_state, loss, metrics
 
     rng = random.Random(seed)

@@ -87,10 +87,16 @@ class Model:
     remat: Literal["none", "full", "dots_saveable", "attention_saveable"] = "none"
     # attention backend (guijax/models/attention.py: IMPLEMENTATIONS)
     attention: Literal["auto", "reference", "xla", "cudnn"] = "auto"
+    # the blockwise ("xla") attention's query/key tile in the decoder: tiles whose pairs are all masked are
+    # skipped, so smaller tiles skip more of a packed row's cross-example pairs; larger ones are fewer matmuls
+    attention_block: int = ranged(512, low=16)
     scan_layers: bool = True  # decoder layers and vision blocks under scan: compile time flat in depth
     # MoE under expert parallelism (mesh.expert > 1): each device's room per destination is this factor times an
     # even share of its (token, choice) pairs, the rest dropped and reported (moe_dropped_fraction); 0: dropless
     expert_capacity_factor: float = ranged(0.0, low=0)
+    # parameter groups every training stage holds fixed: no gradient, no optimiser moments, no backward pass
+    # through them ("visual": the vision tower with its merger, which SGCD keeps frozen throughout)
+    frozen: tuple[Literal["visual", "embed_tokens", "lm_head"], ...] = ()
     tokenizer_vocab: int = ranged(0, low=0)  # fresh checkpoints: BPE vocab size (0: the preset's vocab size)
     # 0: the checkpoint's preprocessor_config; else downscale screenshots for the policy
     image_max_pixels: int = ranged(0, low=0)
@@ -160,8 +166,10 @@ class Rollout:
     format_reward: float = -1.0  # reward of an unparsable response (ARPO) ...
     format_weight: float = ranged(0.5, low=0)  # ... and its weight
     # the system prompt, and with it the action grammar the policy writes: UI-TARS-1.5's own prompt | a compact
-    # one (both UI-TARS text) | EvoCUA's computer_use tool calls in 0-1000 coordinates (full | compact)
-    prompt: Literal["uitars_official", "compact", "computer_use", "computer_use_compact"] = "uitars_official"
+    # one (both UI-TARS text) | EvoCUA's computer_use tool calls in 0-1000 coordinates (full | compact) |
+    # SGCD's Fig. 9: pyautogui code in 0-1000 coordinates
+    prompt: Literal["uitars_official", "compact", "computer_use", "computer_use_compact",
+                    "pyautogui"] = "uitars_official"
     # sync: sample every group with the current parameters, then train (the papers' protocol); async: a thread
     # keeps every environment busy and the learner trains on groups as they complete (guijax.rollout.stream)
     mode: Literal["sync", "async"] = "sync"

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from guijax import kernels, objectives, sharding
 from guijax.data.packing import packed_hidden
-from guijax.models import lora as lora_lib
+from guijax.models.trained import TrainedPart
 from guijax.models import weights
 from guijax.models.moe import dropped_fraction, load_balancing_loss
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
@@ -45,12 +45,12 @@ class TrainState:
 def checkpointed(state: TrainState, module: Qwen2_5_VL) -> TrainState:
     """What a checkpoint must hold to resume: under LoRA the adapters, not the frozen base weights (which
     the run reloads from its checkpoint directory), so a 7B LoRA checkpoint is megabytes, not gigabytes."""
-    return TrainState(lora_lib.trainable(state.params, module.lora), state.opt_state, state.step)
+    return TrainState(TrainedPart.of(module).trainable(state.params), state.opt_state, state.step)
 
 
 def restored(state: TrainState, saved: TrainState, module: Qwen2_5_VL) -> TrainState:
     """The inverse of `checkpointed`: `saved`'s trainable parameters and optimiser state on `state`'s base."""
-    return TrainState(lora_lib.with_trainable(state.params, saved.params, module.lora), saved.opt_state, saved.step)
+    return TrainState(TrainedPart.of(module).with_trainable(state.params, saved.params), saved.opt_state, saved.step)
 
 
 def lm_head(params: Any, module: Qwen2_5_VL) -> jax.Array:
@@ -185,7 +185,7 @@ def state_shardings(module: Qwen2_5_VL, tx: optax.GradientTransformation, mesh: 
     step counter replicated."""
     boxed = weights.abstract_params(module)
     params = sharding.param_shardings(boxed, mesh)
-    trainable = lambda tree: lora_lib.trainable(tree, module.lora)  # noqa: E731
+    trainable = TrainedPart.of(module).trainable
     opt = sharding.opt_state_shardings(tx, trainable(nn.unbox(boxed)), trainable(params), mesh)
     return TrainState(params, opt, sharding.replicated(mesh))
 
@@ -194,7 +194,7 @@ def init_state(module: Qwen2_5_VL, params: Any, tx: optax.GradientTransformation
                mesh: Mesh | None = None) -> TrainState:
     """Step-0 TrainState. With a mesh the parameters are (re)placed in their shards and the optimiser state is
     created directly in its shards by a jitted init, never whole on one device."""
-    trainable = lambda tree: lora_lib.trainable(tree, module.lora)  # noqa: E731
+    trainable = TrainedPart.of(module).trainable
     if mesh is None:
         return TrainState(params, sharding.init_opt_state(tx, trainable(params)), jnp.int32(0))
     shards = state_shardings(module, tx, mesh)
@@ -240,14 +240,14 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
     enter as constants, so no full-size gradient or moment is ever computed or held. The base is passed
     beside the donated state, neither donated nor returned, so the new state holds the very same base arrays
     and other holders of them (a KL reference policy) share them instead of keeping a copy."""
-    lora = module.lora
-    use_dropout = lora is not None and lora.dropout > 0
+    part = TrainedPart.of(module)
+    use_dropout = module.lora is not None and module.lora.dropout > 0
 
     def step(state: TrainState, frozen: Any, batch: Batch) -> tuple[TrainState, dict]:
         """`state.params`: the trained parameters (the adapters under LoRA, else all); `frozen`: the rest."""
         trained = state.params
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.dropout_seed), state.step) if use_dropout else None
-        objective = lambda t: loss_fn(lora_lib.join(t, frozen, lora), batch, module, cfg, mesh, key)  # noqa: E731
+        objective = lambda t: loss_fn(part.join(t, frozen), batch, module, cfg, mesh, key)  # noqa: E731
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trained)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -258,40 +258,40 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
         return TrainState(keep(new_trained, trained), keep(new_opt, state.opt_state), state.step + 1), metrics
 
     if mesh is None:
-        return _SplitStep(jax.jit(step, donate_argnums=(0,)), lora)
+        return _SplitStep(jax.jit(step, donate_argnums=(0,)), part)
     shards = state_shardings(module, tx, mesh)
-    trained_shards, frozen_shards = lora_lib.partition(shards.params, lora)
+    trained_shards, frozen_shards = part.partition(shards.params)
     trained_state = TrainState(trained_shards, shards.opt_state, shards.step)
     shardings = lambda state, frozen, batch: ((trained_state, frozen_shards,  # noqa: E731
                                                sharding.batch_shardings(batch, mesh)),
                                               (trained_state, sharding.replicated(mesh)))
     return _SplitStep(BatchFn(sharding.MeshJit(step, mesh, shardings, donate_argnums=(0,)), module.cfg.image_token_id),
-                      lora)
+                      part)
 
 
-def reference_params(params: Any, lora: lora_lib.LoraConfig | None) -> Any:
+def reference_params(params: Any, part: TrainedPart) -> Any:
     """A frozen copy of `params` that training steps cannot touch: the trained part copied (steps donate its
     buffers), the frozen base under LoRA shared (steps neither donate nor replace it), so a 7B LoRA run's
     reference policy costs the adapters' bytes, not a second model."""
-    trained, frozen = lora_lib.partition(params, lora)
-    return lora_lib.join(jax.tree.map(jnp.copy, trained), frozen, lora)
+    trained, frozen = part.partition(params)
+    return part.join(jax.tree.map(jnp.copy, trained), frozen)
 
 
 class _SplitStep:
     """`step(state, batch)` over the jitted `fn(trained state, frozen params, batch)`: the state's parameters are
     cut into what the step trains and what it only reads, and joined again around the call."""
 
-    def __init__(self, fn: Any, lora: lora_lib.LoraConfig | None):
-        self.fn, self.lora = fn, lora
+    def __init__(self, fn: Any, part: TrainedPart):
+        self.fn, self.part = fn, part
 
     def _args(self, state: TrainState) -> tuple[TrainState, Any]:
-        trained, frozen = lora_lib.partition(state.params, self.lora)
+        trained, frozen = self.part.partition(state.params)
         return TrainState(trained, state.opt_state, state.step), frozen
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         trained_state, frozen = self._args(state)
         new, metrics = self.fn(trained_state, frozen, batch)
-        return TrainState(lora_lib.join(new.params, frozen, self.lora), new.opt_state, new.step), metrics
+        return TrainState(self.part.join(new.params, frozen), new.opt_state, new.step), metrics
 
     def lower(self, state: TrainState, batch: Batch) -> Any:
         return self.fn.lower(*self._args(state), batch)
@@ -302,7 +302,7 @@ class _SplitStep:
         at `.compiled` for its memory and cost analyses. Its calls take the batch as `place` returns it."""
         placed = self.place(batch)
         compiled = self.lower(state, placed).compile()
-        out = _SplitStep(compiled, self.lora)
+        out = _SplitStep(compiled, self.part)
         out.compiled = compiled
         return out
 

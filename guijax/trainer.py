@@ -26,6 +26,7 @@ from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
 from guijax.data.store import SUFFIX as STORE_SUFFIX, TrajectoryStore
 from guijax.metrics import MetricsWriter
 from guijax.models.policy import Policy
+from guijax.models.trained import TrainedPart
 from guijax.progress import Progress
 from guijax.rng import Streams
 from guijax.rollout.engine import RolloutConfig, RolloutEngine, episode_seed
@@ -141,7 +142,7 @@ class Trainer:
         self.state = train_step.init_state(self.module, self.policy.params, self.tx, self.mesh)
         # the frozen reference policy of a KL term: the parameters the run starts from. The trained ones are
         # copied (each step donates their buffers); under LoRA the frozen base is shared, not copied
-        self.ref_params = (train_step.reference_params(self.state.params, self.module.lora)
+        self.ref_params = (train_step.reference_params(self.state.params, TrainedPart.of(self.module))
                            if parts.objective.reference_kl else None)
         self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature),
                                mesh=parts.sampler_mesh or parts.mesh)
@@ -444,7 +445,7 @@ class Trainer:
         """The parameters the rollout thread samples with until the next update: copied onto the sampler's own
         devices when it has them, else a copy on the training devices that the next update cannot donate."""
         if self.parts.sampler_mesh is None:
-            return train_step.reference_params(self.state.params, self.module.lora)
+            return train_step.reference_params(self.state.params, TrainedPart.of(self.module))
         from guijax.models.weights import abstract_params
 
         return jax.device_put(self.state.params,

@@ -126,6 +126,7 @@ class SEAgent(Method):
         import numpy as np
 
         from guijax import train_step
+        from guijax.models.trained import TrainedPart
         from guijax.rollout.trajectory import Status
         from guijax.seagent import step_rl
         from guijax.seagent.world_state import Label, score_judge, step_labels
@@ -151,7 +152,7 @@ class SEAgent(Method):
         data = step_rl.training_rows(rollouts, positives, samples, step_rl.group_advantages(rewards), failures)
         history: list[dict[str, float]] = []
         if data.refs:
-            reference = train_step.reference_params(policy.params, policy.module.lora)
+            reference = train_step.reference_params(policy.params, TrainedPart.of(policy.module))
             policy.params, history = step_rl.update(
                 policy, reference, data, self.loss(), self.config, pipeline, o.batch_rows, o.update_epochs,
                 o.learning_rate, streams.seed_for("batches"), log=writer.write)

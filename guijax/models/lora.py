@@ -114,26 +114,6 @@ def combine(frozen: Any, adapters: Any) -> dict:
     return traverse_util.unflatten_dict(flat)
 
 
-def partition(params: Any, lora: LoraConfig | None) -> tuple[Any, Any]:
-    """(trained, frozen): (adapters, base) under LoRA, (everything, {}) otherwise."""
-    return (params, {}) if lora is None else split(params)
-
-
-def join(trained: Any, frozen: Any, lora: LoraConfig | None) -> Any:
-    """The inverse of `partition`."""
-    return trained if lora is None else combine(frozen, trained)
-
-
-def trainable(params: Any, lora: LoraConfig | None) -> Any:
-    """What the optimiser updates: the adapters under LoRA, everything otherwise."""
-    return partition(params, lora)[0]
-
-
-def with_trainable(params: Any, new: Any, lora: LoraConfig | None) -> Any:
-    """`params` with its trainable part replaced by `new` (the inverse of `trainable`)."""
-    return join(new, partition(params, lora)[1], lora)
-
-
 def merge(params: Any, lora: LoraConfig) -> dict:
     """The base parameters with each adapter folded into its kernel (W + s·A B, in float32, rounded to the
     kernel's dtype) and the adapter leaves dropped: what a plain checkpoint of the trained model holds."""

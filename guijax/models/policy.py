@@ -134,14 +134,17 @@ class Policy:
 def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_dtype: Any = None,
                     mesh: jax.sharding.Mesh | None = None, remat_policy: str = "none",
                     attention_impl: str = "auto", scan_layers: bool = True, lora: LoraConfig | None = None,
-                    lora_seed: int = 0, expert_capacity_factor: float = 0.0) -> Policy:
+                    lora_seed: int = 0, expert_capacity_factor: float = 0.0, frozen: tuple[str, ...] = (),
+                    attention_block: int = 512) -> Policy:
     """Load a Hugging Face Qwen2.5-VL, Qwen2-VL or Qwen3-VL directory (config.json, whose `model_type` picks
     the family; safetensors with optional index; tokenizer).
 
     dtype is the compute dtype; param_dtype defaults to it. With a mesh, every device reads only its shard.
-    attention_impl picks the attention backend ("auto", "xla", "cudnn", "reference"). With `lora`, fresh
+    attention_impl picks the attention backend ("auto", "xla", "cudnn", "reference"), attention_block the
+    blockwise backend's tile. With `lora`, fresh
     adapters (drawn from `lora_seed`) join the loaded weights, which training then leaves frozen.
     expert_capacity_factor sizes a MoE model's expert-parallel buffers (guijax.models.moe; 0: dropless).
+    `frozen` names parameter groups that training then holds fixed (guijax.models.trained).
     """
     path = pathlib.Path(path)
     if not path.is_dir():
@@ -150,7 +153,8 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_d
     dtype = resolve_dtype(dtype)
     module = weights.build_module(cfg, dtype=dtype, param_dtype=resolve_dtype(param_dtype or dtype),
                                   remat_policy=remat_policy, attention_impl=attention_impl, scan_layers=scan_layers,
-                                  lora=lora, expert_capacity_factor=expert_capacity_factor)
+                                  lora=lora, expert_capacity_factor=expert_capacity_factor, frozen=frozen,
+                                  attention_block=attention_block)
     params = weights.load_params(str(path), module, mesh)
     if lora is not None:
         params = combine(params, weights.init_adapters(module, jax.random.PRNGKey(lora_seed), mesh))

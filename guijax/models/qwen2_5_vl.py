@@ -85,6 +85,7 @@ class Attention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention_impl: str = "auto"
+    attention_block: int = 512  # the blockwise ("xla") attention's query and key tile
     lora: LoraConfig | None = None
 
     @nn.compact
@@ -112,7 +113,8 @@ class Attention(nn.Module):
             v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
         out = attention(q, k.astype(q.dtype), v.astype(q.dtype), causal=True, q_segment_ids=mask.q_segment_ids,
                         kv_segment_ids=mask.kv_segment_ids, q_positions=mask.q_positions,
-                        kv_positions=mask.kv_positions, implementation=self.attention_impl)
+                        kv_positions=mask.kv_positions, implementation=self.attention_impl,
+                        block_q=self.attention_block, block_k=self.attention_block)
         out = checkpoint_name(out.reshape(b, s, -1), ATTENTION_OUT)
         return proj(cfg.hidden_size, ("q_heads", "embed"), "o_proj", False)(out), cache
 
@@ -169,6 +171,7 @@ class DecoderLayer(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention_impl: str = "auto"
+    attention_block: int = 512
     lora: LoraConfig | None = None
     expert_capacity_factor: float = 0.0
 
@@ -177,7 +180,8 @@ class DecoderLayer(nn.Module):
         x, cache = carry
         cfg = self.cfg
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h, cache = Attention(cfg, name="self_attn", attention_impl=self.attention_impl, lora=self.lora, **kw)(
+        h, cache = Attention(cfg, name="self_attn", attention_impl=self.attention_impl,
+                             attention_block=self.attention_block, lora=self.lora, **kw)(
             RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x), cos, sin, mask, cache, cache_index, layer)
         x = x + h
         h = checkpoint_name(RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x), MLP_IN)
@@ -208,6 +212,10 @@ class Qwen2_5_VL(nn.Module):
     attention_impl: str = "auto"
     scan_layers: bool = True
     lora: LoraConfig | None = None  # low-rank adapters on the decoder projections it targets (guijax.models.lora)
+    # the decoder's blockwise attention tile (queries and keys); smaller tiles skip more of a packed row's
+    # cross-example pairs, larger ones make fewer, bigger matmuls
+    attention_block: int = 512
+    frozen: tuple[str, ...] = ()  # parameter groups training holds fixed (guijax.models.trained)
     # routed experts under expert parallelism: each destination's room per device (guijax.models.moe); 0: dropless
     expert_capacity_factor: float = 0.0
 
@@ -224,10 +232,12 @@ class Qwen2_5_VL(nn.Module):
         if self.scan_layers:
             broadcast = (nn.broadcast,) * 5 + (0,)  # cos, sin, mask, cache_index, deepstack; the layer index is scanned
             self.layers = scanned_layers(layer_cls, cfg.num_hidden_layers, broadcast)(
-                cfg, name="layers", attention_impl=self.attention_impl, lora=self.lora,
+                cfg, name="layers", attention_impl=self.attention_impl, attention_block=self.attention_block,
+                lora=self.lora,
                 expert_capacity_factor=self.expert_capacity_factor, **kw)
         else:
-            self.layers = [layer_cls(cfg, name=f"layers_{i}", attention_impl=self.attention_impl, lora=self.lora,
+            self.layers = [layer_cls(cfg, name=f"layers_{i}", attention_impl=self.attention_impl,
+                                     attention_block=self.attention_block, lora=self.lora,
                                      expert_capacity_factor=self.expert_capacity_factor, **kw)
                            for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, **kw)

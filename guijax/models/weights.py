@@ -34,14 +34,17 @@ NESTED = "nested"  # model.language_model.*, model.visual.*: transformers 5's in
 
 def build_module(cfg: ModelConfig, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                  remat_policy: str = "none", attention_impl: str = "auto", scan_layers: bool = True,
-                 lora: LoraConfig | None = None, expert_capacity_factor: float = 0.0) -> Qwen2_5_VL:
+                 lora: LoraConfig | None = None, expert_capacity_factor: float = 0.0,
+                 frozen: tuple[str, ...] = (), attention_block: int = 512) -> Qwen2_5_VL:
     """The Flax module; attention_impl is the attention backend (see guijax.models.attention), scan_layers
     stacks the layers under `nn.scan` (False: one module per layer, the unrolled reference), lora adds
     low-rank adapters to the decoder projections it targets, expert_capacity_factor sizes expert parallelism's
-    buffers (guijax.models.moe; 0: dropless)."""
+    buffers (guijax.models.moe; 0: dropless), frozen names the parameter groups training holds fixed
+    (guijax.models.trained), attention_block is the blockwise attention's tile."""
     return Qwen2_5_VL(cfg, dtype=dtype, param_dtype=param_dtype, remat_policy=remat_policy,
                       attention_impl=attention_impl, scan_layers=scan_layers, lora=lora,
-                      expert_capacity_factor=expert_capacity_factor)
+                      expert_capacity_factor=expert_capacity_factor, frozen=tuple(frozen),
+                      attention_block=attention_block)
 
 
 def _dummy_inputs(cfg: ModelConfig) -> tuple:

@@ -79,7 +79,8 @@ class Run:
 
     def load_policy(self, path: pathlib.Path, trains: ml_collections.ConfigDict | None = None):
         """The policy in `path`. A policy that `trains` (under that config: the run's, or a method's) gets
-        fresh LoRA adapters when its `lora.rank` is positive; one that only samples is the plain model."""
+        fresh LoRA adapters when its `lora.rank` is positive and holds its `model.frozen` groups fixed; one
+        that only samples is the plain model."""
         from guijax.models.policy import from_pretrained
 
         lora = None if trains is None else from_run_config(trains)
@@ -89,6 +90,8 @@ class Run:
                                  attention_impl=self.config.model.get("attention", "auto"),
                                  scan_layers=self.config.model.scan_layers, lora=lora,
                                  lora_seed=self.streams.seed_for("lora_init"),
+                                 frozen=() if trains is None else tuple(trains.model.frozen),
+                                 attention_block=self.config.model.attention_block,
                                  expert_capacity_factor=self.config.model.get("expert_capacity_factor", 0.0))
         processor = policy.processor
         if self.config.model.image_max_pixels:

@@ -151,6 +151,25 @@ def test_errors_name_the_problem():
             attention(q, k, v, implementation="cudnn")
 
 
+def test_the_models_attention_block_sets_the_decoders_tiles():
+    """`attention_block` reaches the decoder's blockwise attention (a 64-token packed row in 16-token tiles is
+    a 4 x 4 grid of tiles, scanned; in 512-token tiles one) and leaves its values unchanged."""
+    cfg = PRESETS["tiny"]
+    rs = np.random.RandomState(9)
+    ids = jnp.asarray(rs.randint(0, 900, (1, 64)), jnp.int32)
+    segments = jnp.asarray(np.repeat([1, 2, 3, 4], 16)[None], jnp.int32)  # four packed examples
+    positions = jnp.asarray(np.broadcast_to(np.tile(np.arange(16), 4), (3, 1, 64)), jnp.int32)
+    params = Qwen2_5_VL(cfg).init(jax.random.PRNGKey(0), ids, positions, segments)
+    out, scans = {}, {}
+    for block in (16, 512):
+        module = Qwen2_5_VL(cfg, attention_impl="xla", attention_block=block)
+        out[block] = module.apply(params, ids, positions, segments)[0]
+        jaxpr = str(jax.make_jaxpr(lambda p: module.apply(p, ids, positions, segments)[0])(params))
+        scans[block] = jaxpr.count("length=4")
+    assert scans[16] > 0 and scans[512] == 0
+    chex.assert_trees_all_close(out[16], out[512], **TOL)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_cudnn_equals_reference_on_right_padded_rows(causal):

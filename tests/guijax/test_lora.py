@@ -18,6 +18,7 @@ from guijax import optim, objectives, train_step
 from guijax.models import peft_format, policy as policy_lib, weights
 from guijax.models.config import PRESETS
 from guijax.models.lora import LoraConfig, combine, merge, split
+from guijax.models.trained import TrainedPart
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -265,7 +266,7 @@ def test_steps_leave_the_base_in_place_so_a_reference_policy_shares_it(on_mesh):
     tx = _tx()
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=4, tensor=2)) if on_mesh else None
     state = train_step.init_state(module, params, tx, mesh)
-    reference = train_step.reference_params(state.params, module.lora)
+    reference = train_step.reference_params(state.params, TrainedPart.of(module))
     ref_adapters, ref_base = split(reference)
     initial = jax.tree.map(np.asarray, ref_adapters)
     step = train_step.make_train_step(module, tx, train_step.StepConfig(objectives.CrossEntropyLoss()), mesh)

@@ -1,4 +1,5 @@
-"""SGCD's accelerator recipes resolve, pass the recipe check, and dry-run to the paper's policies' sizes."""
+"""SGCD's accelerator recipes resolve, pass the recipe check, and dry-run to the paper's policies' sizes with
+its vision tower frozen."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,9 @@ def test_accelerator_recipes_dry_run(recipe, params, mesh):
     report = launch.dry_run(config)
     assert report["params"] == params and report["mesh"] == mesh
     assert config.sgcd.skill_extractor == config.sgcd.judge == "chat" and config.sgcd.branching == "live"
+    # Fig. 9's grammar; the ViT and aligner frozen (Table 8): no moments for them
+    assert config.rollout.prompt == "pyautogui" and config.model.frozen == ("visual",)
+    assert report["trained_params"] == params - report["vision_params"] > 0.9 * params
 
 
 def test_the_desk_only_parts_are_refused_on_osworld_naming_the_key():
@@ -36,7 +40,8 @@ def test_a_changed_measurement_reruns_the_csr_stage_but_retrains_nothing():
     assert trained["methods/sgcd"] != base["methods/sgcd"] and trained["csr"] != base["csr"]
 
 
-@pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use")])
+@pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use"),
+                                            ("pyautogui", "pyautogui")])
 def test_the_offline_extractor_and_rule_judge_read_the_runs_grammar(prompt, grammar):
     from guijax.methods import get_method
 
