@@ -3,8 +3,10 @@
 The paper's settings where they apply to one node (sgcd.txt §4, Appendix H-I): M plain rollouts per task,
 skills by an OpenAI-compatible model with the Fig. 5 prompt (the paper uses Gemini-3-Pro; key in
 $OPENAI_API_KEY), handoff depths k = 1..20 with a fresh plain prefix per depth on the live desktops (the paper's
-way: OSWorld VMs cannot save their state), the LLM judge, Stage IV at lr 1e-5 on rows of at most 10,240
-tokens, three screenshots of history (the paper's H = 3), sampling at temperature 1.0 / top-p 0.95.
+way: OSWorld VMs cannot save their state), the LLM judge (shown the screens of the last four continuation
+steps: the paper's judge inspects the observations, how many is not printed), Stage IV at lr 1e-5 on rows of
+at most 10,240 tokens, three screenshots of history (the paper's H = 3), sampling at temperature 1.0 / top-p
+0.95.
 Edit model.path, env.osworld_dir, env.server_urls and sgcd.chat_url for your machines; Qwen3-VL-30B-A3B:
 --config.model.preset=qwen3_vl_30b_a3b --config.model.path=/models/Qwen3-VL-30B-A3B-Instruct --config.mesh.expert=8.
 The policy is prompted with the paper's Fig. 9 and writes pyautogui code in 0-1000 coordinates; the expert
@@ -35,6 +37,7 @@ def get_config():
     c.sgcd.branching = "live"
     c.sgcd.skill_extractor = "chat"
     c.sgcd.judge = "chat"
+    c.sgcd.judge_screenshots = 4  # the judge sees the screens of the last four continuation steps (ours)
     c.sgcd.chat_url = "https://generativelanguage.googleapis.com/v1beta/openai"
     c.sgcd.chat_model = "gemini-3-pro-preview"
     c.sgcd.chat_api_key_env = "OPENAI_API_KEY"

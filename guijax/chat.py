@@ -8,7 +8,9 @@ and the start of what came back.
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import json
 import os
 import re
@@ -81,6 +83,21 @@ class ChatClient:
         if not isinstance(content, str):
             raise ChatError(f"{endpoint}: the reply's content is {type(content).__name__}, not text")
         return content
+
+
+def png_data_url(image: Any, max_side: int | None = None) -> str:
+    """An [H, W, 3] uint8 screenshot as a base64 PNG data URL (the OpenAI-compatible image content form, also
+    what an HTML page embeds), downscaled to `max_side` pixels on its longer side if larger."""
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray(np.asarray(image, np.uint8))
+    if max_side and max(img.size) > max_side:
+        scale = max_side / max(img.size)
+        img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.BILINEAR)
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def json_reply(text: str) -> object:

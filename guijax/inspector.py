@@ -15,22 +15,18 @@ image; UI-TARS-1.0: 0-1000).
 from __future__ import annotations
 
 import argparse
-import base64
 import dataclasses
 import html
-import io
 import json
 import pathlib
 import re
 import sys
 from typing import Iterable, Sequence
 
-import numpy as np
-from PIL import Image
-
 from envs.actions import Action, ActionParseError, ActionType
 from envs.actions.grammar import GRAMMARS, parse_response, reasoning
 from envs.atomic import write_text_atomic
+from guijax.chat import png_data_url
 from guijax.rollout.trajectory import Trajectory
 
 TITLE_COLOR = "#1f4e79"  # the page's title bar
@@ -84,18 +80,6 @@ def markers(response: str, screenshot_hw: tuple[int, int], coordinate_model: str
         return [], str(err)
     return [Marker(_POINTED[a.kind], tuple(a.point), tuple(a.end_point) if a.kind == ActionType.DRAG else None)
             for a in actions if a.kind in _POINTED and a.point is not None], None
-
-
-def png_data_url(image: np.ndarray, max_side: int | None = None) -> str:
-    """The image as a base64 PNG data URL, downscaled to `max_side` pixels on its longer side if larger (the
-    markers stay in the original pixel grid, so they still land right)."""
-    img = Image.fromarray(np.asarray(image, np.uint8))
-    if max_side and max(img.size) > max_side:
-        scale = max_side / max(img.size)
-        img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.BILINEAR)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def _svg(marks: Sequence[Marker], w: int, h: int) -> str:

@@ -170,6 +170,9 @@ class Rollout:
     # SGCD's Fig. 9: pyautogui code in 0-1000 coordinates
     prompt: Literal["uitars_official", "compact", "computer_use", "computer_use_compact",
                     "pyautogui"] = "uitars_official"
+    # UI-TARS text's coordinates: pixels of the resized screenshot (UI-TARS-1.5) | 0-1000 relative (UI-TARS 1.0,
+    # e.g. UI-TARS-7B-DPO); computer_use and pyautogui are always 0-1000 relative
+    coordinate_model: Literal["uitars-1.5", "uitars-1.0"] = "uitars-1.5"
     # sync: sample every group with the current parameters, then train (the papers' protocol); async: a thread
     # keeps every environment busy and the learner trains on groups as they complete (guijax.rollout.stream)
     mode: Literal["sync", "async"] = "sync"

@@ -43,8 +43,9 @@ class TrainState:
 
 
 def checkpointed(state: TrainState, module: Qwen2_5_VL) -> TrainState:
-    """What a checkpoint must hold to resume: under LoRA the adapters, not the frozen base weights (which
-    the run reloads from its checkpoint directory), so a 7B LoRA checkpoint is megabytes, not gigabytes."""
+    """What a checkpoint must hold to resume: what trains (guijax.models.trained), so under LoRA the adapters,
+    not the frozen base weights (which the run reloads from its checkpoint directory; a 7B LoRA checkpoint is
+    megabytes, not gigabytes), and never a group `model.frozen` holds fixed."""
     return TrainState(TrainedPart.of(module).trainable(state.params), state.opt_state, state.step)
 
 
@@ -239,12 +240,14 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
     Under LoRA (`module.lora`) the gradient is taken with respect to the adapters alone: the base weights
     enter as constants, so no full-size gradient or moment is ever computed or held. The base is passed
     beside the donated state, neither donated nor returned, so the new state holds the very same base arrays
-    and other holders of them (a KL reference policy) share them instead of keeping a copy."""
+    and other holders of them (a KL reference policy) share them instead of keeping a copy. Groups held fixed
+    by `module.frozen` (a frozen vision tower) are passed the same way, with the same savings."""
     part = TrainedPart.of(module)
     use_dropout = module.lora is not None and module.lora.dropout > 0
 
     def step(state: TrainState, frozen: Any, batch: Batch) -> tuple[TrainState, dict]:
-        """`state.params`: the trained parameters (the adapters under LoRA, else all); `frozen`: the rest."""
+        """`state.params`: the trained parameters (TrainedPart: the adapters under LoRA, else all, less the
+        frozen groups); `frozen`: the rest."""
         trained = state.params
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.dropout_seed), state.step) if use_dropout else None
         objective = lambda t: loss_fn(part.join(t, frozen), batch, module, cfg, mesh, key)  # noqa: E731

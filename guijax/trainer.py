@@ -63,7 +63,7 @@ def rollout_config(config: ml_collections.ConfigDict, system_prompt: str) -> Rol
         raise ValueError(f"pipeline.length_buckets (largest {max(config.pipeline.length_buckets)}) leave no room for a "
                          f"prompt beside rollout.max_new_tokens={r.max_new_tokens}")
     return RolloutConfig(max_images=r.max_images, format_reward=r.format_reward, format_weight=r.format_weight,
-                         system_prompt=system_prompt, grammar=grammar_of(r.prompt),
+                         system_prompt=system_prompt, grammar=grammar_of(r.prompt), coordinate_model=r.coordinate_model,
                          max_prompt_tokens=max(config.pipeline.length_buckets) - r.max_new_tokens)
 
 

@@ -422,7 +422,7 @@ class ChatHindsight:
     def messages(self, instruction: str, steps: Sequence[HindsightStep], index: int,
                  thoughts: Sequence[Thought], error_context: str = "") -> list[dict[str, Any]]:
         """The request for step `index` (Algorithm 1's CONSTRUCT*PROMPT), screenshots as PNG data URLs."""
-        from guijax.seagent.world_state import png_data_url
+        from guijax.chat import png_data_url
 
         s = steps[index]
         kind = phase(index, steps, error_context)

@@ -50,6 +50,8 @@ class SGCDOptions:
     skill_retries: int = ranged(2, low=0)  # chat: malformed answers asked again before the task is skipped
     judge: Literal["rule", "chat", "none"] = "rule"
     judge_max_repeats: int = ranged(2, low=1)  # rule judge: an action repeated more often in a row is a loop
+    # chat judge: the screens of the last N post-handoff steps go with their responses (0: text only)
+    judge_screenshots: int = ranged(0, low=0)
     chat_url: str = ""  # skill extractor / judge endpoint (OpenAI-compatible)
     chat_model: str = ""
     chat_api_key_env: str = "OPENAI_API_KEY"
@@ -132,7 +134,7 @@ class SGCD(Method):
         if o.judge == "chat":
             from guijax.sgcd.judge import ChatJudge
 
-            return ChatJudge(self._client(), retries=o.skill_retries)
+            return ChatJudge(self._client(), retries=o.skill_retries, screenshots=o.judge_screenshots)
         if o.judge == "rule":
             from guijax.sgcd.judge import RuleJudge
 

@@ -101,7 +101,7 @@ def expert_trajectories(run: Run, task_list) -> list:
             trace = run_expert(env, task, ScriptedExpert(noise=run.config.sft.expert_noise,
                                                          seed=run.streams.seed_for("sft", "expert", task.id, k)))
             if trace.reward >= 1.0:
-                converted = convert_trace(trace, grammar=grammar)
+                converted = convert_trace(trace, run.config.rollout.coordinate_model, grammar=grammar)
                 converted.meta["phi_plan"] = extractor(trace)
                 out.append(converted)
     return out

@@ -75,7 +75,8 @@ def expert(run: Run) -> str:
         ok = trace.reward >= 1.0
         results[task.id] = {"success": ok, "steps": len(trace.steps), "plan": extractor(trace) if ok else []}
         if ok:
-            converted.append(convert_trace(trace, thought_style=b.conversion_thoughts, grammar=grammar))
+            converted.append(convert_trace(trace, run.config.rollout.coordinate_model, thought_style=b.conversion_thoughts,
+                                           grammar=grammar))
     bar.close()
     _write_shard(run.workdir / "expert_traces", "expert", converted)
     _write_json(out, {"expert_noise": b.expert_noise, "conversion_thoughts": b.conversion_thoughts,

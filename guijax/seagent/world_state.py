@@ -21,17 +21,15 @@ Steps after those are left unlabelled: nothing is learnt from them.
 from __future__ import annotations
 
 import ast
-import base64
 import dataclasses
 import enum
-import io
 import re
 from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from envs.api import Task
-from guijax.chat import ChatClient, ChatError
+from guijax.chat import ChatClient, ChatError, png_data_url
 from guijax.rollout.trajectory import Trajectory
 
 # Fig. 8 as printed (its item numbers included); the figure is cut after the last field, whose quotes are closed
@@ -199,15 +197,6 @@ class DeskOracleJudge:
         subgoals = expert_subgoals(task)
         suggestion = plan_text(subgoals[done]) if done < len(subgoals) else "Report that the task is done"
         return Judgment(False, repeated, False, first.index, first.trap, suggestion)
-
-
-def png_data_url(image: np.ndarray) -> str:
-    """An [H, W, 3] uint8 screenshot as a PNG data URL (the OpenAI-compatible image content form)."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(np.asarray(image, np.uint8)).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 class ChatWorldStateJudge:

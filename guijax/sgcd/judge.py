@@ -10,20 +10,21 @@ instruction, looking at the post-handoff part (the prefix is the plain policy's,
   action grammar the policy writes (`grammar`: UI-TARS's Thought, computer_use's reasoning before `Action:`).
 - `ChatJudge`: an OpenAI-compatible model with the prompt below (the paper names the criteria but prints no
   prompt; this one is ours). It reads the instruction, each step's response as written (thought and action in
-  either grammar) and the outcome, not the screenshots. An answer that is not the JSON verdict is asked again,
-  then counted as a rejection with the reason.
+  the run's grammar) and the outcome, and, as the paper's judge inspects the observations, the screen each of
+  the last `screenshots` post-handoff steps acted on (0: text only). An answer that is not the JSON verdict is
+  asked again, then counted as a rejection with the reason.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Protocol
+from typing import Any, Protocol
 
 from envs.actions import ActionParseError
 from envs.actions.grammar import parse_response, reasoning
 from envs.actions.model import Action, ActionType
 from envs.api import Task
-from guijax.chat import ChatClient, ChatError, json_reply
+from guijax.chat import ChatClient, ChatError, json_reply, png_data_url
 from guijax.rollout.trajectory import Status, Step, Trajectory
 
 JUDGE_PROMPT = """You review one computer-use episode in which an agent continued a task from a state reached by another policy (the first {handoff} steps, shown for context). The environment's verifier has already accepted the final state.
@@ -119,16 +120,28 @@ def parse_verdict(text: str) -> Verdict:
 
 
 class ChatJudge:
-    def __init__(self, client: ChatClient, retries: int = 2):
-        self.client, self.retries = client, retries
+    def __init__(self, client: ChatClient, retries: int = 2, screenshots: int = 0, max_side: int | None = 1280):
+        self.client, self.retries, self.screenshots, self.max_side = client, retries, screenshots, max_side
 
-    def messages(self, task: Task, trajectory: Trajectory, handoff: int) -> list[dict[str, str]]:
-        steps = "\n".join(f"Step {j}{' (context)' if j <= handoff else ''}: {s.response.strip()}"
-                          for j, s in enumerate(trajectory.steps, 1))
-        episode = (f"Instruction: {task.instruction}\n\n{steps}\n\nOutcome: ended as {trajectory.status.value}, "
-                   f"verifier reward {trajectory.reward:.2f}")
-        return [{"role": "system", "content": JUDGE_PROMPT.format(handoff=handoff)},
-                {"role": "user", "content": episode}]
+    def messages(self, task: Task, trajectory: Trajectory, handoff: int) -> list[dict[str, Any]]:
+        """The system prompt and the episode: text alone, or with the screen before each of the last
+        `screenshots` post-handoff steps placed ahead of that step's response (at most `max_side` pixels)."""
+        steps = trajectory.steps
+        shown = set(range(max(handoff, len(steps) - self.screenshots), len(steps))) if self.screenshots else set()
+        lines = [f"Step {j}{' (context)' if j <= handoff else ''}: {s.response.strip()}" for j, s in enumerate(steps, 1)]
+        head = f"Instruction: {task.instruction}"
+        tail = f"Outcome: ended as {trajectory.status.value}, verifier reward {trajectory.reward:.2f}"
+        system = {"role": "system", "content": JUDGE_PROMPT.format(handoff=handoff)}
+        if not shown:
+            return [system, {"role": "user", "content": "\n\n".join([head, "\n".join(lines), tail])}]
+        content: list[dict[str, Any]] = [{"type": "text", "text": head}]
+        for i, line in enumerate(lines):
+            if i in shown:
+                content += [{"type": "text", "text": f"Screen before step {i + 1}:"},
+                            {"type": "image_url", "image_url": {"url": png_data_url(steps[i].screenshot, self.max_side)}}]
+            content.append({"type": "text", "text": line})
+        content.append({"type": "text", "text": tail})
+        return [system, {"role": "user", "content": content}]
 
     def judge(self, task: Task, trajectory: Trajectory, handoff: int) -> Verdict:
         messages, last = self.messages(task, trajectory, handoff), ""

@@ -32,21 +32,23 @@ def test_default_is_the_terse_voice_and_unknown_styles_are_named():
         thought_for(text, "chatty")
 
 
-def test_traces_are_written_in_the_policys_grammar_with_the_same_actions():
-    """computer_use conversions (reasoning, semantic action, tool call in 0-1000 coordinates) parse back, in
-    their grammar, to the actions the UI-TARS conversion gives, up to the relative grid's rounding."""
+@pytest.mark.parametrize("grammar, model", [("computer_use", "uitars-1.5"), ("pyautogui", "uitars-1.5"),
+                                          ("uitars", "uitars-1.0")])
+def test_traces_are_written_in_the_policys_grammar_with_the_same_actions(grammar, model):
+    """Conversions in computer_use (reasoning, semantic action, tool call), in pyautogui code (both in 0-1000
+    coordinates) and in UI-TARS 1.0's 0-1000 coordinates parse back, in their grammar, to the actions the
+    UI-TARS-1.5 conversion gives, up to the relative grid's rounding, with the same thought."""
     from envs.actions.grammar import parse_response, reasoning
-    from envs.actions.computer_use import split_response
 
     for trace in _traces():
-        uitars, tools = (convert_trace(trace, grammar=g) for g in ("uitars", "computer_use"))
-        for a, b in zip(uitars.steps, tools.steps, strict=True):
+        uitars, other = convert_trace(trace), convert_trace(trace, model, grammar=grammar)
+        for a, b in zip(uitars.steps, other.steps, strict=True):
             hw = a.screenshot.shape[:2]
-            assert "<tool_call>" in b.response and "<tool_call>" not in a.response
-            assert reasoning(b.response, "computer_use") == parse_thought(a.response)
-            assert split_response(b.response)[1]  # the semantic action
+            assert reasoning(b.response, grammar) == parse_thought(a.response)
+            assert b.response != a.response or not any(x.point for x in parse_response(
+                a.response, grammar="uitars", screen_hw=hw))  # a step without coordinates reads the same in 1.0
             want = parse_response(a.response, grammar="uitars", screen_hw=hw)
-            got = parse_response(b.response, grammar="computer_use", screen_hw=hw)
+            got = parse_response(b.response, grammar=grammar, screen_hw=hw, coordinate_model=model)
             assert [x.kind for x in got] == [x.kind for x in want]
             for x, y in zip(got, want):
                 if y.point is not None:  # one 0-1000 step is a few pixels of this screen

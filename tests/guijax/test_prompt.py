@@ -96,3 +96,13 @@ def test_plan_is_appended_as_a_numbered_list():
 def test_max_images_below_one_is_refused():
     with pytest.raises(ValueError, match="max_images must be >= 1, got 0"):
         build_messages("x", HISTORY, SHOTS[5], max_images=0)
+
+
+@pytest.mark.parametrize("prompt, coordinates, grammar", [("uitars_official", "uitars-1.0", "uitars"),
+                                                          ("pyautogui", "uitars-1.5", "pyautogui")])
+def test_the_rollout_engine_reads_the_prompts_grammar_and_coordinates(prompt, coordinates, grammar):
+    from guijax.trainer import rollout_config
+
+    config = launch.resolve("grpo_cpu", [f"rollout.prompt={prompt}", f"rollout.coordinate_model={coordinates}"])
+    engine = rollout_config(config, PROMPTS[prompt])
+    assert (engine.grammar, engine.coordinate_model, engine.system_prompt) == (grammar, coordinates, PROMPTS[prompt])

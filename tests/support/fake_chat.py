@@ -38,3 +38,14 @@ def fake_chat_server(replies: list[tuple[int, str]]):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def decoded_image(data_url: str):
+    """The [H, W, 3] array a PNG data URL (as guijax.chat.png_data_url writes it) holds."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data_url.split(",", 1)[1]))))

@@ -1,4 +1,5 @@
-"""seagent_cpu resolves and passes the recipe check; the desk-only parts are refused elsewhere, naming the key."""
+"""seagent_cpu resolves and passes the recipe check; the accelerator recipes dry-run to the paper's policies'
+sizes; the desk-only parts are refused elsewhere, naming the key."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,20 @@ def test_the_cpu_recipe_checks_and_trains_seagent_from_the_sft_policy():
     assert method.options.curriculum == "desk" and method.options.judge == "oracle" and not method.rl
     assert config.train.normalization == "sequence"
     assert "sft" in config.stages and config.stages.index("sft") < config.stages.index("methods")
+
+
+@pytest.mark.parametrize("recipe, params, mesh, coordinates", [
+    ("seagent_gpu", 8_291_375_616, {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}, "uitars-1.0"),  # UI-TARS-7B-DPO
+    ("seagent_tpu", 8_292_166_656, {"data": 4, "fsdp": 16, "tensor": 1, "expert": 1}, "uitars-1.5"),  # Qwen2.5-VL-7B
+])
+def test_accelerator_recipes_dry_run(recipe, params, mesh, coordinates):
+    config = launch.resolve(recipe, [])
+    check_recipe(config)
+    report = launch.dry_run(config)
+    assert report["params"] == params and report["mesh"] == mesh
+    method = get_method("seagent", config)
+    assert (method.options.judge, method.options.curriculum, method.options.phases) == ("chat", "none", 3)
+    assert config.rollout.coordinate_model == coordinates and method.options.gamma == 0.2
 
 
 def test_desk_only_parts_and_a_missing_chat_endpoint_are_named():

@@ -2,16 +2,12 @@
 on episodes rolled out on the real desk, the chat backend against a local server, precision and NPV."""
 from __future__ import annotations
 
-import base64
-import io
-
 import numpy as np
 import pytest
-from PIL import Image
 
 from desk_policies import DONE, SCREEN, WAIT, StepsIn, buttons, click, click_task, scripted_episodes
 from envs.actions.grammar import GRAMMARS
-from fake_chat import fake_chat_server
+from fake_chat import decoded_image, fake_chat_server
 from guijax.chat import ChatClient, ChatError
 from guijax.seagent.world_state import (JUDGE_PROMPT, ChatWorldStateJudge, DeskOracleJudge, Judgment,
                                         JudgmentError, Label, parse_judgment, score_judge, step_labels)
@@ -119,10 +115,8 @@ def test_the_chat_judge_sends_the_prompt_and_every_keyframe(task, episode):
     assert content[0]["text"].startswith("I am evaluating") and task.instruction in content[0]["text"]
     images = [part["image_url"]["url"] for part in content if part["type"] == "image_url"]
     assert len(images) == len(failed.steps) + 1
-    decoded = np.asarray(Image.open(io.BytesIO(base64.b64decode(images[0].split(",", 1)[1]))))
-    np.testing.assert_array_equal(decoded, failed.steps[0].screenshot)
-    np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(base64.b64decode(images[-1].split(",", 1)[1])))),
-                                  final)
+    np.testing.assert_array_equal(decoded_image(images[0]), failed.steps[0].screenshot)
+    np.testing.assert_array_equal(decoded_image(images[-1]), final)
     with fake_chat_server([(200, "res_dict = {}")]) as (url, _):
         with pytest.raises(ChatError, match="no readable judgment for task .* after 2 answers: res_dict has no"):
             ChatWorldStateJudge(ChatClient(url, "m", api_key_env=""), retries=1).judge(task, failed)

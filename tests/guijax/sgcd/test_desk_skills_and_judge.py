@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from desk_policies import DONE, SCREEN, WAIT, StepsIn, buttons, click, click_task, scripted_episodes
 from envs.actions.grammar import GRAMMARS
-from fake_chat import fake_chat_server
+from fake_chat import decoded_image, fake_chat_server
 from guijax.chat import ChatClient
 from guijax.rollout.trajectory import Status
 from guijax.sgcd.desk_skills import DeskSkillExtractor, first_off_track_step, step_verdicts
@@ -132,3 +133,23 @@ def test_chat_judge_reads_the_verdict_and_rejects_when_none_comes(task, episode)
     with fake_chat_server([(200, "{}")]) as (url, _):
         verdict = ChatJudge(ChatClient(url, "m", api_key_env=""), retries=0).judge(task, clean, 1)
     assert not verdict.accept and verdict.reason.startswith("judge gave no verdict after 1 answers")
+
+
+def test_chat_judge_sees_the_screens_of_the_last_continuation_steps(task, episode):
+    """With `screenshots`, the screen each of the last post-handoff steps acted on comes before its response;
+    the context steps stay text; more screenshots than continuation steps show them all."""
+    run = episode([WAIT, WAIT, click(task, _target(task)), DONE])
+    reply = [(200, json.dumps({"accept": True, "reason": "fine"}))]
+    for screenshots, shown in ((2, [3, 4]), (9, [2, 3, 4])):
+        with fake_chat_server(reply) as (url, requests):
+            ChatJudge(ChatClient(url, "m", api_key_env=""), screenshots=screenshots, max_side=None).judge(task, run, 1)
+        content = requests[0]["body"]["messages"][1]["content"]
+        labels = [p["text"] for p in content if p["type"] == "text" and p["text"].startswith("Screen before")]
+        assert labels == [f"Screen before step {j}:" for j in shown]
+        images = [p["image_url"]["url"] for p in content if p["type"] == "image_url"]
+        for j, url_ in zip(shown, images):
+            np.testing.assert_array_equal(decoded_image(url_), run.steps[j - 1].screenshot)
+        texts = [p["text"] for p in content if p["type"] == "text"]
+        assert texts[0] == f"Instruction: {task.instruction}" and texts[-1].startswith("Outcome: ended as done")
+        assert texts.index(f"Screen before step {shown[0]}:") == texts.index(next(
+            t for t in texts if t.startswith(f"Step {shown[0]}: "))) - 1

@@ -1,0 +1,44 @@
+"""SEAgent for UI-TARS-7B-DPO on OSWorld from one 8-GPU node (`python -m guijax.launch --config=seagent_gpu`).
+
+The paper's settings where they apply (seagent.txt §4, Sup.): the actor is UI-TARS-7B-DPO (UI-TARS 1.0 on
+Qwen2-VL-7B), whose UI-TARS text uses 0-1000 coordinates (`rollout.coordinate_model=uitars-1.0`); the World
+State Model judges every episode through an OpenAI-compatible vision endpoint with Fig. 8's prompt (serve
+the paper's released judge there; key in $OPENAI_API_KEY if it needs one); three phases, each an update of
+L_GRPO + γ·L_AI (γ 0.2) at lr 2e-5 in batches of 16 (the paper's 1k iterations over about 1.4k judged pairs
+per phase are about 12 passes); sampling at temperature 1.0 (the paper's t=0, stated for its sensitivity
+analysis, would give state-level groups of one answer). Edit model.path, env.osworld_dir, env.osworld_split (the
+paper trains specialists on VS Code, GIMP, LibreOffice Impress, VLC and LibreOffice Writer), env.server_urls
+and seagent.chat_url for your machines; Qwen2.5-VL-7B (seagent_tpu's policy):
+--config.model.preset=qwen2_5_vl_7b --config.model.path=/models/Qwen2.5-VL-7B-Instruct
+--config.rollout.coordinate_model=uitars-1.5.
+Not here (not built): the curriculum generator (each phase rolls out the training split), specialist to
+generalist, UI-TARS 1.0's own OSWorld prompt (the policy gets UI-TARS-1.5's computer-use prompt). Check the
+sizes with --dry_run.
+"""
+from configs._common import base, gpu_node, uitars_on_osworld
+
+
+def get_config():
+    c = gpu_node(uitars_on_osworld(base("seagent_gpu")))
+    c.model.path = "/models/UI-TARS-7B-DPO"
+    c.model.preset = "qwen2_vl_7b"
+    c.rollout.coordinate_model = "uitars-1.0"
+    c.rollout.temperature = 1.0
+    c.stages = ("base_model", "tasks", "eval_base", "methods", "table", "report")
+    c.method = "seagent"
+    c.train.normalization = "sequence"  # Eq. 5: mean over each response's tokens, then over responses
+    c.seagent.phases = 3
+    c.seagent.episodes_per_task = 4
+    c.seagent.group_size = 8
+    c.seagent.gamma = 0.2
+    c.seagent.judge = "chat"
+    c.seagent.chat_url = "http://localhost:8001/v1"  # the World State Model, served (e.g. by vLLM)
+    c.seagent.chat_model = "world-state-model"
+    c.seagent.chat_api_key_env = "OPENAI_API_KEY"
+    c.seagent.curriculum = "none"
+    c.seagent.learning_rate = 2e-5
+    c.seagent.batch_rows = 16
+    c.seagent.update_epochs = 12
+    c.compare.methods = ("seagent",)
+    c.eval.splits = ("train", "held_out")
+    return c
