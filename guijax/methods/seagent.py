@@ -8,8 +8,9 @@ group advantages; one update (`guijax.seagent.step_rl`) trains L_GRPO (clipped, 
 the phase's starting policy with `train.kl_coef`) + γ·L_AI on the a_F steps. Each phase writes
 `phase_N/phase.json` and checkpoints the policy, so a rerun resumes after the last finished phase.
 
-Not built yet: the curriculum generator (the tasks are the run's training split), state-change captions, a
-judge trained in guijax, specialist-to-generalist training.
+Not built yet: the LLM curriculum generator (a phase rolls out the training split, or on the desk the
+offline curriculum's tasks with `seagent.curriculum='desk'`), state-change captions, a judge trained in
+guijax, specialist-to-generalist training.
 """
 from __future__ import annotations
 
