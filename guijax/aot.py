@@ -41,6 +41,8 @@ CAPACITY = {"v5p": 95 * 1024 ** 3, "v5e": 16 * 1024 ** 3, "v4": 32 * 1024 ** 3, 
 # Measured: `grpo_gpu`'s step compiled for one v5p chip peaks at 73.23 GiB; run on an H200 with XLA:GPU
 # (benchmarks/recipe_step.py) the device held 84.43 GiB. GPU recipes' proxy figures are scaled by the ratio.
 GPU_PROXY_FACTOR = 1.153
+# v5p topologies standing in for a GPU recipe's devices (one chip per GPU, as many chips as GPUs)
+GPU_PROXY_TOPOLOGIES = {1: "v5p:1x1x1", 2: "v5p:1x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +170,14 @@ def has_libtpu() -> bool:
 
 
 def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Target:
-    """The recipe's compile target: its TPU topology, one v5p chip standing in for a GPU, or this CPU."""
+    """The recipe's compile target: its TPU topology, one v5p chip standing in for each GPU, or this CPU."""
     accelerator = config.get("accelerator", "")
-    topology = config.dry_run.topology or ("v5p:1x1x1" if accelerator == "gpu" else "")
+    topology = config.dry_run.topology
+    if not topology and accelerator == "gpu":
+        if num_devices not in GPU_PROXY_TOPOLOGIES:
+            raise ValueError(f"no v5p proxy for {num_devices} GPUs (mesh.num_devices); the proxies are for "
+                             f"{sorted(GPU_PROXY_TOPOLOGIES)} GPUs, or set dry_run.topology")
+        topology = GPU_PROXY_TOPOLOGIES[num_devices]
     if topology and has_libtpu():
         from jax.experimental import topologies
 
@@ -180,8 +187,9 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
                              f"{num_devices} (mesh.num_devices)")
         chip = topology.split(":")[0]
         if accelerator == "gpu":
-            return Target(f"tpu {topology} (proxy for one H100)", devices, CAPACITY["h100"], True,
-                          "no CUDA compiler runs without a GPU: compiled for one TPU v5p chip as a proxy, "
+            gpus = "one H100" if len(devices) == 1 else f"{len(devices)} H100s"
+            return Target(f"tpu {topology} (proxy for {gpus})", devices, CAPACITY["h100"], True,
+                          "no CUDA compiler runs without a GPU: compiled for one TPU v5p chip per GPU as a proxy, "
                           f"checked against the H100's 80 GB after scaling by {GPU_PROXY_FACTOR} (XLA:GPU held "
                           "that much more than the proxy's figure for grpo_gpu's step)", GPU_PROXY_FACTOR)
         return Target(f"tpu {topology}", devices, CAPACITY.get(chip), True, "the TPU compiler's own figures")

@@ -132,3 +132,15 @@ def test_a_gpu_recipes_proxy_figure_is_scaled_before_the_capacity_check():
     if aot.has_libtpu():
         found = aot.compile_target(launch.resolve("grpo_gpu", []), 1)
         assert found.proxy_factor == aot.GPU_PROXY_FACTOR and "scaling" in found.note
+
+
+def test_a_multi_gpu_recipe_compiles_for_one_v5p_chip_per_gpu():
+    """An 8-GPU node's recipe is compiled for eight v5p chips (it could not be compiled at all with the one-chip
+    proxy); a GPU count with no v5p topology of that size is named."""
+    config = launch.resolve("sgcd_gpu", [])
+    with pytest.raises(ValueError, match=r"no v5p proxy for 3 GPUs \(mesh.num_devices\)"):
+        aot.compile_target(config, 3)
+    if aot.has_libtpu():
+        found = aot.compile_target(config, 8)
+        assert found.name == "tpu v5p:2x2x2 (proxy for 8 H100s)" and len(found.devices) == 8
+        assert found.proxy_factor == aot.GPU_PROXY_FACTOR
