@@ -173,6 +173,13 @@ def main(argv: list[str]) -> None:
     from guijax import distributed
 
     distributed.maybe_initialize(config.distributed)
+    from guijax.pipeline import registry
+
+    try:  # the recipe as a whole: every value in range, stage and method names, each method's loss and reads
+        registry.check_recipe(config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if FLAGS.dry_run:
         report = dry_run(config)
         print(f"dry run of {FLAGS.config}: model {report['model']} on mesh {report['mesh']}")
@@ -202,13 +209,7 @@ def main(argv: list[str]) -> None:
             sys.exit(1)  # the recipe's step does not fit its target: scripts and CI must see it
         return
     from guijax import preflight
-    from guijax.pipeline import registry
 
-    try:  # the recipe as a whole: stage and method names, each method's loss and the stages it reads
-        registry.check_recipe(config)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     unmet = preflight.problems(config)
     if unmet:
         for line in unmet:

@@ -62,13 +62,19 @@ def test_dry_run_7b_counts_parameters_and_bytes(recipe):
     assert 2 * 8_292_166_656 / 64 < report["param_bytes_per_device"] < 1.05 * 2 * 8_292_166_656 / 64
 
 
-def test_cli_dry_run_and_errors(recipe, tmp_path):
+def test_cli_dry_run_and_errors(tmp_path):
+    # the recipe without its key outside the schema (optim_lr), which the run's check (dry runs too) refuses
+    recipe = tmp_path / "clean_recipe.py"
+    recipe.write_text(RECIPE.replace("    c.optim_lr = 1e-6\n", ""))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     ok = subprocess.run([sys.executable, "-m", "guijax.launch", f"--config={recipe}", "--dry_run", "--nodry_run_compile",
                          "--config.model.preset=qwen2_5_vl_3b", "--config.mesh.tensor=2"],
                         capture_output=True, text=True, env=env, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert "parameters: 3,754,622,976" in ok.stdout and "'fsdp': 4, 'tensor': 2" in ok.stdout
+    wrong = subprocess.run([sys.executable, "-m", "guijax.launch", f"--config={recipe}", "--dry_run",
+                            "--config.model.frozen=('vision',)"], capture_output=True, text=True, env=env, timeout=300)
+    assert wrong.returncode == 2 and "model.frozen[0]='vision' is not one of" in wrong.stderr  # checked before sizing
     bad = subprocess.run([sys.executable, "-m", "guijax.launch", f"--config={recipe}", "--config.mesh.tensr=2"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "unknown config key 'mesh.tensr'" in bad.stderr and "mesh.tensor" in bad.stderr
