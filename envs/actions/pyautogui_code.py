@@ -178,9 +178,11 @@ class _Reader:
             self.add(Action(ActionType.HOVER, point=point, clipped=self.clipped))
 
     def _moved_to(self, start: tuple[int, int]) -> bool:
-        """Drop a move to `start` just before a drag or press there (which moves there itself); its clipping."""
-        last = self.actions[-1] if self.actions else None
-        return last is not None and last.kind == ActionType.HOVER and last.point == start and self.actions.pop().clipped
+        """Drop a move to `start` just before a drag or press there (which moves there itself); whether that
+        move was clipped."""
+        if not (self.actions and self.actions[-1].kind == ActionType.HOVER and self.actions[-1].point == start):
+            return False
+        return self.actions.pop().clipped
 
     def _drag(self, start: tuple[int, int], start_clipped: bool, end: tuple[int, int]) -> None:
         start_clipped |= self._moved_to(start)

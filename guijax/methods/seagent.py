@@ -91,7 +91,8 @@ class SEAgent(Method):
         if o.judge == "oracle":
             from guijax.rollout.prompt import grammar_of
 
-            return DeskOracleJudge(tuple(env.screen), popups=env.popups, grammar=grammar_of(self.config.rollout.prompt))
+            return DeskOracleJudge(tuple(env.screen), popups=env.popups, coordinate_model=self.config.rollout.coordinate_model,
+                                   grammar=grammar_of(self.config.rollout.prompt))
         from guijax.chat import ChatClient
 
         return ChatWorldStateJudge(ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env),

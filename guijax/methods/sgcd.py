@@ -114,7 +114,8 @@ class SGCD(Method):
         return ChatClient(o.chat_url, o.chat_model, o.chat_api_key_env)
 
     def grammar(self) -> str:
-        """The action grammar the run's policy writes, which the offline extractor and rule judge read."""
+        """The action grammar the run's policy writes, which the offline extractor and rule judge read (with its
+        UI-TARS coordinates, `rollout.coordinate_model`)."""
         from guijax.rollout.prompt import grammar_of
 
         return grammar_of(self.config.rollout.prompt)
@@ -127,7 +128,8 @@ class SGCD(Method):
             return ChatSkillExtractor(self._client(), retries=o.skill_retries)
         from guijax.sgcd.desk_skills import DeskSkillExtractor
 
-        return DeskSkillExtractor(tuple(self.config.env.screen), self.config.env.popups, grammar=self.grammar())
+        return DeskSkillExtractor(tuple(self.config.env.screen), self.config.env.popups,
+                                  self.config.rollout.coordinate_model, grammar=self.grammar())
 
     def judge(self):
         o = self.options
@@ -140,7 +142,7 @@ class SGCD(Method):
 
             desk = self.config.env.kind == "desk"
             return RuleJudge(o.judge_max_repeats, tuple(self.config.env.screen) if desk else None, self.config.env.popups,
-                             grammar=self.grammar())
+                             self.config.rollout.coordinate_model, grammar=self.grammar())
         return None
 
     # ------------------------------------------------------------------ the rounds

@@ -32,7 +32,7 @@ class TrainedPart:
     @classmethod
     def of(cls, module: Any) -> "TrainedPart":
         """The part a model module trains (its `lora` and `frozen` fields)."""
-        return cls(module.lora, tuple(getattr(module, "frozen", ())))
+        return cls(module.lora, tuple(module.frozen))
 
     @property
     def everything(self) -> bool:

@@ -46,5 +46,7 @@ def test_desk_only_parts_and_a_missing_chat_endpoint_are_named():
 
 
 @pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use")])
-def test_the_desk_oracle_reads_the_runs_grammar(prompt, grammar):
-    assert get_method("seagent", launch.resolve("seagent_cpu", [f"rollout.prompt={prompt}"])).judge().grammar == grammar
+def test_the_desk_oracle_reads_the_runs_grammar_and_coordinates(prompt, grammar):
+    judge = get_method("seagent", launch.resolve("seagent_cpu", [f"rollout.prompt={prompt}",
+                                                                 "rollout.coordinate_model=uitars-1.0"])).judge()
+    assert (judge.grammar, judge.coordinate_model) == (grammar, "uitars-1.0")

@@ -42,8 +42,10 @@ def test_a_changed_measurement_reruns_the_csr_stage_but_retrains_nothing():
 
 @pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use"),
                                             ("pyautogui", "pyautogui")])
-def test_the_offline_extractor_and_rule_judge_read_the_runs_grammar(prompt, grammar):
+def test_the_offline_extractor_and_rule_judge_read_the_runs_grammar_and_coordinates(prompt, grammar):
     from guijax.methods import get_method
 
-    method = get_method("sgcd", launch.resolve("sgcd_cpu", [f"rollout.prompt={prompt}"]))
+    method = get_method("sgcd", launch.resolve("sgcd_cpu", [f"rollout.prompt={prompt}",
+                                                            "rollout.coordinate_model=uitars-1.0"]))
     assert method.extractor().grammar == method.judge().grammar == grammar
+    assert method.extractor().coordinate_model == method.judge().coordinate_model == "uitars-1.0"
