@@ -114,7 +114,7 @@ def by_primitive(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
     cfg = model_config(args.preset)
-    _, step, init_state, params = build(cfg, args.dtype, args.remat)
+    _, step, init_state, params = build(cfg, args.dtype, args.remat, scan_layers=not args.unrolled)
     state = init_state(params)
     del params  # the step donates its state, which may share these buffers
     if args.screenshots:
@@ -143,7 +143,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError(f"the trace in {trace_dir} holds no operation of the compiled program")
     return {"command": bc.command_line("profile_step.py", args.argv), "machine": bc.machine_info(),
             "preset": args.preset, "batch": args.batch, "seq": seq, "screenshots": args.screenshots,
-            "dtype": args.dtype, "remat": args.remat, "steps": args.steps, "compile_s": round(compile_s, 2),
+            "dtype": args.dtype, "remat": args.remat, "layers": "unrolled" if args.unrolled else "scan",
+            "steps": args.steps, "compile_s": round(compile_s, 2),
             "wall_ms_per_step": 1e3 * bc.median(walls), "traced_op_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "trace_dir": trace_dir, "operations_traced": len(rows), "operations": rows[:max(100, args.top)],
             "primitives": by_primitive(rows), "top": args.top}
@@ -151,7 +152,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(p: dict[str, Any]) -> str:
     shape = f"{p['batch']} x {p['seq']} tokens" + (f", {p['screenshots']} screenshots per row" if p["screenshots"] else "")
-    lines = [f"# Where the update's time goes: {p['preset']} ({shape}, {p['dtype']}, remat {p['remat']})", "",
+    lines = [f"# Where the update's time goes: {p['preset']} ({shape}, {p['dtype']}, remat {p['remat']}, layers "
+             f"{p.get('layers', 'scan')})", "",
              f"`{p['command']}`", "", bc.machine_line(p["machine"]), "",
              f"Wall-clock {p['wall_ms_per_step']:.1f} ms per step (median of {p['steps']} traced steps); the "
              f"program's operations took {p['traced_op_ms_per_step']:.1f} ms per step summed over threads.", "",
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--response", type=int, default=100, help="response tokens per row (with screenshots)")
     p.add_argument("--dtype", default=bc.default_dtype())
     p.add_argument("--remat", default="none")
+    p.add_argument("--unrolled", action="store_true", help="one module per layer instead of the layers under scan")
     p.add_argument("--steps", type=int, default=3, help="traced steps (after one untraced warm-up)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--trace_dir", default="", help="where the raw trace stays (default: a temporary folder)")

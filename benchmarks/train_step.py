@@ -174,10 +174,11 @@ def optim_config(**overrides: Any):
     return c
 
 
-def build(cfg: ModelConfig, dtype: str, remat: str = "none", seed: int = 0, attention_block: int = 512):
+def build(cfg: ModelConfig, dtype: str, remat: str = "none", seed: int = 0, attention_block: int = 512,
+          scan_layers: bool = True):
     """(jitted step, fresh TrainState factory, params) on the real guijax code path."""
     module = weights.build_module(cfg, dtype=optim.resolve_dtype(dtype), param_dtype=jnp.float32,
-                                  remat_policy=remat, attention_block=attention_block)
+                                  remat_policy=remat, attention_block=attention_block, scan_layers=scan_layers)
     # Random init on the host: on an H100, XLA:GPU had not compiled the 0.5B model's jitted init after 2.5 min.
     with jax.default_device(jax.devices("cpu")[0]):
         params = weights.init_params(module, jax.random.PRNGKey(seed))

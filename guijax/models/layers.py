@@ -17,6 +17,18 @@ from guijax.models import lora as lora_lib
 Dtype = Any
 
 
+def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x [..., in] @ w [in, out]` as one 2-D matmul over the flattened leading axes.
+
+    Why not `einsum("...i,io->...o")`: its weight gradient contracts two axes (batch and sequence), which
+    XLA:CPU lowers by transposing the incoming gradient inside an elementwise fusion that reads it strided
+    (the SiLU backward's fusion was the update's largest single operation in `benchmarks/profile_step.py`).
+    The flattened form is the same arithmetic; the leading axes merge in order, so rows split over devices
+    stay where they are."""
+    lead = x.shape[:-1]
+    return jnp.matmul(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[-1])
+
+
 class _Norm(nn.Module):
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
@@ -78,7 +90,7 @@ class Linear(nn.Module):
         kernel = self.param(
             "kernel", nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.axes),
             (x.shape[-1], self.features), self.param_dtype)
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel.astype(self.dtype))
+        y = rows_matmul(x.astype(self.dtype), kernel.astype(self.dtype))
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (self.axes[1],)),
                               (self.features,), self.param_dtype)

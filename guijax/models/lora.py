@@ -89,8 +89,9 @@ def delta(x: jax.Array, a: jax.Array, b: jax.Array, lora: LoraConfig, dtype: Any
     if dropout_key is not None and lora.dropout > 0:
         keep = jax.random.bernoulli(dropout_key, 1.0 - lora.dropout, x.shape)
         x = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(dtype)
-    h = jnp.einsum("...i,ir->...r", x, a.astype(dtype))
-    return lora.scale * jnp.einsum("...r,ro->...o", h, b.astype(dtype))
+    lead = x.shape[:-1]
+    h = jnp.matmul(x.reshape(-1, x.shape[-1]), a.astype(dtype))  # 2-D, as layers.rows_matmul says why
+    return lora.scale * jnp.matmul(h, b.astype(dtype)).reshape(*lead, b.shape[-1])
 
 
 # ---------------------------------------------------------------------------- the parameter tree

@@ -65,7 +65,7 @@ def test_the_script_profiles_the_tiny_update(tmp_path):
     out = tmp_path / "profile"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run([sys.executable, str(BENCH / "profile_step.py"), "--preset", "tiny", "--batch", "1",
-                           "--seq", "32", "--steps", "2", "--top", "5", "--trace_dir", str(tmp_path / "trace"),
+                           "--seq", "32", "--steps", "2", "--top", "5", "--trace_dir", str(tmp_path / "trace"), "--unrolled",
                            "--json", f"{out}.json", "--markdown", f"{out}.md"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -74,5 +74,6 @@ def test_the_script_profiles_the_tiny_update(tmp_path):
     assert rows and payload["wall_ms_per_step"] > 0 and payload["traced_op_ms_per_step"] > 0
     assert all(r["ms_per_step"] >= rows[i + 1]["ms_per_step"] for i, r in enumerate(rows[:-1]))
     assert any(r["primitive"].startswith("dot_general") for r in rows)  # the model's matmuls are in the trace
+    assert payload["layers"] == "unrolled" and any("/layers_1/" in r["op_name"] for r in payload["operations"])
     table = out.with_suffix(".md").read_text()
     assert "Top 5 operations:" in table and f"`{rows[0]['instruction']}`" in table
