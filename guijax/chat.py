@@ -17,7 +17,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 
 class ChatError(RuntimeError):
@@ -83,6 +83,23 @@ class ChatClient:
         if not isinstance(content, str):
             raise ChatError(f"{endpoint}: the reply's content is {type(content).__name__}, not text")
         return content
+
+
+T = TypeVar("T")
+
+
+def ask_parsed(client: ChatClient, messages: Sequence[dict[str, Any]], parse: Callable[[str], T], retries: int,
+               what: str) -> T:
+    """`parse` of the first answer it can read: an answer it refuses (ValueError) is asked again, up to `retries`
+    more times, then a ChatError names the endpoint, `what` was asked for and every reason."""
+    problems = []
+    for _ in range(retries + 1):
+        answer = client.complete(messages)
+        try:
+            return parse(answer)
+        except ValueError as err:
+            problems.append(str(err))
+    raise ChatError(f"{client.url}: no readable {what} after {retries + 1} answers: {'; '.join(problems)}")
 
 
 def png_data_url(image: Any, max_side: int | None = None) -> str:

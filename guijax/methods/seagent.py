@@ -8,9 +8,13 @@ group advantages; one update (`guijax.seagent.step_rl`) trains L_GRPO (clipped, 
 the phase's starting policy with `train.kl_coef`) + γ·L_AI on the a_F steps. Each phase writes
 `phase_N/phase.json` and checkpoints the policy, so a rerun resumes after the last finished phase.
 
-Not built yet: the LLM curriculum generator (a phase rolls out the training split, or on the desk the
-offline curriculum's tasks with `seagent.curriculum='desk'`), state-change captions, a judge trained in
-guijax, specialist-to-generalist training.
+On the desk each judged episode's state-change captions (the World State Model's second output,
+`guijax.seagent.captions`) go into `phase.json` beside its judgment.
+
+Not built yet: phases that run the LLM curriculum generator's tasks (`guijax.seagent.chat_curriculum` writes
+Fig. 9's guidebook and task buffer, but its tasks have no validator, and the environments cannot yet run a
+task that only a judge rewards; a phase rolls out the training split, or on the desk the offline curriculum's
+tasks with `seagent.curriculum='desk'`), a judge trained in guijax, specialist-to-generalist training.
 """
 from __future__ import annotations
 
@@ -159,6 +163,7 @@ class SEAgent(Method):
                 policy, reference, data, self.loss(), self.config, pipeline, o.batch_rows, o.update_epochs,
                 o.learning_rate, streams.seed_for("batches"), log=writer.write)
         score = score_judge(judgments, [t.success for t in rollouts])
+        captions = self.captions(tasks, rollouts)
         report = {
             "phase": p, "episodes": len(rollouts), "verified_successes": sum(t.success for t in rollouts),
             "judged_correct": score.judged_correct, "judge_precision": score.precision, "judge_npv": score.npv,
@@ -169,7 +174,8 @@ class SEAgent(Method):
             "rows": len(data.refs), "update_steps": len(history),
             "loss_first": history[0]["loss"] if history else None,
             "loss_last": history[-1]["loss"] if history else None,
-            "judgments": [{"task": t.task_id, **j.as_dict()} for j, t in zip(judgments, rollouts)]}
+            "judgments": [{"task": t.task_id, **j.as_dict(), **({"captions": c} if c is not None else {})}
+                          for j, t, c in zip(judgments, rollouts, captions)]}
         if cur is not None:  # U_{p+1}, I_{p+1} for the next phase (Eq. 1)
             nxt = self.curriculum(ctx.streams.seed_for("curriculum")).update(
                 cur, [(tasks[t.task_id], j) for t, j in zip(rollouts, judgments)])
@@ -184,6 +190,20 @@ class SEAgent(Method):
                 f"{report['mean_step_reward']:.2f}, {report['groups_kept']} groups kept, {report['rows']} rows"
                 + (f", loss {report['loss_first']:.3f} -> {report['loss_last']:.3f}" if history else "")
                 + (f"; next phase: {report['next_tasks']} tasks" if cur is not None else ""))
+
+    def captions(self, tasks: dict, rollouts: list) -> list:
+        """The World State Model's state-change captions C of every episode, step by step: from the desk's
+        ground truth (guijax.seagent.captions); None elsewhere (the chat judge answers Fig. 8, which asks for
+        none)."""
+        if self.config.env.kind != "desk":
+            return [None] * len(rollouts)
+        from guijax.rollout.prompt import grammar_of
+        from guijax.seagent.captions import desk_step_captions
+
+        env = self.config.env
+        return [desk_step_captions(tasks[t.task_id], t, tuple(env.screen), env.popups,
+                                   self.config.rollout.coordinate_model, grammar_of(self.config.rollout.prompt))
+                for t in rollouts]
 
     def describe(self) -> str:
         o = self.options

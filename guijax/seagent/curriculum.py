@@ -11,8 +11,8 @@ families instead of a large language model.
   hardest mastered difficulty ("increased difficulty"), and fresh tasks of the families still being learnt.
   Every new task comes from the desk's generator, so each has an executable validator.
 
-The paper's generator is an LLM with its Fig. 9 prompt, which also writes tasks without validators that the
-judge alone rewards; that counterpart is not built here.
+The paper's generator is an LLM with its Fig. 9 prompt (`guijax.seagent.chat_curriculum`), which writes tasks
+without validators that the judge alone rewards; phases cannot run such tasks yet.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from envs.api import Task
-from guijax.chat import ChatClient, ChatError, png_data_url
+from guijax.chat import ChatClient, ask_parsed, png_data_url
 from guijax.rollout.trajectory import Trajectory
 
 # Fig. 8 as printed (its item numbers included); the figure is cut after the last field, whose quotes are closed
@@ -218,16 +218,8 @@ class ChatWorldStateJudge:
         return [{"role": "user", "content": content}]
 
     def judge(self, task: Task, trajectory: Trajectory, final_screenshot: np.ndarray | None = None) -> Judgment:
-        messages = self.messages(task, trajectory, final_screenshot)
-        problems = []
-        for _ in range(self.retries + 1):
-            answer = self.client.complete(messages)
-            try:
-                return parse_judgment(answer)
-            except JudgmentError as err:
-                problems.append(str(err))
-        raise ChatError(f"{self.client.url}: no readable judgment for task {task.id} after "
-                        f"{self.retries + 1} answers: {'; '.join(problems)}")
+        return ask_parsed(self.client, self.messages(task, trajectory, final_screenshot), parse_judgment,
+                          self.retries, f"judgment for task {task.id}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,14 +15,14 @@ first left the task's path (the failure-step histogram of the paper's Fig. 1a).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from envs.actions import ActionParseError
 from envs.actions.grammar import parse_response
-from envs.actions.model import ActionType
-from envs.api import Task
+from envs.actions.model import Action, ActionType
+from envs.api import Observation, Task
 from envs.desk.a11y import BANNER, CONFIRM, describe, parse_tree
 from envs.desk.env import DeskEnv
 from envs.desk.expert import expert_subgoals, plan_text
@@ -118,32 +118,65 @@ def _node_at(a11y: str, point: tuple[int, int]):
     return None
 
 
-def step_verdicts(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int], popups: bool,
-                  coordinate_model: str = "uitars-1.5", step_limit: int = 15,
-                  grammar: str = "uitars") -> list[StepVerdict]:
-    """Replay `trajectory` on a fresh desk with its episode seed; a verdict per step. Replay stops (one
-    'unreplayable' verdict) where the screen no longer equals the one the episode saw. Responses are read in
+@dataclasses.dataclass(frozen=True)
+class ReplayedStep:
+    """One step of an episode replayed on the desk: the screen it acted on, its parsed actions and the screen
+    after them. `actions` is None for a response that does not parse and `replayable` False where the screen
+    no longer equals the one the episode saw; either is the replay's last step, with no `after`."""
+
+    index: int  # 1-based step number
+    before: Observation
+    actions: tuple[Action, ...] | None
+    after: Observation | None
+    env: DeskEnv  # the desk after the step (evaluate() reads the state the step left)
+    state_before: dict  # the desk's ground-truth state (Scene.state) the step acted on
+    replayable: bool = True
+
+
+def replay(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int], popups: bool,
+           coordinate_model: str = "uitars-1.5", step_limit: int = 15,
+           grammar: str = "uitars") -> Iterator[ReplayedStep]:
+    """Replay `trajectory` on a fresh desk with its episode seed, step by step. Responses are read in
     `grammar`, the one the policy wrote (envs.actions.grammar)."""
     env = DeskEnv(screen_hw, step_limit, popups=popups)
     obs = env.reset(task, trajectory.meta.get("seed"))
-    targets = set(critical_targets(task))
-    verdicts: list[StepVerdict] = []
-    previous: tuple[str, bytes] | None = None
     for j, step in enumerate(trajectory.steps, 1):
+        state = env.scene.state()
         if not np.array_equal(obs.screenshot, step.screenshot):
-            verdicts.append(StepVerdict(j, "unreplayable", None, None))
-            break
+            yield ReplayedStep(j, obs, None, None, env, state, replayable=False)
+            return
         try:
             actions = parse_response(step.response, grammar=grammar, screen_hw=screen_hw,
                                      coordinate_model=coordinate_model)
         except (ActionParseError, ValueError):
+            yield ReplayedStep(j, obs, None, None, env, state)
+            return
+        after = env.step(actions).observation
+        yield ReplayedStep(j, obs, tuple(actions), after, env, state)
+        obs = after
+
+
+def step_verdicts(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int], popups: bool,
+                  coordinate_model: str = "uitars-1.5", step_limit: int = 15,
+                  grammar: str = "uitars") -> list[StepVerdict]:
+    """A verdict per step of `trajectory` replayed (`replay`); replay stops (one 'unreplayable' verdict) where
+    the screen no longer equals the one the episode saw."""
+    targets = set(critical_targets(task))
+    verdicts: list[StepVerdict] = []
+    previous: tuple[tuple[Action, ...], bytes] | None = None
+    for r in replay(task, trajectory, screen_hw, popups, coordinate_model, step_limit, grammar):
+        j, obs, actions = r.index, r.before, r.actions
+        if not r.replayable:
+            verdicts.append(StepVerdict(j, "unreplayable", None, None))
+            break
+        if actions is None:
             verdicts.append(StepVerdict(j, "unparsable", None, "Write exactly one action of the action space per "
                                                                "step; an unparsable answer ends the episode"))
             break
         kind = actions[0].kind if actions else ActionType.WAIT
         element, trap = None, None
         # the parsed actions, not their text: a computer_use step words the same call in free text
-        signature = (tuple(actions), obs.screenshot.tobytes())
+        signature = (actions, obs.screenshot.tobytes())
         if kind in _POINTER and actions[0].point is not None:
             node = _node_at(obs.a11y_tree or "", actions[0].point)
             if node is not None:
@@ -153,7 +186,8 @@ def step_verdicts(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int]
                     trap = f"Do not click {_target_text(*element)}: it is not part of this task"
                 elif node.window == CONFIRM and node.name == "Cancel":
                     trap = "Do not cancel the confirmation dialog: confirm it with OK"
-        if kind == ActionType.FINISHED and env.evaluate() < 1.0 and not task.infeasible:
+        # a DONE step changes nothing, so the state it left is the one it claimed done
+        if kind == ActionType.FINISHED and r.env.evaluate() < 1.0 and not task.infeasible:
             trap = "Do not report the task done while the success criteria do not hold yet"
         elif kind == ActionType.FAIL and not task.infeasible:
             trap = "Do not give up as infeasible: this task can be completed"
@@ -163,8 +197,6 @@ def step_verdicts(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int]
             trap = "Do not repeat an action that left the screen unchanged: switch to another way"
         previous = signature
         verdicts.append(StepVerdict(j, kind.value, element, trap))
-        if j < len(trajectory.steps):
-            obs = env.step(actions).observation
     return verdicts
 
 

@@ -174,6 +174,8 @@ def _seagent(run, workdir, policy, history, planted):
     assert report["episodes"] == len(run.tasks()["train"]) and report["verified_successes"] == 0
     assert report["judged_correct"] == 0 and report["judge_npv"] == 1.0
     assert report["a_F"] >= 1 and report["failure_rows"] == report["a_F"] and report["update_steps"] == 2
+    # the state-change captions of every judged episode, one per replayed step
+    assert all(j["captions"] and j["captions"][0].startswith("Step 1: ") for j in report["judgments"])
     lines = [json.loads(x) for x in (workdir / "seagent_metrics.jsonl").read_text().splitlines()]
     ratios = [m["update_failure_logratio"] for m in lines if "update_failure_logratio" in m]
     assert len(ratios) == 2 and abs(ratios[0]) < 1e-3 and ratios[1] < ratios[0]
