@@ -11,9 +11,9 @@ paper trains specialists on VS Code, GIMP, LibreOffice Impress, VLC and LibreOff
 and seagent.chat_url for your machines; Qwen2.5-VL-7B (seagent_tpu's policy):
 --config.model.preset=qwen2_5_vl_7b --config.model.path=/models/Qwen2.5-VL-7B-Instruct
 --config.rollout.coordinate_model=uitars-1.5.
-Not here (not built): the curriculum generator (each phase rolls out the training split), specialist to
-generalist, UI-TARS 1.0's own OSWorld prompt (the policy gets UI-TARS-1.5's computer-use prompt). Check the
-sizes with --dry_run.
+Not here (not built): the curriculum generator on OSWorld (each phase rolls out the training split; the
+LLM generator's tasks run on the synthetic desk only so far), specialist to generalist, UI-TARS 1.0's own
+OSWorld prompt (the policy gets UI-TARS-1.5's computer-use prompt). Check the sizes with --dry_run.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 

@@ -11,10 +11,11 @@ the phase's starting policy with `train.kl_coef`) + γ·L_AI on the a_F steps. E
 On the desk each judged episode's state-change captions (the World State Model's second output,
 `guijax.seagent.captions`) go into `phase.json` beside its judgment.
 
-Not built yet: phases that run the LLM curriculum generator's tasks (`guijax.seagent.chat_curriculum` writes
-Fig. 9's guidebook and task buffer, but its tasks have no validator, and the environments cannot yet run a
-task that only a judge rewards; a phase rolls out the training split, or on the desk the offline curriculum's
-tasks with `seagent.curriculum='desk'`), a judge trained in guijax, specialist-to-generalist training.
+A phase's tasks (`seagent.curriculum`): the training split; on the desk, the offline curriculum's tasks; or an
+LLM's (Fig. 9, `guijax.seagent.chat_curriculum`): instructions without validators, run from the training
+tasks' screens and judged by the chat judge, phase 1's from the captions of those screens.
+
+Not built yet: a judge trained in guijax, specialist-to-generalist training.
 """
 from __future__ import annotations
 
@@ -47,10 +48,16 @@ class SEAgentOptions:
     learning_rate: float = ranged(1e-5, low=0)
     sampler_rows: int = ranged(64, low=1)  # prompts per sampler call in state-level sampling
     # the tasks of each phase: the training split every time | the desk's offline curriculum generator
-    # (guijax.seagent.curriculum: retries of judged failures, then new tasks at the difficulty frontier)
-    curriculum: Literal["none", "desk"] = "none"
-    tasks_per_phase: int = ranged(12, low=1)  # desk curriculum: tasks of phases 2..P
+    # (guijax.seagent.curriculum: retries of judged failures, then new tasks at the difficulty frontier) | an
+    # OpenAI-compatible LLM with Fig. 9's prompt (guijax.seagent.chat_curriculum: instructions without
+    # validators, run from the training tasks' screens and judged by the chat judge; phase 1's tasks too)
+    curriculum: Literal["none", "desk", "chat"] = "none"
+    tasks_per_phase: int = ranged(12, low=1)  # desk curriculum: tasks of phases 2..P; chat: of every phase
     curriculum_families: tuple[str, ...] = ()  # desk curriculum: families it may introduce (default env.families)
+    curriculum_url: str = ""  # chat curriculum: the generator's endpoint (the paper: Qwen2.5-72B)
+    curriculum_model: str = ""
+    curriculum_api_key_env: str = "OPENAI_API_KEY"
+    curriculum_descriptions: int = ranged(100, low=1)  # chat: state-change captions per prompt (App. G: 50-100)
 
 
 class SEAgent(Method):
@@ -77,6 +84,16 @@ class SEAgent(Method):
                              f"{self.config.env.kind!r}: use seagent.curriculum='none'")
         if o.curriculum == "desk":
             self.curriculum(0)  # names an unknown family now rather than after the first phase
+        if o.curriculum == "chat":
+            if not (o.curriculum_url and o.curriculum_model):
+                raise ValueError("seagent.curriculum is 'chat': set seagent.curriculum_url and seagent.curriculum_model "
+                                 f"(an OpenAI-compatible endpoint; the key is read from ${o.curriculum_api_key_env})")
+            if o.judge != "chat":
+                raise ValueError("seagent.curriculum='chat' writes tasks without validators, which the oracle judge "
+                                 "cannot judge: set seagent.judge='chat'")
+            if self.config.env.kind != "desk":
+                raise ValueError(f"seagent.curriculum='chat' runs its tasks from the desk's screens; env.kind is "
+                                 f"{self.config.env.kind!r}: use seagent.curriculum='none'")
         if o.judge == "oracle" and self.config.env.kind != "desk":
             raise ValueError(f"seagent.judge='oracle' reads the synthetic desk's ground truth; env.kind is "
                              f"{self.config.env.kind!r}: use seagent.judge='chat'")
@@ -117,11 +134,68 @@ class SEAgent(Method):
 
         if self.options.curriculum == "none":
             return list(ctx.train_tasks), None
+        if self.options.curriculum == "chat":
+            return self.chat_phase_tasks(ctx, p), None
         if p == 1:
             cur = self.curriculum(ctx.streams.seed_for("curriculum")).initial(ctx.train_tasks)
         else:
             cur = Curriculum.from_json(json.loads((ctx.workdir / f"phase_{p - 1}" / "curriculum.json").read_text()))
         return list(cur.tasks), cur
+
+    def generator(self) -> Any:
+        from guijax.chat import ChatClient
+        from guijax.seagent.chat_curriculum import ChatCurriculumGenerator
+
+        o = self.options
+        return ChatCurriculumGenerator(ChatClient(o.curriculum_url, o.curriculum_model,
+                                                  api_key_env=o.curriculum_api_key_env), retries=o.judge_retries)
+
+    def scenes(self, ctx: Context) -> tuple[list, list[list[str]]]:
+        """The "software": the distinct initial screens of the training tasks, and the element names on each."""
+        from envs.desk.a11y import parse_tree
+        from envs.desk.env import DeskEnv
+
+        scenes, names, seen = [], [], set()
+        for task in ctx.train_tasks:
+            key = json.dumps(task.config, sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+            tree = DeskEnv(tuple(self.config.env.screen), popups=False).reset(task).a11y_tree or ""
+            scenes.append(task)
+            names.append([n.name for n in parse_tree(tree)])
+        return scenes, names
+
+    def chat_buffer(self, ctx: Context, p: int, buffer: Any, path: Any) -> list:
+        """Phase p's tasks from a task buffer, placed on the training screens and written to `path` (the phase
+        reads them from there when a run resumes)."""
+        from guijax.seagent.chat_curriculum import place_on_scenes
+
+        scenes, names = self.scenes(ctx)
+        placed, left_out = place_on_scenes(buffer.instructions(), scenes, names, f"seagent-p{p}")
+        placed = placed[:self.options.tasks_per_phase]
+        if not placed:
+            raise RuntimeError(f"seagent: none of the generator's {len(buffer.tasks)} tasks for phase {p} names an "
+                               f"element of the training screens ({path}); left out: {left_out[:5]}")
+        write_text_atomic(path, json.dumps({"phase": p, "tasks": [t.to_dict() for t in placed],
+                                            "left_out": left_out, **buffer.to_json()}, indent=1))
+        return placed
+
+    def chat_phase_tasks(self, ctx: Context, p: int) -> list:
+        """I_p: phase p-1's answer from the generator (written by that phase), or for phase 1 the generator's
+        answer to the captions of the training screens (Alg. 1 lines 3-4), asked once and kept."""
+        from envs.api import Task
+        from envs.desk.env import DeskEnv
+        from guijax.seagent.captions import screen_captions
+
+        path = ctx.workdir / (f"phase_{p - 1}" if p > 1 else "") / "curriculum.json"
+        if not path.exists() and p == 1:
+            scenes, _ = self.scenes(ctx)
+            c0 = [c for task in scenes
+                  for c in screen_captions(DeskEnv(tuple(self.config.env.screen), popups=False).reset(task).a11y_tree
+                                           or "")]
+            return self.chat_buffer(ctx, 1, self.generator().update(c0), path)
+        return [Task.from_dict(t, domain=t.get("domain", "")) for t in json.loads(path.read_text())["tasks"]]
 
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
         resumable_rounds(ctx, policy, self.name, self.options.phases, "phase", f"{self.section}_metrics.jsonl",
@@ -135,6 +209,7 @@ class SEAgent(Method):
         from guijax.models.trained import TrainedPart
         from guijax.rollout.trajectory import Status
         from guijax.seagent import step_rl
+        from guijax.seagent.chat_curriculum import is_judged
         from guijax.seagent.world_state import Label, score_judge, step_labels
 
         o, p = self.options, rnd.index
@@ -162,10 +237,13 @@ class SEAgent(Method):
             policy.params, history = step_rl.update(
                 policy, reference, data, self.loss(), self.config, pipeline, o.batch_rows, o.update_epochs,
                 o.learning_rate, streams.seed_for("batches"), log=writer.write)
-        score = score_judge(judgments, [t.success for t in rollouts])
         captions = self.captions(tasks, rollouts)
+        verifiable = [not is_judged(tasks[t.task_id]) for t in rollouts]  # the curriculum's tasks have no validator
+        score = score_judge([j for j, v in zip(judgments, verifiable) if v],
+                            [t.success for t, v in zip(rollouts, verifiable) if v])
         report = {
-            "phase": p, "episodes": len(rollouts), "verified_successes": sum(t.success for t in rollouts),
+            "phase": p, "episodes": len(rollouts), "verified_episodes": sum(verifiable),
+            "verified_successes": sum(t.success for t, v in zip(rollouts, verifiable) if v),
             "judged_correct": score.judged_correct, "judge_precision": score.precision, "judge_npv": score.npv,
             "a_T": sum(row.count(Label.CORRECT) for row in labels),
             "a_F": sum(row.count(Label.FAILURE) for row in labels), "states_sampled": len(positives),
@@ -183,6 +261,17 @@ class SEAgent(Method):
             report["tasks"] = len(tasks)
             report["next_tasks"] = len(nxt.tasks)
             report["guidebook"] = nxt.guidebook()
+        if o.curriculum == "chat":  # U_{p+1}, I_{p+1} from Fig. 9 (Alg. 1 line 25)
+            from guijax.seagent.chat_curriculum import phase_feedback
+
+            descriptions, exam, states = phase_feedback(
+                [(tasks[t.task_id], j, c or []) for t, j, c in zip(rollouts, judgments, captions)],
+                o.curriculum_descriptions)
+            document = (json.loads((ctx.workdir / (f"phase_{p - 1}" if p > 1 else "") / "curriculum.json")
+                                   .read_text())["software document new"])
+            buffer = self.generator().update(descriptions, document, exam, states)
+            nxt = self.chat_buffer(ctx, p + 1, buffer, folder / "curriculum.json")
+            report["tasks"], report["next_tasks"], report["guidebook"] = len(tasks), len(nxt), buffer.document
         write_text_atomic(folder / "phase.json", json.dumps(report, indent=1))
         writer.write({k: v for k, v in report.items() if isinstance(v, (int, float)) and v is not None})
         return (f"judged {report['judged_correct']}/{report['episodes']} correct (verifier "

@@ -12,6 +12,10 @@ is all that rewards them.
 `ChatCurriculumGenerator` sends Fig. 9 through an OpenAI-compatible client; an answer without a readable
 `{"software document new": ..., "exam new": [...]}` is asked again, then refused with the reasons.
 `phase_feedback` turns a phase's judged episodes and their captions into the prompt's three inputs.
+
+On the synthetic desk the "software" is the set of the training tasks' screens: `place_on_scenes` runs each
+generated instruction from the initial screen of the training task whose elements it names most (a task with
+the `judged` evaluator: no validator, the judge alone decides), and leaves out one that names nothing there.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import json
 from typing import Any, Sequence
 
 from envs.api import Task
+from envs.metrics import evaluator_funcs
 from guijax.chat import ChatClient, ask_parsed
 from guijax.seagent.world_state import Judgment
 
@@ -142,6 +147,35 @@ def phase_feedback(results: Sequence[tuple[Task, Judgment, Sequence[str]]], max_
         states.append({"instruction": task.instruction, "caption": captions[-1] if captions else "",
                        "judged": verdict})
     return descriptions[:max_descriptions], list(exam.values()), states
+
+
+JUDGED_EVALUATOR = {"func": "judged"}
+
+
+def is_judged(task: Task) -> bool:
+    """A task no validator checks: its outcome is the judge's."""
+    return "judged" in evaluator_funcs(task.evaluator)
+
+
+def place_on_scenes(instructions: Sequence[str], scenes: Sequence[Task], element_names: Sequence[Sequence[str]],
+                    id_prefix: str) -> tuple[list[Task], list[str]]:
+    """Each instruction as a judged task on the scene (`scenes[i]`, whose screen names `element_names[i]`) whose
+    element names it mentions most, case-insensitively, longer names first to break ties, then the first scene;
+    instructions that mention none are returned apart."""
+    placed, left_out = [], []
+    for k, text in enumerate(instructions):
+        lowered = text.lower()
+        scores = [sorted((len(n) for n in names if n and n.lower() in lowered), reverse=True) for names in element_names]
+        best = max(range(len(scenes)), key=lambda i: (len(scores[i]), scores[i], -i), default=None)
+        if best is None or not scores[best]:
+            left_out.append(text)
+            continue
+        scene = scenes[best]
+        extra = {key: v for key, v in scene.extra.items() if key != "expert"} | {"source": "seagent_curriculum",
+                                                                                 "scene": scene.id}
+        placed.append(dataclasses.replace(scene, id=f"{id_prefix}-{k:03d}", instruction=text,
+                                          evaluator=dict(JUDGED_EVALUATOR), extra=extra))
+    return placed, left_out
 
 
 class ChatCurriculumGenerator:

@@ -294,3 +294,46 @@ def test_seagent_resumes_after_its_last_finished_phase(prepared, capsys):
     assert "resuming after phase 1 of 2" in capsys.readouterr().out
     assert (workdir / "phase_1" / "phase.json").stat().st_mtime_ns == written  # phase 1 was not run again
     assert json.loads((workdir / "phase_2" / "phase.json").read_text())["phase"] == 2
+
+
+def test_seagent_runs_the_llm_curriculums_tasks(prepared):
+    """seagent.curriculum='chat': phase 1's tasks are the generator's answer to the training screens' captions,
+    placed on the screen whose elements they name and judged by the chat judge alone (no validator); the phase
+    then asks the generator again with its captions and judgments, and writes the next phase's tasks."""
+    from desk_policies import SCREEN
+    from envs.desk.a11y import parse_tree
+    from envs.desk.env import DeskEnv
+    from fake_chat import fake_chat_server
+
+    config, run, _ = prepared
+    train = run.tasks()["train"]
+    buttons = [[n.name for n in parse_tree(DeskEnv(SCREEN, popups=False).reset(t).a11y_tree) if n.role != "window"]
+               for t in train]
+    named = sorted({b[-1] for b in buttons})[:2]
+    first = json.dumps({"software document new": "v1", "exam new": [[f'Click "{n}"'] for n in named]
+                        + [["Open the terminal"]]})
+    second = json.dumps({"software document new": "v2", "exam new": [[f'Use "{named[0]}"', "report it done"]]})
+    verdict = "res_dict = {'Correctness': False, 'First Error Step': 1, 'Error Type': 'wrong element'}"
+    with fake_chat_server([(200, first), (200, second)]) as (gen_url, gen_requests), \
+            fake_chat_server([(200, verdict)]) as (judge_url, _):
+        config = copy.deepcopy(config)
+        with config.unlocked():
+            config.seagent.update(curriculum="chat", curriculum_url=gen_url, curriculum_model="qwen2.5-72b",
+                                  curriculum_api_key_env="", judge="chat", chat_url=judge_url, chat_model="wsm",
+                                  chat_api_key_env="", tasks_per_phase=4)
+        workdir = run.workdir / "methods" / "seagent_chat"
+        workdir.mkdir(parents=True, exist_ok=True)
+        base_stages.train_with(run, get_method("seagent", config), workdir, "seagent")
+    initial = json.loads((workdir / "curriculum.json").read_text())
+    assert initial["left_out"] == ["Open the terminal"] and initial["software document new"] == "v1"
+    assert [t["instruction"] for t in initial["tasks"]] == [f'Click "{n}"' for n in named]
+    assert all(t["evaluator"] == {"func": "judged"} and "expert" not in t for t in initial["tasks"])
+    report = json.loads((workdir / "phase_1" / "phase.json").read_text())
+    assert report["episodes"] == len(named) and report["verified_episodes"] == 0
+    assert report["judged_correct"] == 0 and report["a_F"] == len(named) and report["guidebook"] == "v2"
+    assert report["next_tasks"] == 1 and len(gen_requests) == 2
+    prompt = gen_requests[1]["body"]["messages"][0]["content"]
+    assert "in the previous round:\nv1\n" in prompt and "wrong element" in prompt
+    assert json.dumps(["the answer did not parse; the episode ended."]) in prompt  # the phase's captions
+    nxt = json.loads((workdir / "phase_1" / "curriculum.json").read_text())
+    assert [t["instruction"] for t in nxt["tasks"]] == [f'Use "{named[0]}", then report it done']

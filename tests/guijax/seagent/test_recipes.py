@@ -43,6 +43,15 @@ def test_desk_only_parts_and_a_missing_chat_endpoint_are_named():
         get_method("seagent", launch.resolve("seagent_cpu", ["seagent.judge=chat"]))
     with pytest.raises(ValueError, match=r"curriculum_families names \['paint'\]"):
         get_method("seagent", launch.resolve("seagent_cpu", ["seagent.curriculum_families=('paint',)"]))
+    chat = ["seagent.curriculum=chat", "seagent.curriculum_url=http://x/v1", "seagent.curriculum_model=m"]
+    with pytest.raises(ValueError, match="set seagent.curriculum_url and seagent.curriculum_model"):
+        get_method("seagent", launch.resolve("seagent_cpu", ["seagent.curriculum=chat"]))
+    with pytest.raises(ValueError, match="the oracle judge cannot judge: set seagent.judge='chat'"):
+        get_method("seagent", launch.resolve("seagent_cpu", chat))
+    with pytest.raises(ValueError, match="runs its tasks from the desk's screens; env.kind is 'osworld'"):
+        get_method("seagent", launch.resolve("grpo_gpu", ["method=seagent", "seagent.judge=chat",
+                                                           "seagent.chat_url=http://x/v1", "seagent.chat_model=m",
+                                                           *chat]))
 
 
 @pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use")])
