@@ -183,13 +183,14 @@ class SEAgent(Method):
 
     def chat_phase_tasks(self, ctx: Context, p: int) -> list:
         """I_p: phase p-1's answer from the generator (written by that phase), or for phase 1 the generator's
-        answer to the captions of the training screens (Alg. 1 lines 3-4), asked once and kept."""
+        answer to the captions of the training screens (Alg. 1 lines 3-4), asked each time phase 1 starts (a
+        kept answer could come from another configuration) and written where phase 1 reads its guidebook."""
         from envs.api import Task
         from envs.desk.env import DeskEnv
         from guijax.seagent.captions import screen_captions
 
         path = ctx.workdir / (f"phase_{p - 1}" if p > 1 else "") / "curriculum.json"
-        if not path.exists() and p == 1:
+        if p == 1:
             scenes, _ = self.scenes(ctx)
             c0 = [c for task in scenes
                   for c in screen_captions(DeskEnv(tuple(self.config.env.screen), popups=False).reset(task).a11y_tree
@@ -278,7 +279,7 @@ class SEAgent(Method):
                 f"{report['verified_successes']}), {report['a_T']} a_T and {report['a_F']} a_F steps, mean step reward "
                 f"{report['mean_step_reward']:.2f}, {report['groups_kept']} groups kept, {report['rows']} rows"
                 + (f", loss {report['loss_first']:.3f} -> {report['loss_last']:.3f}" if history else "")
-                + (f"; next phase: {report['next_tasks']} tasks" if cur is not None else ""))
+                + (f"; next phase: {report['next_tasks']} tasks" if "next_tasks" in report else ""))
 
     def captions(self, tasks: dict, rollouts: list) -> list:
         """The World State Model's state-change captions C of every episode, step by step: from the desk's

@@ -17,7 +17,7 @@ from envs.desk.a11y import Node, describe, parse_tree
 from guijax.rollout.trajectory import Trajectory
 
 _LAYERS = {"dialog": "pop-up", "alertdialog": "confirmation dialog", "banner": "notification banner"}
-_STATES = {"checkbox": ("checked",), "field": ("text",), "dropdown": ("value", "open"), "list": ("selected",),
+_STATES = {"checkbox": ("checked",), "field": ("text",), "dropdown": ("value", "open"), "list": ("selected", "visible"),
            "slider": ("value",), "label": ("text",)}
 _UNCHANGED = "The screen did not change."
 
@@ -35,6 +35,8 @@ def _state_change(role: str, name: str, window: str | None, key: str, new: str |
         return f"{control} {'opened its options' if new == 'True' else 'closed its options'}"
     if key == "text":
         return f'{control} now reads "{new}"'
+    if key == "visible":
+        return f"{control} scrolled to show {new}"
     shown = f"{new}%" if role == "slider" else f'"{new}"'
     return f"{control} now {'selects' if key == 'selected' else 'shows'} {shown}"
 

@@ -33,6 +33,12 @@ window "Log" [0,0,50,50]'''
         'window is now unchecked; the "Volume" slider in the "Settings" window now shows 70%.')
     assert change_caption(after, BEFORE).startswith("The pop-up closed; the \"Log\" window closed")
     assert change_caption(BEFORE, BEFORE) == "The screen did not change."
+    scrolled = ('window "Files" [0,0,100,100] front\n  list "Docs" [5,5,95,60] selected="" visible=[\'a\', \'b\'] '
+                "items=['a', 'b', 'c']")
+    assert change_caption(scrolled, scrolled.replace('selected=""', 'selected="c"').replace("visible=['a', 'b']",
+                                                                                         "visible=['b', 'c']")) == (
+        'The "Docs" list in the "Files" window now selects "c"; the "Docs" list in the "Files" window scrolled to '
+        "show ['b', 'c'].")
     assert change_caption(BEFORE, BEFORE, ["the \"Save\" button registered a click"]) == \
         'The "Save" button registered a click.'
 
