@@ -77,28 +77,37 @@ class TaskBuffer:
         return {DOCUMENT_KEY: self.document, TASKS_KEY: [list(t) for t in self.tasks], "reasoning": self.reasoning}
 
 
-def _json_dicts(text: str) -> list[tuple[int, dict]]:
-    """Every JSON object that starts at some '{' of `text` and decodes, with where it starts."""
-    decoder, found = json.JSONDecoder(), []
-    for start, char in enumerate(text):
-        if char != "{":
-            continue
+MAX_OPENINGS = 5000  # '{' positions tried from the end of an answer: enough for any real one, bounded for any input
+
+
+def _last_buffer_dict(text: str) -> tuple[int, dict] | None:
+    """The JSON object starting latest in `text` that decodes and holds both keys (else the latest holding one,
+    for the error to name the other), with where it starts. Objects are tried from the last '{' back (at most
+    MAX_OPENINGS), so a long answer costs no quadratic scan; one nested too deep to decode does not decode."""
+    decoder, partial = json.JSONDecoder(), None
+    start = len(text)
+    for _ in range(MAX_OPENINGS):
+        start = text.rfind("{", 0, start)
+        if start < 0:
+            break
         try:
             value, _ = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
-        if isinstance(value, dict):
-            found.append((start, value))
-    return found
+        if isinstance(value, dict) and TASKS_KEY in value and DOCUMENT_KEY in value:
+            return start, value
+        if isinstance(value, dict) and (TASKS_KEY in value or DOCUMENT_KEY in value) and partial is None:
+            partial = start, value
+    return partial
 
 
 def parse_task_buffer(text: str) -> TaskBuffer:
     """The last JSON dict in a Fig. 9 answer holding both keys; the text before it is the reasoning. A task given
     as a bare string is read as a one-step sequence."""
-    candidates = [(start, d) for start, d in _json_dicts(text) if TASKS_KEY in d or DOCUMENT_KEY in d]
-    if not candidates:
+    found = _last_buffer_dict(text)
+    if found is None:
         raise CurriculumAnswerError(f"no JSON dict with {DOCUMENT_KEY!r} and {TASKS_KEY!r} in the answer")
-    start, answer = candidates[-1]
+    start, answer = found
     for key in (DOCUMENT_KEY, TASKS_KEY):
         if key not in answer:
             raise CurriculumAnswerError(f"the answer's JSON dict has no {key!r}")
@@ -107,13 +116,13 @@ def parse_task_buffer(text: str) -> TaskBuffer:
         raise CurriculumAnswerError(f"{DOCUMENT_KEY!r} must be text, got {type(document).__name__}")
     raw = answer[TASKS_KEY]
     if not isinstance(raw, list) or not raw:
-        raise CurriculumAnswerError(f"{TASKS_KEY!r} must be a non-empty list of task lists, got {raw!r}")
+        raise CurriculumAnswerError(f"{TASKS_KEY!r} must be a non-empty list of task lists, got {raw!r}"[:300])
     tasks = []
     for i, item in enumerate(raw):
         steps = [item] if isinstance(item, str) else item
         if not isinstance(steps, list) or not steps or not all(isinstance(s, str) and s.strip() for s in steps):
             raise CurriculumAnswerError(f"{TASKS_KEY!r}[{i}] must be a list of non-empty task instructions, "
-                                        f"got {item!r}")
+                                        f"got {item!r}"[:300])
         tasks.append(tuple(s.strip() for s in steps))
     return TaskBuffer(document.strip(), tuple(tasks), text[:start].strip())
 

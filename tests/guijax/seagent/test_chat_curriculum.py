@@ -34,6 +34,8 @@ def test_a_fig9_answer_gives_the_guidebook_and_task_sequences():
     two = 'draft {"exam new": [["a"]], "software document new": "old"} final ' \
           '{"software document new": "new", "exam new": [["b"]]} {"unrelated": 1}'
     assert parse_task_buffer(two) == TaskBuffer("new", (("b",),), two[:two.index('{"software document new": "new"')].strip())
+    nested = '{"software document new": "d", "exam new": [["a"]], "notes": {"exam new": "ignored"}}'
+    assert parse_task_buffer(nested).tasks == (("a",),)  # a later, inner dict with one key does not hide it
     for bad, why in [("no json at all", "no JSON dict"), ('{"exam new": [["a"]]}', "no 'software document new'"),
                      ('{"software document new": "d"}', "no 'exam new'"),
                      ('{"software document new": 3, "exam new": [["a"]]}', "must be text"),
