@@ -119,7 +119,10 @@ def png_data_url(image: Any, max_side: int | None = None) -> str:
 
 def json_reply(text: str) -> object:
     """The JSON value a model answered, which may be wrapped in a ```json fence and nothing else (ValueError
-    when it is not JSON)."""
+    when it is not JSON, or nested too deeply to decode)."""
     body = text.strip()
     fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
-    return json.loads(fence.group(1) if fence else body)
+    try:
+        return json.loads(fence.group(1) if fence else body)
+    except RecursionError:  # nested deeper than Python decodes: an unreadable answer, not a crash
+        raise ValueError("the JSON is nested too deeply to read") from None

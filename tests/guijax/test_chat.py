@@ -32,3 +32,22 @@ def test_chat_plan_extractor_reads_a_numbered_plan_through_the_client():
     with fake_chat_server([(200, "Task: Wi-Fi\n1. Open Settings\n2. Turn on Wi-Fi")]) as (url, requests):
         assert ChatPlanExtractor(url, "m", api_key_env="")(trace) == ["Open Settings", "Turn on Wi-Fi"]
     assert requests[0]["body"]["messages"][0]["content"].startswith("You are an expert at converting")
+
+
+@pytest.mark.hostile
+def test_a_json_answer_nested_too_deep_is_unreadable_not_a_crash():
+    """The skill extractor, the SGCD judge and the task architect ask again on a ValueError; a RecursionError
+    from the JSON decoder would have ended the run."""
+    from guijax.chat import json_reply
+    from guijax.sgcd.judge import parse_verdict
+    from guijax.sgcd.skills import SkillFormatError, parse_skill
+
+    deep = "[" * 100000 + "]" * 100000
+    for text in (deep, f"```json\n{deep}\n```"):
+        with pytest.raises(ValueError, match="nested too deeply"):
+            json_reply(text)
+    with pytest.raises(SkillFormatError, match="not JSON"):
+        parse_skill(deep)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        parse_verdict(deep)
+    assert json_reply('```json\n{"accept": true}\n```') == {"accept": True}
