@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Sequence
 
 from envs.api import Task
@@ -166,15 +167,20 @@ def is_judged(task: Task) -> bool:
     return "judged" in evaluator_funcs(task.evaluator)
 
 
+def _mentions(lowered: str, name: str) -> bool:
+    """`name` as a whole word (or phrase) of the lower-cased text: "OK" is not in "look"."""
+    return re.search(rf"(?<!\w){re.escape(name.lower())}(?!\w)", lowered) is not None
+
+
 def place_on_scenes(instructions: Sequence[str], scenes: Sequence[Task], element_names: Sequence[Sequence[str]],
                     id_prefix: str) -> tuple[list[Task], list[str]]:
     """Each instruction as a judged task on the scene (`scenes[i]`, whose screen names `element_names[i]`) whose
-    element names it mentions most, case-insensitively, longer names first to break ties, then the first scene;
+    element names it mentions most (whole words, case-insensitively), longer names first to break ties, then the first scene;
     instructions that mention none are returned apart."""
     placed, left_out = [], []
     for k, text in enumerate(instructions):
         lowered = text.lower()
-        scores = [sorted((len(n) for n in names if n and n.lower() in lowered), reverse=True) for names in element_names]
+        scores = [sorted((len(n) for n in names if n and _mentions(lowered, n)), reverse=True) for names in element_names]
         best = max(range(len(scenes)), key=lambda i: (len(scores[i]), scores[i], -i), default=None)
         if best is None or not scores[best]:
             left_out.append(text)

@@ -104,8 +104,8 @@ def test_generated_instructions_run_as_judged_tasks_on_the_screen_they_name():
     scenes = [click_task(), generate_desk_tasks(1, seed=1, families=["toggle_checkbox"], screen_hw=SCREEN)[0]]
     names = [["Dialog", "Info", "Archive", "Print", "Export"], ["Settings", "Notifications", "Wi-Fi", "Dark mode"]]
     placed, left_out = place_on_scenes(["Turn on wi-fi", "Print twice", "Open the terminal",
-                                        "Click Print in Settings"], scenes, names, "gen")
-    assert left_out == ["Open the terminal"]
+                                        "Click Print in Settings", "Look at the reprints"], scenes, names, "gen")
+    assert left_out == ["Open the terminal", "Look at the reprints"]  # whole names only: "print" is not in "reprints"
     assert [(t.id, t.instruction, t.extra["scene"]) for t in placed] == [
         ("gen-000", "Turn on wi-fi", scenes[1].id), ("gen-001", "Print twice", scenes[0].id),
         ("gen-003", "Click Print in Settings", scenes[1].id)]  # a tie goes to the longer name
