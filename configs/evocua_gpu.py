@@ -8,7 +8,9 @@ and STEP0 online (§7, Eq. 3-6, asymmetric clip 0.2/0.28 and a KL of 0.01 to the
 at 50 steps with success at 15 scored from the same episodes (§6's 15 vs 50). Edit model.path,
 env.osworld_dir and env.server_urls for your machines; Qwen3-VL-32B: --config.model.preset=qwen3_vl_32b
 --config.model.path=/models/Qwen3-VL-32B-Instruct (evocua_tpu). Not here: the synthesis and coldstart
-stages, which build desk tasks and desk expert traces; check the sizes with --dry_run.
+stages, which build desk tasks and desk expert traces; check the sizes with --dry_run. Compiled at these shapes
+(TPU proxy, v5p:2x2x2) the step does NOT fit 8 H100s: 89.85 GiB per device, 103.60 GiB with the measured GPU
+factor (README); no fitting setting has been compiled yet.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 
