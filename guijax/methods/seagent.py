@@ -150,30 +150,34 @@ class SEAgent(Method):
         return ChatCurriculumGenerator(ChatClient(o.curriculum_url, o.curriculum_model,
                                                   api_key_env=o.curriculum_api_key_env), retries=o.judge_retries)
 
-    def scenes(self, ctx: Context) -> tuple[list, list[list[str]]]:
-        """The "software": the distinct initial screens of the training tasks, and the element names on each."""
-        from envs.desk.a11y import parse_tree
+    def scenes(self, ctx: Context) -> list[tuple[Any, str]]:
+        """The "software": each distinct initial screen of the training tasks, as (task, accessibility tree)."""
         from envs.desk.env import DeskEnv
 
-        scenes, names, seen = [], [], set()
+        out, seen = [], set()
         for task in ctx.train_tasks:
             key = json.dumps(task.config, sort_keys=True)
-            if key in seen:
-                continue
-            seen.add(key)
-            tree = DeskEnv(tuple(self.config.env.screen), popups=False).reset(task).a11y_tree or ""
-            scenes.append(task)
-            names.append([n.name for n in parse_tree(tree)])
-        return scenes, names
+            if key not in seen:
+                seen.add(key)
+                out.append((task, DeskEnv(tuple(self.config.env.screen), popups=False).reset(task).a11y_tree or ""))
+        return out
 
-    def chat_buffer(self, ctx: Context, p: int, buffer: Any, path: Any) -> list:
-        """Phase p's tasks from a task buffer, placed on the training screens and written to `path` (the phase
-        reads them from there when a run resumes)."""
+    @staticmethod
+    def buffer_path(ctx: Context, p: int) -> Any:
+        """Where phase p's tasks and the guidebook they came with are written: by phase p-1, or before phase 1."""
+        return ctx.workdir / (f"phase_{p - 1}" if p > 1 else "") / "curriculum.json"
+
+    def chat_buffer(self, ctx: Context, p: int, buffer: Any, scenes: list[tuple[Any, str]]) -> list:
+        """Phase p's tasks from a task buffer, placed on the training screens and written to `buffer_path` (the
+        phase reads them from there when a run resumes)."""
+        from envs.desk.a11y import parse_tree
         from guijax.seagent.chat_curriculum import place_on_scenes
 
-        scenes, names = self.scenes(ctx)
-        placed, left_out = place_on_scenes(buffer.instructions(), scenes, names, f"seagent-p{p}")
+        placed, left_out = place_on_scenes(buffer.instructions(), [task for task, _ in scenes],
+                                           [[n.name for n in parse_tree(tree)] for _, tree in scenes],
+                                           f"seagent-p{p}")
         placed = placed[:self.options.tasks_per_phase]
+        path = self.buffer_path(ctx, p)
         if not placed:
             raise RuntimeError(f"seagent: none of the generator's {len(buffer.tasks)} tasks for phase {p} names an "
                                f"element of the training screens ({path}); left out: {left_out[:5]}")
@@ -186,17 +190,14 @@ class SEAgent(Method):
         answer to the captions of the training screens (Alg. 1 lines 3-4), asked each time phase 1 starts (a
         kept answer could come from another configuration) and written where phase 1 reads its guidebook."""
         from envs.api import Task
-        from envs.desk.env import DeskEnv
         from guijax.seagent.captions import screen_captions
 
-        path = ctx.workdir / (f"phase_{p - 1}" if p > 1 else "") / "curriculum.json"
         if p == 1:
-            scenes, _ = self.scenes(ctx)
-            c0 = [c for task in scenes
-                  for c in screen_captions(DeskEnv(tuple(self.config.env.screen), popups=False).reset(task).a11y_tree
-                                           or "")]
-            return self.chat_buffer(ctx, 1, self.generator().update(c0), path)
-        return [Task.from_dict(t, domain=t.get("domain", "")) for t in json.loads(path.read_text())["tasks"]]
+            scenes = self.scenes(ctx)
+            c0 = [c for _, tree in scenes for c in screen_captions(tree)]
+            return self.chat_buffer(ctx, 1, self.generator().update(c0), scenes)
+        return [Task.from_dict(t, domain=t.get("domain", ""))
+                for t in json.loads(self.buffer_path(ctx, p).read_text())["tasks"]]
 
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
         resumable_rounds(ctx, policy, self.name, self.options.phases, "phase", f"{self.section}_metrics.jsonl",
@@ -268,10 +269,9 @@ class SEAgent(Method):
             descriptions, exam, states = phase_feedback(
                 [(tasks[t.task_id], j, c or []) for t, j, c in zip(rollouts, judgments, captions)],
                 o.curriculum_descriptions)
-            document = (json.loads((ctx.workdir / (f"phase_{p - 1}" if p > 1 else "") / "curriculum.json")
-                                   .read_text())["software document new"])
+            document = json.loads(self.buffer_path(ctx, p).read_text())["software document new"]
             buffer = self.generator().update(descriptions, document, exam, states)
-            nxt = self.chat_buffer(ctx, p + 1, buffer, folder / "curriculum.json")
+            nxt = self.chat_buffer(ctx, p + 1, buffer, self.scenes(ctx))
             report["tasks"], report["next_tasks"], report["guidebook"] = len(tasks), len(nxt), buffer.document
         write_text_atomic(folder / "phase.json", json.dumps(report, indent=1))
         writer.write({k: v for k, v in report.items() if isinstance(v, (int, float)) and v is not None})

@@ -89,9 +89,9 @@ def delta(x: jax.Array, a: jax.Array, b: jax.Array, lora: LoraConfig, dtype: Any
     if dropout_key is not None and lora.dropout > 0:
         keep = jax.random.bernoulli(dropout_key, 1.0 - lora.dropout, x.shape)
         x = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(dtype)
-    lead = x.shape[:-1]
-    h = jnp.matmul(x.reshape(-1, x.shape[-1]), a.astype(dtype))  # 2-D, as layers.rows_matmul says why
-    return lora.scale * jnp.matmul(h, b.astype(dtype)).reshape(*lead, b.shape[-1])
+    from guijax.models.layers import rows_matmul  # here: layers imports this module
+
+    return lora.scale * rows_matmul(rows_matmul(x, a.astype(dtype)), b.astype(dtype))
 
 
 # ---------------------------------------------------------------------------- the parameter tree

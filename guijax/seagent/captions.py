@@ -59,9 +59,10 @@ def change_caption(before: str, after: str, recorded: Sequence[str] = ()) -> str
     new_windows = [n.name for n in new if n.role == "window"]
     changes += [f'the "{w}" window opened' for w in new_windows if w not in old_windows]
     changes += [f'the "{w}" window closed' for w in old_windows if w not in new_windows]
-    front = lambda nodes: next((n.name for n in nodes if n.role == "window" and "front" in n.attrs.split()), None)  # noqa: E731
-    if front(new) is not None and front(new) != front(old) and front(new) in old_windows:
-        changes.append(f'the "{front(new)}" window came to the front')
+    was_front, front = (next((n.name for n in nodes if n.role == "window" and "front" in n.attrs.split()), None)
+                        for nodes in (old, new))
+    if front is not None and front != was_front and front in old_windows:
+        changes.append(f'the "{front}" window came to the front')
     for key, node in new_by.items():
         previous = old_by.get(key)
         if previous is None or node.role not in _STATES:
@@ -69,10 +70,8 @@ def change_caption(before: str, after: str, recorded: Sequence[str] = ()) -> str
         for state in _STATES[node.role]:
             if node.attr(state) != previous.attr(state):
                 changes.append(_state_change(node.role, node.name, node.window, state, node.attr(state)))
-    changes += list(recorded)
-    if not changes:
-        return _UNCHANGED
-    return "; ".join(changes)[0].upper() + "; ".join(changes)[1:] + "."
+    text = "; ".join([*changes, *recorded])
+    return text[0].upper() + text[1:] + "." if text else _UNCHANGED
 
 
 def _state_words(node: Node) -> str:
@@ -147,9 +146,9 @@ def action_phrase(actions: Sequence[Action], a11y: str) -> str:
                 first.kind, first.kind.value.replace("_", " ") + " on")
     if first.point is None:
         return verb
-    from guijax.sgcd.desk_skills import _node_at
+    from guijax.sgcd.desk_skills import node_at
 
-    node = _node_at(a11y, first.point)
+    node = node_at(a11y, first.point)
     target = describe(node.role, node.name, node.window) if node is not None else "an empty spot"
     return f"{verb} {target}"
 

@@ -108,7 +108,7 @@ class StepVerdict:
     trap: str | None
 
 
-def _node_at(a11y: str, point: tuple[int, int]):
+def node_at(a11y: str, point: tuple[int, int]):
     """The innermost accessibility node under `point`, front-most layer first."""
     for node in parse_tree(a11y):
         if node.role in ("dialog", "alertdialog", "banner", "window"):
@@ -178,7 +178,7 @@ def step_verdicts(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int]
         # the parsed actions, not their text: a computer_use step words the same call in free text
         signature = (actions, obs.screenshot.tobytes())
         if kind in _POINTER and actions[0].point is not None:
-            node = _node_at(obs.a11y_tree or "", actions[0].point)
+            node = node_at(obs.a11y_tree or "", actions[0].point)
             if node is not None:
                 element = (node.role, node.name, node.window)
                 clearing = node.window in ("", CONFIRM, BANNER) and (node.role, node.name, node.window) not in targets
