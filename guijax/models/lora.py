@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from guijax.models.rows import rows_matmul
+
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -89,8 +91,6 @@ def delta(x: jax.Array, a: jax.Array, b: jax.Array, lora: LoraConfig, dtype: Any
     if dropout_key is not None and lora.dropout > 0:
         keep = jax.random.bernoulli(dropout_key, 1.0 - lora.dropout, x.shape)
         x = jnp.where(keep, x / (1.0 - lora.dropout), 0).astype(dtype)
-    from guijax.models.layers import rows_matmul  # here: layers imports this module
-
     return lora.scale * rows_matmul(rows_matmul(x, a.astype(dtype)), b.astype(dtype))
 
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from guijax.models import layers
 from guijax.models import lora as lora_lib
+from guijax.models import rows
 
 
 def _dot_generals(jaxpr) -> list:
@@ -26,9 +27,9 @@ def test_rows_matmul_equals_the_einsum_in_values_and_gradients():
     x = jax.random.normal(kx, (3, 5, 8))
     w = jax.random.normal(kw, (8, 6))
     einsum = lambda x, w: jnp.einsum("...i,io->...o", x, w)  # noqa: E731
-    chex.assert_trees_all_close(layers.rows_matmul(x, w), einsum(x, w), rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(rows.rows_matmul(x, w), einsum(x, w), rtol=1e-5, atol=1e-5)
     loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))  # noqa: E731
-    chex.assert_trees_all_close(jax.grad(loss(layers.rows_matmul), argnums=(0, 1))(x, w),
+    chex.assert_trees_all_close(jax.grad(loss(rows.rows_matmul), argnums=(0, 1))(x, w),
                                 jax.grad(loss(einsum), argnums=(0, 1))(x, w), rtol=1e-5, atol=1e-5)
 
 
