@@ -1,0 +1,132 @@
+"""The offline task architect for office scenarios (evocua.txt §3.2's dual stream on the local desktop): from
+a generated document it writes the instruction, an OSWorld validator with the expected file, and a
+keyboard-only reference solution, all three from the same goal.
+
+The sandbox's errors come back as the attempt history. A reference the validator rejects on a real desktop is
+most often a timing problem (the app had not finished loading or saving), so the next proposal waits twice as
+long; any other failure draws a new goal. There is no LLM counterpart for office tasks yet: a model would have
+to write the expected file as well as the instruction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Sequence
+
+from guijax.evocua.office_resources import CAPABILITIES, Document, OfficeScenario
+from guijax.evocua.synthesis import Attempt
+from guijax.evocua.task_space import PERSONA_BY_ROLE
+
+LOAD_WAIT_S, SAVE_WAIT_S = 1.0, 1.5
+EXPECTED = "expected"  # the evaluator's `expected` getter path is filled in when the task is written
+
+
+@dataclasses.dataclass(frozen=True)
+class OfficeProposal:
+    instruction: str
+    evaluator: dict[str, Any]  # OSWorld evaluator; `expected` names the file EXPECTED until written
+    solution: list[dict[str, Any]]  # Action dicts, one per env step (envs.osworld.env.action_from_dict)
+    expected: Document
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"instruction": self.instruction, "evaluator": self.evaluator, "solution": self.solution,
+                "expected_rows": [list(r) for r in self.expected.rows]}
+
+
+def _press(key: str, times: int = 1) -> list[dict[str, Any]]:
+    return [{"kind": "press", "keys": [key]} for _ in range(times)]
+
+
+def _hotkey(*keys: str) -> dict[str, Any]:
+    return {"kind": "hotkey", "keys": list(keys)}
+
+
+def _type(text: str) -> dict[str, Any]:
+    return {"kind": "type", "text": text}
+
+
+def _fresh_item(rng: random.Random, doc: Document, persona) -> str:
+    present = {str(r[0]).lower() for r in doc.rows}
+    choices = [w for w in persona.files + persona.words if w.lower() not in present]
+    return rng.choice(choices).capitalize()
+
+
+def _sheet_append(rng, scenario: OfficeScenario, persona, load: list) -> tuple[str, Document, list]:
+    doc = scenario.document
+    item, price, qty = _fresh_item(rng, doc, persona), rng.randint(1, 99), rng.randint(1, 20)
+    text = (f"In the open spreadsheet ~/{doc.name}, add a row below the last one for {item} with price {price} and "
+            f"quantity {qty}, and save it as xlsx.")
+    steps = load + [_hotkey("ctrl", "home"), _hotkey("ctrl", "down"), *_press("down"), _type(f"{item}\t{price}\t{qty}\n")]
+    return text, doc.with_rows(doc.rows + ((item, price, qty),)), steps
+
+
+def _sheet_set(rng, scenario: OfficeScenario, persona, load: list) -> tuple[str, Document, list]:
+    doc = scenario.document
+    index = rng.randrange(1, len(doc.rows))
+    item, price, qty = doc.rows[index]
+    new = rng.choice([q for q in range(1, 31) if q != qty])
+    text = f"In ~/{doc.name}, change the quantity of {item} to {new} and save the file, keeping the xlsx format."
+    rows = list(doc.rows)
+    rows[index] = (item, price, new)
+    steps = load + [_hotkey("ctrl", "home"), *_press("down", index), *_press("right", 2), _type(f"{new}\n")]
+    return text, doc.with_rows(rows), steps
+
+
+def _csv_append(rng, scenario: OfficeScenario, persona, load: list) -> tuple[str, Document, list]:
+    doc = scenario.document
+    item, price, qty = _fresh_item(rng, doc, persona), rng.randint(1, 99), rng.randint(1, 20)
+    text = (f"Open ~/{doc.name} (accept the import settings), add a record for {item} with price {price} and "
+            f"quantity {qty} at the end, and save it, keeping the CSV format.")
+    steps = load + [*_press("enter"), {"kind": "wait", "amount": 2 * load[0]["amount"]}, _hotkey("ctrl", "end"),
+                    *_press("down"), *_press("home"), _type(f"{item}\t{price}\t{qty}\n")]
+    return text, doc.with_rows(doc.rows + ((item, str(price), str(qty)),)), steps
+
+
+def _text_append(rng, scenario: OfficeScenario, persona, load: list) -> tuple[str, Document, list]:
+    doc = scenario.document
+    present = {r[0] for r in doc.rows}
+    line = next(x for x in iter(lambda: f"{rng.choice(persona.actions).lower()} the {rng.choice(persona.files)} "
+                                        f"by {rng.choice(('monday', 'friday', 'noon', 'tonight'))}", None)
+                if x not in present)
+    text = f"In the open text editor, add '{line}' as a new last line of ~/{doc.name} and save the file."
+    return text, doc.with_rows(doc.rows + ((line,),)), load + [_hotkey("ctrl", "end"), _type(f"{line}\n")]
+
+
+def _text_replace(rng, scenario: OfficeScenario, persona, load: list) -> tuple[str, Document, list]:
+    doc = scenario.document
+    index = rng.randrange(len(doc.rows))
+    (old,) = doc.rows[index]
+    present = {r[0] for r in doc.rows}
+    new = next(x for x in iter(lambda: f"{rng.choice(persona.actions).lower()} the {rng.choice(persona.words)} "
+                                       f"{rng.choice(persona.files)} again", None) if x not in present)
+    text = f"In the open text editor, replace the line '{old}' of ~/{doc.name} with '{new}' and save the file."
+    rows = list(doc.rows)
+    rows[index] = (new,)
+    steps = load + [_hotkey("ctrl", "home"), *_press("down", index), *_press("home"), _hotkey("shift", "end"), _type(new)]
+    return text, doc.with_rows(rows), steps
+
+
+COMPOSERS = {"sheet_append_row": _sheet_append, "sheet_set_cell": _sheet_set, "csv_append_row": _csv_append,
+             "text_append_line": _text_append, "text_replace_line": _text_replace}
+assert set(COMPOSERS) == set(CAPABILITIES)
+METRIC = {"xlsx": "compare_table", "csv": "compare_csv", "txt": "compare_text_file"}
+
+
+class OfficeArchitect:
+    """Writes instruction, validator (the whole expected file) and reference from one drawn goal."""
+
+    name = "office_procedural"
+
+    def propose(self, scenario: OfficeScenario, history: Sequence[Attempt]) -> OfficeProposal:
+        timing = sum(a.check == "reference" for a in history)
+        slower = 2 ** timing  # each reference the desktop rejected doubles the waits
+        rng = random.Random(f"{scenario.seed}/{len(history) - timing}")  # a new goal only after other failures
+        persona = PERSONA_BY_ROLE[scenario.persona]
+        load = [{"kind": "wait", "amount": LOAD_WAIT_S * slower}]
+        text, expected, steps = COMPOSERS[scenario.capability](rng, scenario, persona, load)
+        steps += [_hotkey("ctrl", "s"), {"kind": "wait", "amount": SAVE_WAIT_S * slower}]
+        doc = scenario.document
+        evaluator = {"func": METRIC[doc.kind],
+                     "result": {"type": "vm_file", "path": f"~/{doc.name}", "dest": doc.name},
+                     "expected": {"type": "cache_file", "path": EXPECTED}}
+        return OfficeProposal(f"I'm {scenario.persona}. {text}", evaluator, steps, expected)
