@@ -8,9 +8,12 @@ and STEP0 online (§7, Eq. 3-6, asymmetric clip 0.2/0.28 and a KL of 0.01 to the
 at 50 steps with success at 15 scored from the same episodes (§6's 15 vs 50). Edit model.path,
 env.osworld_dir and env.server_urls for your machines; Qwen3-VL-32B: --config.model.preset=qwen3_vl_32b
 --config.model.path=/models/Qwen3-VL-32B-Instruct (evocua_tpu). Not here: the synthesis and coldstart
-stages, which build desk tasks and desk expert traces; check the sizes with --dry_run. Compiled at these shapes
-(TPU proxy, v5p:2x2x2) the step does NOT fit 8 H100s: 89.85 GiB per device, 103.60 GiB with the measured GPU
-factor (README); no fitting setting has been compiled yet.
+stages, which build desk tasks and desk expert traces; check the sizes with --dry_run.
+
+The vision tower and its merger stay frozen: the paper does not say whether it trains them, and with them
+trained the compiled step does not fit 8 H100s (TPU proxy v5p:2x2x2: 89.85 GiB per device, 103.60 GiB with
+the measured GPU factor). Frozen, it compiles to 55.91 GiB per device, 64.47 GiB scaled, of 74.51 (README).
+Train the tower with --config.model.frozen="()" on larger-memory devices.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 
@@ -22,6 +25,7 @@ def get_config():
     c.stages = ("base_model", "tasks", "budget", "eval_base", "methods", "table", "report")
     c.rollout.prompt = "computer_use"
     c.rollout.max_images = 5
+    c.model.frozen = ("visual",)  # ViT and merger frozen so the step fits 8 H100s (docstring)
     c.rollout.temperature = 1.0
     c.env.step_limit = 50
     c.optim.learning_rate = 1e-6

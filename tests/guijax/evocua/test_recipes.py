@@ -8,15 +8,16 @@ from guijax import launch
 from guijax.pipeline.registry import check_recipe
 
 
-@pytest.mark.parametrize("recipe, params, mesh", [
-    ("evocua_gpu", 8_767_123_696, {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}),  # Qwen3-VL-8B, one 8-GPU node
-    ("evocua_tpu", 33_357_390_064, {"data": 4, "fsdp": 16, "tensor": 1, "expert": 1}),  # Qwen3-VL-32B, v5p-128
+@pytest.mark.parametrize("recipe, params, mesh, trained", [
+    # Qwen3-VL-8B on one 8-GPU node and 32B on v5p-128, both with the tower frozen
+    ("evocua_gpu", 8_767_123_696, {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}, 8_767_123_696 - 576_388_336),
+    ("evocua_tpu", 33_357_390_064, {"data": 4, "fsdp": 16, "tensor": 1, "expert": 1}, 33_357_390_064 - 595_266_800),
 ])
-def test_accelerator_recipes_dry_run(recipe, params, mesh):
+def test_accelerator_recipes_dry_run(recipe, params, mesh, trained):
     config = launch.resolve(recipe, [])
     check_recipe(config)
     report = launch.dry_run(config)
-    assert report["params"] == params and report["mesh"] == mesh
+    assert report["params"] == params and report["mesh"] == mesh and report["trained_params"] == trained
     assert config.rollout.prompt == "computer_use" and set(config.eval.step_limits) == {15, 50}
 
 
