@@ -261,6 +261,9 @@ class Sft:
     learning_rate: float = ranged(1e-4, low=0, low_open=True)
     traces_per_task: int = ranged(1, low=1)
     expert_noise: float = ranged(0.0, low=0, high=1)  # scripted expert: chance of a wrong or missed action
+    # what the noise's own actions train: 'train' (every step is a target, the wrong clicks too) | 'mask' (they
+    # carry no loss; the expert's recovery from the states they make does, as in DART-style noise injection)
+    noisy_steps: Literal["train", "mask"] = "train"
     families: tuple[DeskFamily, ...] = ()  # empty: every family of the training split
     plan_only_families: tuple[DeskFamily, ...] = ()  # families whose traces appear only plan-conditioned
     # share of SFT traces repeated with the plan appended (BEPA LEVEL-1 prompts)

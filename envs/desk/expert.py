@@ -63,6 +63,7 @@ class ScriptedExpert:
     def __init__(self, noise: float = 0.0, seed: int = 0):
         self.noise = noise
         self.rng = random.Random(seed)
+        self.injected = False  # whether the last next_action was the noise's, not the expert's
 
     def plan(self, task: Task) -> list[str]:
         return [plan_text(s) for s in expert_subgoals(task)]
@@ -79,9 +80,11 @@ class ScriptedExpert:
         Like a framework agent re-reading the screen, it first clears what blocks its way: a pop-up, a
         confirmation dialog it did not mean to open (Cancel), a banner over its target (Dismiss)."""
         nodes = parse_tree(a11y)
+        self.injected = False
         if any(n.role == "dialog" for n in nodes):
             return S2Action("click", {"element_description": describe("button", "Close", "")}), progress
         if self.noise and self.rng.random() < self.noise:
+            self.injected = True
             if self.rng.random() < 0.5:  # a missed action: the step passes without effect
                 return S2Action("wait", {"time": 1.0}), progress
             target = self.rng.choice([n for n in nodes if n.role in ("button", "checkbox", "field", "dropdown")])
@@ -196,6 +199,7 @@ class ExpertStep:
     element_descriptions: list[str]
     boxes: list[list[int]]  # grounded box per description
     actions: list[Action]
+    injected: bool = False  # the noise replaced the expert's action here (a wrong click or a missed step)
 
 
 @dataclasses.dataclass
@@ -215,7 +219,7 @@ class ExpertTrace:
             name = f"step_{i:02d}.png"
             Image.fromarray(s.screenshot).save(directory / name)
             steps.append({"screenshot": name, "a11y": s.a11y, "s2": s.s2, "element_descriptions": s.element_descriptions,
-                          "boxes": s.boxes})
+                          "boxes": s.boxes, "injected": s.injected})
         data = {"task_id": self.task_id, "instruction": self.instruction, "plan": self.plan, "reward": self.reward,
                 "steps": steps}
         write_text_atomic(directory / "trace.json", json.dumps(data, indent=1))
@@ -247,7 +251,11 @@ class ExpertTrace:
                 actions = s2_to_actions(parse_s2(s["s2"]), boxes.__getitem__)
             except (ValueError, KeyError, TypeError, GroundingError) as err:
                 raise TaskError(f"{where}: action {s['s2'][:120]!r} cannot be replayed: {err}") from None
-            steps.append(ExpertStep(screenshot, s["a11y"], s["s2"], s["element_descriptions"], s["boxes"], actions))
+            injected = s.get("injected", False)  # absent in traces recorded without noise
+            if not isinstance(injected, bool):
+                raise TaskError(f"{where}: key 'injected' must be true or false, got {injected!r}")
+            steps.append(ExpertStep(screenshot, s["a11y"], s["s2"], s["element_descriptions"], s["boxes"], actions,
+                                    injected))
         return cls(top["task_id"], top["instruction"], top["plan"], steps, float(top["reward"]))
 
 
@@ -280,7 +288,8 @@ def run_expert(env, task: Task, expert: ScriptedExpert, max_steps: int | None = 
         boxes = [list(ground(obs.a11y_tree, d)) for d in descs]
         lookup = {d: tuple(b) for d, b in zip(descs, boxes)}
         actions = s2_to_actions(action, lookup.__getitem__)
-        steps.append(ExpertStep(obs.screenshot, obs.a11y_tree, action.render(), descs, boxes, actions))
+        steps.append(ExpertStep(obs.screenshot, obs.a11y_tree, action.render(), descs, boxes, actions,
+                                getattr(expert, "injected", False)))
         result = env.step(actions)
         obs = result.observation
         if result.done:

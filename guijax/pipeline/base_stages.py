@@ -155,8 +155,10 @@ def _describe_sft(run: Run) -> str:
                 f"traces at lr {s.learning_rate:g}")
     extra = (f"; {s.conditioning}-conditioned copies of {list(s.plan_only_families) + ['a share of the rest']}"
              if s.plan_fraction or s.plan_only_families else "")
+    noise = (f", noise {s.expert_noise:g} ({'its actions without loss' if s.noisy_steps == 'mask' else 'trained'})"
+             if s.expert_noise else "")
     return (f"warm start: {s.steps} steps of {s.batch_size} expert-trace steps at lr {s.learning_rate:g} "
-            f"({s.traces_per_task} scripted-expert traces per training task{extra})")
+            f"({s.traces_per_task} scripted-expert traces per training task{noise}{extra})")
 
 
 @stage("sft", _describe_sft,
@@ -181,6 +183,8 @@ def sft(run: Run) -> str:
         refs = coldstart_refs(trajectories)
     else:
         trajectories = sft_trajectories(run)
+        if run.config.sft.noisy_steps == "mask":
+            refs = clean_step_refs(trajectories)
     writer = MetricsWriter(run.workdir, "sft_metrics.jsonl", console=False)
     params, losses_seen = sft_steps(policy, trajectories, policy.processor, run.config,
                                     pipeline_config(run.config, run.system_prompt, policy.mesh), run.config.sft.steps,
@@ -191,8 +195,19 @@ def sft(run: Run) -> str:
     writer.close()
     policy.params = params
     run.save_trained(policy, out)
-    kind = "cold-start" if refs is not None else "expert"
-    return f"{len(trajectories)} {kind} trajectories, loss {losses_seen[0]:.3f} -> {losses_seen[-1]:.3f}"
+    kind = "cold-start" if run.config.sft.data == "coldstart" else "expert"
+    masked = "" if refs is None or kind == "cold-start" else (
+        f" ({sum(len(t.steps) for t in trajectories) - len(refs)} injected noise steps without loss)")
+    return f"{len(trajectories)} {kind} trajectories{masked}, loss {losses_seen[0]:.3f} -> {losses_seen[-1]:.3f}"
+
+
+def clean_step_refs(trajectories) -> list:
+    """Every step but the ones the expert's noise chose: those stay in the later steps' history, so the
+    recovery is learned from the state the mistake made, without learning the mistake."""
+    from guijax.data.pipeline import StepRef
+
+    return [StepRef(i, j, 1.0) for i, t in enumerate(trajectories) for j in range(len(t.steps))
+            if j not in set(t.meta.get("injected_steps", ()))]
 
 
 def policy_dir(run: Run) -> pathlib.Path:

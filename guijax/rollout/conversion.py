@@ -70,6 +70,9 @@ def convert_trace(trace: ExpertTrace, model: str = "uitars-1.5", thought_style: 
                                    grammar=grammar, screen_hw=hw, coordinate_model=model)
         steps.append(Step.text(s.screenshot, response))
     status = Status.DONE if trace.reward > 0.5 else Status.STEP_LIMIT
-    return Trajectory(trace.task_id, trace.instruction, steps, trace.reward, status, Source.EXPERT,
-                      meta={"plan": trace.plan})
+    meta: dict = {"plan": trace.plan}
+    injected = [i for i, s in enumerate(trace.steps) if s.injected]
+    if injected:
+        meta["injected_steps"] = injected  # the noise's actions, which sft.noisy_steps='mask' trains on nothing
+    return Trajectory(trace.task_id, trace.instruction, steps, trace.reward, status, Source.EXPERT, meta=meta)
 

@@ -243,3 +243,23 @@ def test_noise_gives_wrong_and_missed_actions(tasks):
     assert any(a.startswith("agent.wait(") for a in s2)
     clean = run_expert(env, task, ScriptedExpert())
     assert not any(s.s2.startswith("agent.wait(") for s in clean.steps)
+
+
+def test_the_noise_marks_its_own_steps_and_the_mark_survives_save_and_load(tasks, tmp_path):
+    from envs.api import TaskError
+    from envs.desk.expert import ExpertTrace
+
+    task = next(t for t in tasks if t.domain == "settings_then_note")
+    env = DeskEnv(popups=False)
+    assert not any(s.injected for s in run_expert(env, task, ScriptedExpert()).steps)
+    traces = [run_expert(env, task, ScriptedExpert(noise=0.4, seed=seed)) for seed in range(6)]
+    steps = [s for t in traces for s in t.steps]
+    assert all(s.injected for s in steps if s.s2.startswith("agent.wait("))  # a missed step is always the noise
+    assert 0 < sum(s.injected for s in steps) < len(steps)
+    noisy = next(t for t in traces if any(s.injected for s in t.steps))
+    back = ExpertTrace.load(noisy.save(tmp_path / "trace"))
+    assert [s.injected for s in back.steps] == [s.injected for s in noisy.steps]
+    text = (tmp_path / "trace" / "trace.json").read_text().replace('"injected": false', '"injected": "no"', 1)
+    (tmp_path / "trace" / "trace.json").write_text(text)
+    with pytest.raises(TaskError, match="key 'injected' must be true or false"):
+        ExpertTrace.load(tmp_path / "trace")
