@@ -10,8 +10,11 @@
    next difficulty).
 3. table: success per split before and after.
 
-Not part of it yet (not built): the LLM curriculum generator, specialist to generalist, a judge trained in
-guijax.
+Specialist to generalist (§3.3): `--config.compare.methods="('seagent', 'seagent_s2g')"` adds `seagent_s2g`
+over two applications, click_button and toggle_checkbox+choose_option: a two-phase specialist for each, the
+base policy fine-tuned (40 steps, lr 1e-4) on the successes each specialist's 4 collection episodes per task
+gave, then the two phases on every task. The LLM curriculum runs with `seagent.curriculum=chat` and an
+endpoint (none here). Not built: a judge trained in guijax.
 """
 from configs._common import base, small_desk
 
@@ -33,6 +36,7 @@ def get_config():
     c.seagent.failure_loss = "bounded"
     c.seagent.curriculum = "desk"
     c.seagent.tasks_per_phase = 12
+    c.seagent.apps = ("click_button", "toggle_checkbox+choose_option")  # seagent_s2g's applications
     c.compare.methods = ("seagent",)
     c.eval.splits = ("train", "held_out")
     c.eval.episodes_per_task = 4

@@ -15,13 +15,14 @@ from guijax.methods.expert_sft import SFT, SFTThenRL
 from guijax.methods.grpo import GRPO
 from guijax.methods.offline import DPO, KTO, RFT
 from guijax.methods.seagent import SEAgent
+from guijax.methods.seagent_s2g import SpecialistToGeneralist
 from guijax.methods.sgcd import SGCD, SGCDFullSupervision, SGCDNoContinuations
 from guijax.methods.step0 import STEP0, FinalStepGRPO
 
 REGISTRY: dict[str, type[Method]] = {m.name: m for m in (
     GRPO, ARPO, BEPA, Level1Only, Level2Only, TraceReplacement, LUFFY, RLPlusSFT, SFT, SFTThenRL, RFT, DPO, KTO,
     EvoCUARFT, EvoCUADPO, EvoCUA, EvoCUACycle, SGCD, SGCDNoContinuations, SGCDFullSupervision, SEAgent,
-    STEP0, FinalStepGRPO)}
+    SpecialistToGeneralist, STEP0, FinalStepGRPO)}
 
 
 def option_sections() -> dict[str, type]:

@@ -15,7 +15,8 @@ A phase's tasks (`seagent.curriculum`): the training split; on the desk, the off
 LLM's (Fig. 9, `guijax.seagent.chat_curriculum`): instructions without validators, run from the training
 tasks' screens and judged by the chat judge, phase 1's from the captions of those screens.
 
-Not built yet: a judge trained in guijax, specialist-to-generalist training.
+Specialist-to-generalist training is `seagent_s2g` (guijax.methods.seagent_s2g). Not built yet: a judge
+trained in guijax.
 """
 from __future__ import annotations
 
@@ -58,6 +59,11 @@ class SEAgentOptions:
     curriculum_model: str = ""
     curriculum_api_key_env: str = "OPENAI_API_KEY"
     curriculum_descriptions: int = ranged(100, low=1)  # chat: state-change captions per prompt (App. G: 50-100)
+    # specialist-to-generalist (seagent_s2g, §3.3): the applications, each a '+'-joined set of task families
+    apps: tuple[str, ...] = ()
+    distill_episodes: int = ranged(4, low=1)  # each specialist's rollouts per training task of its application
+    distill_steps: int = ranged(40, low=1)  # fine-tuning steps of the generalist on the specialists' successes
+    distill_learning_rate: float = ranged(1e-4, low=0, low_open=True)
 
 
 class SEAgent(Method):
@@ -119,13 +125,16 @@ class SEAgent(Method):
         return ChatWorldStateJudge(ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env),
                                    retries=o.judge_retries)
 
-    def curriculum(self, seed: int) -> Any:
+    def ladder(self) -> tuple[str, ...]:
+        """The families the desk curriculum may set tasks of, in order of difficulty."""
         from envs.desk.families import FAMILIES
+
+        return tuple(self.options.curriculum_families or self.config.env.families or FAMILIES)
+
+    def curriculum(self, seed: int) -> Any:
         from guijax.seagent.curriculum import DeskCurriculum
 
-        o = self.options
-        ladder = tuple(o.curriculum_families or self.config.env.families or FAMILIES)
-        return DeskCurriculum(ladder, tuple(self.config.env.screen), o.tasks_per_phase, seed)
+        return DeskCurriculum(self.ladder(), tuple(self.config.env.screen), self.options.tasks_per_phase, seed)
 
     def phase_tasks(self, ctx: Context, p: int) -> tuple[list, Any]:
         """Phase p's tasks and, with the desk curriculum, its state (I_p, U_p): the initial one from the training
@@ -226,6 +235,8 @@ class SEAgent(Method):
         judgments = [judge.judge(tasks[t.task_id], t) for t in rollouts]
         labels = [step_labels(j, len(t.steps)) for j, t in zip(judgments, rollouts)]
         positives, failures = step_rl.labelled_states(labels)
+        positives, unparsable = step_rl.parsable_states(rollouts, positives, engine.config.coordinate_model,
+                                                        engine.config.grammar)
         if o.max_states:
             positives = positives[:o.max_states]
         samples = step_rl.sample_at_states(engine, policy.params, rollouts, positives, o.group_size,
@@ -248,7 +259,8 @@ class SEAgent(Method):
             "verified_successes": sum(t.success for t, v in zip(rollouts, verifiable) if v),
             "judged_correct": score.judged_correct, "judge_precision": score.precision, "judge_npv": score.npv,
             "a_T": sum(row.count(Label.CORRECT) for row in labels),
-            "a_F": sum(row.count(Label.FAILURE) for row in labels), "states_sampled": len(positives),
+            "a_F": sum(row.count(Label.FAILURE) for row in labels), "a_T_unparsable": len(unparsable),
+            "states_sampled": len(positives),
             "mean_step_reward": float(np.mean(rewards)) if rewards.size else 0.0,
             "groups_kept": data.groups_kept, "groups_flat": data.groups_flat, "failure_rows": data.failure_rows,
             "rows": len(data.refs), "update_steps": len(history),

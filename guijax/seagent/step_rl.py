@@ -81,6 +81,19 @@ def _actions(response: str, screen_hw: tuple[int, int], coordinate_model: str, g
         return None
 
 
+def parsable_states(trajectories: Sequence[Trajectory], states: Sequence[State], coordinate_model: str = "uitars-1.5",
+                    grammar: str = "uitars") -> tuple[list[State], list[State]]:
+    """(states whose a_T response parses, states whose does not). A judge can call an episode correct whose
+    step has no readable action (a chat judge errs); such a step has no action to score samples against, so it
+    is left out and counted rather than failing the phase."""
+    kept, dropped = [], []
+    for state in states:
+        step = trajectories[state.trajectory].steps[state.step]
+        ok = _actions(step.response, step.screenshot.shape[:2], coordinate_model, grammar)
+        (kept if ok else dropped).append(state)
+    return kept, dropped
+
+
 def sample_rewards(trajectories: Sequence[Trajectory], states: Sequence[State], samples: Sequence[Sequence[Step]],
                    coordinate_model: str = "uitars-1.5", grammar: str = "uitars") -> np.ndarray:
     """[states, G] Eq. 4 rewards of each sample against its state's correct (a_T) response, both read in

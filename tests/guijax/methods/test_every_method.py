@@ -337,3 +337,54 @@ def test_seagent_runs_the_llm_curriculums_tasks(prepared):
     assert json.dumps(["the answer did not parse; the episode ended."]) in prompt  # the phase's captions
     nxt = json.loads((workdir / "phase_1" / "curriculum.json").read_text())
     assert [t["instruction"] for t in nxt["tasks"]] == [f'Use "{named[0]}", then report it done']
+
+
+def test_seagent_s2g_trains_a_specialist_per_application_then_the_generalist(prepared, monkeypatch, capsys):
+    """Each specialist runs its phase on its own application's tasks only and keeps the episodes the judge calls
+    correct; the generalist is the starting policy fine-tuned on all of them, then a phase over every task. A
+    rerun trains nothing again. (The tiny policy fails every task, so the judge here calls every episode
+    correct: the oracle's verdicts are tested in tests/guijax/seagent/.)"""
+    from guijax.seagent.world_state import DeskOracleJudge, Judgment
+
+    config, run, _ = prepared
+    train = run.tasks()["train"]
+    apps = ("click_button", "toggle_checkbox")
+    assert {t.domain for t in train} == set(apps)
+    config = copy.deepcopy(config)
+    config.seagent.apps, config.seagent.distill_episodes, config.seagent.distill_steps = apps, 1, 2
+    monkeypatch.setattr(DeskOracleJudge, "judge", lambda self, task, trajectory: Judgment(correct=True))
+    workdir = run.workdir / "methods" / "seagent_s2g"
+    workdir.mkdir(parents=True, exist_ok=True)
+    policy, history = base_stages.train_with(run, get_method("seagent_s2g", config), workdir, "seagent_s2g")
+    for app in apps:
+        mine = [t.id for t in train if t.domain == app]
+        phase = json.loads((workdir / f"specialist_{app}" / "phase_1" / "phase.json").read_text())
+        assert phase["episodes"] == len(mine) and {j["task"] for j in phase["judgments"]} == set(mine)
+        report = json.loads((workdir / f"specialist_{app}" / "specialist.json").read_text())
+        assert report["episodes"] == report["judged_successes"] == len(mine)
+        assert {t.task_id for t in TrajectoryStore(workdir / f"specialist_{app}" / "successes")} == set(mine)
+    summary = json.loads((workdir / "specialists.json").read_text())
+    assert summary["distilled_trajectories"] == len(train) and summary["distill_steps"] == 2
+    generalist = json.loads((workdir / "generalist" / "phase_1" / "phase.json").read_text())
+    assert {j["task"] for j in generalist["judgments"]} == {t.id for t in train}
+    assert history == [] and _moved(run, policy) > 0
+    written = (workdir / "generalist" / "distilled.json").stat().st_mtime_ns
+    capsys.readouterr()
+    base_stages.train_with(run, get_method("seagent_s2g", config), workdir, "seagent_s2g")
+    out = capsys.readouterr().out
+    assert all(f"specialist {app} already trained" in out for app in apps) and "resuming after phase 1 of 1" in out
+    assert (workdir / "generalist" / "distilled.json").stat().st_mtime_ns == written
+
+
+@pytest.mark.parametrize("apps, curriculum, match", [
+    (("click_button",), "desk", "needs two or more applications"),
+    (("click_button", "click_button+toggle_checkbox"), "desk", "'click_button' is in both"),
+    (("click_button", "sliders"), "desk", r"names families \['sliders'\] that are not in env.families"),
+    (("click_button", "toggle_checkbox"), "chat", "splits the tasks by application"),
+])
+def test_seagent_s2g_refuses_applications_it_cannot_split(tiny_config, apps, curriculum, match):
+    config = tiny_config("grpo_cpu", f"seagent.apps={apps!r}", f"seagent.curriculum={curriculum}",
+                         "seagent.judge=chat", "seagent.chat_url=http://x", "seagent.chat_model=m",
+                         "seagent.curriculum_url=http://x", "seagent.curriculum_model=m")
+    with pytest.raises(ValueError, match=match):
+        get_method("seagent_s2g", config)

@@ -89,6 +89,20 @@ def test_an_unparsable_correct_step_is_refused_by_name(judged):
         broken[0].steps[0].response = saved
 
 
+def test_states_whose_correct_step_does_not_parse_are_left_out_before_sampling(judged):
+    """A judge may call a step correct that holds no readable action: the phase leaves it out and counts it."""
+    trajectories, labels, _, _ = judged
+    positives, _ = step_rl.labelled_states(labels)
+    saved = trajectories[0].steps[1].response
+    trajectories[0].steps[1].response = "gibberish"
+    try:
+        kept, dropped = step_rl.parsable_states(trajectories, positives)
+    finally:
+        trajectories[0].steps[1].response = saved
+    assert kept == [step_rl.State(0, 0), step_rl.State(1, 0)] and dropped == [step_rl.State(0, 1)]
+    assert step_rl.parsable_states(trajectories, positives) == (positives, [])
+
+
 def test_eq4_rewards_read_the_rollouts_grammar(task, judged):
     """The same a_T states and samples written in each grammar: the same Eq. 4 rewards."""
     _, _, target, wrong = judged
