@@ -24,6 +24,10 @@ class ChatError(RuntimeError):
     """The endpoint could not be reached, refused the request, or answered something that is not a chat reply."""
 
 
+class UnreadableAnswer(ChatError):
+    """The endpoint answered, but no answer within the retries was what the caller asked for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatClient:
     url: str  # base URL, e.g. https://api.openai.com/v1 or http://localhost:8000/v1
@@ -99,7 +103,7 @@ def ask_parsed(client: ChatClient, messages: Sequence[dict[str, Any]], parse: Ca
             return parse(answer)
         except ValueError as err:
             problems.append(str(err))
-    raise ChatError(f"{client.url}: no readable {what} after {retries + 1} answers: {'; '.join(problems)}")
+    raise UnreadableAnswer(f"{client.url}: no readable {what} after {retries + 1} answers: {'; '.join(problems)}")
 
 
 def png_data_url(image: Any, max_side: int | None = None) -> str:

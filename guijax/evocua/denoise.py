@@ -8,7 +8,7 @@ desk renders all of its state, so on the desk this is exact."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -51,8 +51,10 @@ class Denoised:
     total_steps: int
 
 
-def denoise(successes: Sequence[Trajectory], infeasible_ids: set[str]) -> Denoised:
-    """The successes with their redundant steps out of the loss and infeasible tasks reduced to reasoning."""
+def denoise(successes: Sequence[Trajectory], infeasible_ids: set[str],
+            judge: Callable[[Trajectory], list[bool]] = redundant_steps) -> Denoised:
+    """The successes with their redundant steps (by `judge`: the screen's, or guijax.evocua.chat_roles'
+    ChatDenoiser) out of the loss and infeasible tasks reduced to reasoning."""
     kept: list[Trajectory] = []
     refs: list[StepRef] = []
     masked = total = 0
@@ -66,7 +68,7 @@ def denoise(successes: Sequence[Trajectory], infeasible_ids: set[str]) -> Denois
             refs.append(StepRef(len(kept) - 1, 0, 1.0))
             continue
         kept.append(traj)
-        flags = redundant_steps(traj)
+        flags = judge(traj)
         masked += sum(flags)
         refs.extend(StepRef(len(kept) - 1, j, 1.0) for j, redundant in enumerate(flags) if not redundant)
     return Denoised(kept, refs, masked, total)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -75,17 +75,24 @@ def _prefix(trajectory: Trajectory, last: Step, length: int, kind: str) -> Traje
                                meta=dict(trajectory.meta, step_dpo=kind))
 
 
-def reflection_response(failed_step: Step, reference_step: Step) -> str:
-    """The offline reflection: what went wrong (the last action left the screen unchanged), the remedy (the
-    reference's reasoning), then the reference's action."""
-    tried = action_part(failed_step.response).removeprefix("Action:").strip() or "the previous action"
-    remedy = parse_thought(reference_step.response)
-    thought = (f"The screen is exactly as it was before my last action ({tried}), so that action did not move "
-               f"the task forward. I need a different step here." + (f" {remedy}" if remedy else ""))
+def reflection_response(failed_step: Step, reference_step: Step, thought: str | None = None) -> str:
+    """The reflection step's response: `thought` (a writer's, e.g. guijax.evocua.chat_roles') or the offline
+    one (what went wrong: the last action left the screen unchanged; the remedy: the reference's reasoning),
+    then the reference's action."""
+    if thought is None:
+        tried = action_part(failed_step.response).removeprefix("Action:").strip() or "the previous action"
+        remedy = parse_thought(reference_step.response)
+        thought = (f"The screen is exactly as it was before my last action ({tried}), so that action did not move "
+                   f"the task forward. I need a different step here." + (f" {remedy}" if remedy else ""))
     return f"Thought: {thought}\n{action_part(reference_step.response)}"
 
 
-def step_pairs(failed: Trajectory, reference: Trajectory, window: int = 2, reflection: bool = True) -> list[StepPair]:
+# (instruction, the erring step, the reference's aligned step, the screen now) -> a thought, or None for the offline one
+Reflector = Callable[[str, Step, Step, Any], "str | None"]
+
+
+def step_pairs(failed: Trajectory, reference: Trajectory, window: int = 2, reflection: bool = True,
+               reflect: Reflector | None = None) -> list[StepPair]:
     """Pair I at t* and, where the recovery is known, Pair II at t*+1 (see the module docstring)."""
     found = critical_deviation(failed, reference, window)
     if found is None:
@@ -97,14 +104,15 @@ def step_pairs(failed: Trajectory, reference: Trajectory, window: int = 2, refle
                       "action_correction", failed.task_id)]
     blind = failed.steps[t + 1] if t + 1 < len(failed.steps) else None
     if reflection and blind is not None and same_state(blind, wrong) and not same_action(blind, right):
-        recover = Step.text(blind.screenshot, reflection_response(wrong, right), right.actions)
+        thought = reflect(failed.instruction, wrong, right, blind.screenshot) if reflect else None
+        recover = Step.text(blind.screenshot, reflection_response(wrong, right, thought), right.actions)
         pairs.append(StepPair(_prefix(failed, recover, t + 1, "reflection"), _prefix(failed, blind, t + 1, "reflection"),
                               "reflection", failed.task_id))
     return pairs
 
 
 def mine_pairs(rollouts: Sequence[Trajectory], window: int = 2, reflection: bool = True,
-               seed: int = 0) -> tuple[list[StepPair], dict]:
+               seed: int = 0, reflect: Reflector | None = None) -> tuple[list[StepPair], dict]:
     """Step pairs from every failed rollout that has a successful reference of its task (one drawn at random
     per failure), and counts of what was found."""
     rng = random.Random(seed)
@@ -121,7 +129,7 @@ def mine_pairs(rollouts: Sequence[Trajectory], window: int = 2, reflection: bool
             if not wins:
                 continue
             with_reference += 1
-            pairs.extend(step_pairs(failed, rng.choice(wins), window, reflection))
+            pairs.extend(step_pairs(failed, rng.choice(wins), window, reflection, reflect))
     counts = {"failures": failures, "failures_with_reference": with_reference,
               "action_correction_pairs": sum(p.kind == "action_correction" for p in pairs),
               "reflection_pairs": sum(p.kind == "reflection" for p in pairs)}

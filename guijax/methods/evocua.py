@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from envs.atomic import write_text_atomic
 from guijax.methods.base import Context, Method, Round, resumable_rounds, stage_rollouts
@@ -46,6 +46,13 @@ class EvoCUAOptions:
     beta: float = ranged(0.1, low=0, low_open=True)  # Eq. 2's β
     window: int = ranged(2, low=0)  # reference alignment window w around t*
     reflection: bool = True  # Pair II (reflection and recovery at t*+1)
+    # who judges redundant steps for denoising and writes Pair II's reflections: 'rule' (the screen's ground truth
+    # and the offline template) | 'chat' (an OpenAI-compatible vision model, guijax.evocua.chat_roles)
+    model_roles: Literal["rule", "chat"] = "rule"
+    chat_url: str = ""
+    chat_model: str = ""
+    chat_api_key_env: str = "OPENAI_API_KEY"
+    chat_retries: int = ranged(2, low=0)
     rounds: int = ranged(2, low=1)  # evocua_cycle: evolution rounds (rollouts up the ladder, RFT, step-DPO)
     synthesized: bool = False  # evocua_cycle: roll out the synthesis stage's verified tasks beside the training split
 
@@ -73,12 +80,15 @@ class _EvoCUA(Method):
         wins = [t for t in rollouts if t.success and t.steps]
         if not wins:
             raise NothingToTrain(f"{self.name}: the rollouts hold no success to fine-tune on")
+        unreadable = 0
         if o.denoise:
             infeasible = {t.id for t in ctx.train_tasks if t.infeasible}
-            data = denoise(wins, infeasible)
+            judge = self.chat_roles()[0] if o.model_roles == "chat" else None
+            data = denoise(wins, infeasible, judge) if judge else denoise(wins, infeasible)
+            unreadable = judge.unreadable if judge else 0
             trajectories, refs = data.trajectories, data.refs
             writer.write({"rft_trajectories": len(trajectories), "rft_steps_masked": data.masked_steps,
-                          "rft_steps_total": data.total_steps})
+                          "rft_steps_total": data.total_steps, "rft_denoise_unreadable": unreadable})
             echo(f"  {self.name}: {len(trajectories)} successes, {data.masked_steps}/{data.total_steps} steps "
                  "denoised out of the loss")
         else:
@@ -89,6 +99,7 @@ class _EvoCUA(Method):
                                            refs=refs)
         echo(f"  {self.name} rft: loss {history[0]:.4f} -> {history[-1]:.4f} over {len(history)} steps")
         return {"rft_trajectories": len(trajectories), "rft_steps_trained": len(refs),
+                "rft_denoise_unreadable": unreadable,
                 "rft_loss_first": history[0], "rft_loss_last": history[-1]}
 
     def step_dpo(self, ctx: Context, policy: Any, pipeline: Any, rollouts: list, writer: MetricsWriter,
@@ -99,7 +110,10 @@ class _EvoCUA(Method):
         from guijax.offline import train_preferences
 
         o, streams, folder = self.options, streams or ctx.streams, folder or ctx.workdir
-        pairs, counts = mine_pairs(rollouts, o.window, o.reflection, seed=streams.seed_for(self.name, "pairs"))
+        reflector = self.chat_roles()[1] if o.model_roles == "chat" else None
+        pairs, counts = mine_pairs(rollouts, o.window, o.reflection, seed=streams.seed_for(self.name, "pairs"),
+                                   reflect=reflector)
+        counts["reflection_fallbacks"] = reflector.fallbacks if reflector else 0
         write_text_atomic(folder / "step_dpo_pairs.json", json.dumps(counts, indent=1))
         writer.write({f"dpo_{k}": v for k, v in counts.items()})
         if not pairs:
@@ -135,6 +149,19 @@ class _EvoCUA(Method):
         from guijax.evocua.budget import BudgetLadder
 
         BudgetLadder(tuple(self.options.budgets), tuple(self.options.thresholds))
+        o = self.options
+        if o.model_roles == "chat" and not (o.chat_url and o.chat_model):
+            raise ValueError("evocua.model_roles is 'chat': set evocua.chat_url and evocua.chat_model (an "
+                             f"OpenAI-compatible vision endpoint; the key is read from ${o.chat_api_key_env})")
+
+    def chat_roles(self) -> tuple[Any, Any]:
+        """(denoising judge, reflection writer) on `evocua.chat_url`."""
+        from guijax.chat import ChatClient
+        from guijax.evocua.chat_roles import ChatDenoiser, ChatReflectionWriter
+
+        o = self.options
+        client = ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env)
+        return ChatDenoiser(client, o.chat_retries), ChatReflectionWriter(client, o.chat_retries)
 
 
 class EvoCUARFT(_EvoCUA):
