@@ -10,10 +10,12 @@ analysis, would give state-level groups of one answer). Edit model.path, env.osw
 paper trains specialists on VS Code, GIMP, LibreOffice Impress, VLC and LibreOffice Writer), env.server_urls
 and seagent.chat_url for your machines; Qwen2.5-VL-7B (seagent_tpu's policy):
 --config.model.preset=qwen2_5_vl_7b --config.model.path=/models/Qwen2.5-VL-7B-Instruct
---config.rollout.coordinate_model=uitars-1.5.
-Not here (not built): the curriculum generator on OSWorld (each phase rolls out the training split; the
-LLM generator's tasks run on the synthetic desk only so far), specialist to generalist, UI-TARS 1.0's own
-OSWorld prompt (the policy gets UI-TARS-1.5's computer-use prompt). Check the sizes with --dry_run.
+--config.rollout.coordinate_model=uitars-1.5 --config.rollout.prompt=uitars_official.
+The policy is prompted with UI-TARS 1.0's OSWorld prompt (`rollout.prompt=uitars_v1`: its action space
+with call_user(), 0-1000 coordinates). Specialist to generalist: --config.method=seagent_s2g with
+--config.seagent.apps naming the applications (task domains). Not here (not built): the curriculum generator on
+OSWorld (each phase rolls out the training split; the LLM generator's tasks run on the synthetic desk only so
+far). Check the sizes with --dry_run.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 
@@ -23,6 +25,7 @@ def get_config():
     c.model.path = "/models/UI-TARS-7B-DPO"
     c.model.preset = "qwen2_vl_7b"
     c.rollout.coordinate_model = "uitars-1.0"
+    c.rollout.prompt = "uitars_v1"  # UI-TARS 1.0's OSWorld prompt, as its agent there fills it for Qwen2-VL
     c.rollout.temperature = 1.0
     c.stages = ("base_model", "tasks", "eval_base", "methods", "table", "report")
     c.method = "seagent"

@@ -165,10 +165,10 @@ class Rollout:
     max_sampler_rows: int = ranged(0, low=0)  # rows per sampler program (0: all live episodes at once); see --dry_run
     format_reward: float = -1.0  # reward of an unparsable response (ARPO) ...
     format_weight: float = ranged(0.5, low=0)  # ... and its weight
-    # the system prompt, and with it the action grammar the policy writes: UI-TARS-1.5's own prompt | a compact
-    # one (both UI-TARS text) | EvoCUA's computer_use tool calls in 0-1000 coordinates (full | compact) |
-    # SGCD's Fig. 9: pyautogui code in 0-1000 coordinates
-    prompt: Literal["uitars_official", "compact", "computer_use", "computer_use_compact",
+    # the system prompt, and with it the action grammar the policy writes: UI-TARS-1.5's own prompt | UI-TARS
+    # 1.0's OSWorld prompt | a compact one (all UI-TARS text) | EvoCUA's computer_use tool calls in 0-1000
+    # coordinates (full | compact) | SGCD's Fig. 9: pyautogui code in 0-1000 coordinates
+    prompt: Literal["uitars_official", "uitars_v1", "compact", "computer_use", "computer_use_compact",
                     "pyautogui"] = "uitars_official"
     # UI-TARS text's coordinates: pixels of the resized screenshot (UI-TARS-1.5) | 0-1000 relative (UI-TARS 1.0,
     # e.g. UI-TARS-7B-DPO); computer_use and pyautogui are always 0-1000 relative

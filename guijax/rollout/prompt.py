@@ -50,6 +50,41 @@ finished(content='xxx') # Use escape characters \\', \\", and \\n in content par
 # examples call COMPUTER_USE_DOUBAO.format(language="English", instruction=...)).
 UITARS_LANGUAGE = "English"
 
+# UI-TARS 1.0's (UI-TARS-7B-SFT/DPO on Qwen2-VL) prompt as OSWorld's UI-TARS agent fills it for Qwen2-VL models
+# (its "qwen2vl_user" mode): the template UITARS_USR_PROMPT_THOUGHT with the action space that has call_user(), both
+# character for character from OSWorld's mm_agents (the model answers in start_box='<|box_start|>(x,y)<|box_end|>'
+# with 0-1000 coordinates, rollout.coordinate_model=uitars-1.0).
+UITARS_V1_TEMPLATE = """You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task. 
+
+## Output Format
+```
+Thought: ...
+Action: ...
+```
+
+## Action Space
+{action_space}
+
+## Note
+- Use {language} in `Thought` part.
+- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part.
+
+## User Instruction
+{instruction}
+"""
+UITARS_V1_ACTION_SPACE = """
+click(start_box='<|box_start|>(x1,y1)<|box_end|>')
+left_double(start_box='<|box_start|>(x1,y1)<|box_end|>')
+right_single(start_box='<|box_start|>(x1,y1)<|box_end|>')
+drag(start_box='<|box_start|>(x1,y1)<|box_end|>', end_box='<|box_start|>(x3,y3)<|box_end|>')
+hotkey(key='')
+type(content='') #If you want to submit your input, use "\\n" at the end of `content`.
+scroll(start_box='<|box_start|>(x1,y1)<|box_end|>', direction='down or up or right or left')
+wait() #Sleep for 5s and take a screenshot to check for any changes.
+finished()
+call_user() # Submit the task and call the user when the task is unsolvable, or when you need the user's help.
+"""
+
 # A short variant for CPU recipes, where every prompt token costs training time.
 COMPACT_PROMPT = ("You are a GUI agent. Reply with\nThought: ...\nAction: ...\n"
                   "Actions: click(start_box='(x,y)'), left_double(start_box='(x,y)'), "
@@ -63,6 +98,8 @@ COMPACT_PROMPT = ("You are a GUI agent. Reply with\nThought: ...\nAction: ...\n"
 # (pyautogui code, 0-1000 relative), with OSWorld's default desktop password.
 PROMPTS = {
     "uitars_official": UITARS_COMPUTER_USE.format(language=UITARS_LANGUAGE, instruction="{instruction}"),
+    "uitars_v1": UITARS_V1_TEMPLATE.format(action_space=UITARS_V1_ACTION_SPACE, language=UITARS_LANGUAGE,
+                                           instruction="{instruction}"),
     "compact": COMPACT_PROMPT,
     "computer_use": computer_use_prompt(RELATIVE),
     "computer_use_compact": computer_use_prompt(RELATIVE, compact=True),
@@ -70,7 +107,7 @@ PROMPTS = {
 }
 SYSTEM_PROMPT = PROMPTS["uitars_official"]
 # the action grammar each prompt asks for (envs.actions.grammar)
-PROMPT_GRAMMARS = {"uitars_official": "uitars", "compact": "uitars", "computer_use": "computer_use",
+PROMPT_GRAMMARS = {"uitars_official": "uitars", "uitars_v1": "uitars", "compact": "uitars", "computer_use": "computer_use",
                    "computer_use_compact": "computer_use", "pyautogui": "pyautogui"}
 
 

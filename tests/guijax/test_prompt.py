@@ -34,7 +34,8 @@ def test_official_prompt_is_filled_as_ui_tars_fills_it(plan):
 
 @pytest.mark.parametrize("recipe,expected", [
     ("grpo_gpu", "uitars_official"), ("grpo_tpu", "uitars_official"), ("bepa_gpu", "uitars_official"),
-    ("bepa_tpu", "uitars_official"), ("grpo_cpu", "compact"), ("bepa_cpu", "compact")])
+    ("bepa_tpu", "uitars_official"), ("grpo_cpu", "compact"), ("bepa_cpu", "compact"), ("seagent_gpu", "uitars_v1"),
+    ("seagent_tpu", "uitars_official")])
 def test_recipes_prompt_their_policy_with_the_named_template(recipe, expected, tmp_path):
     config = launch.resolve(recipe, [])
     assert config.rollout.prompt == expected
@@ -44,8 +45,8 @@ def test_recipes_prompt_their_policy_with_the_named_template(recipe, expected, t
 
 def test_unknown_prompt_name_is_refused_naming_the_key(tmp_path):
     config = launch.resolve("grpo_cpu", ["rollout.prompt=uitars"])
-    message = ("rollout.prompt='uitars' is not one of uitars_official, compact, computer_use, computer_use_compact, "
-               "pyautogui")
+    message = ("rollout.prompt='uitars' is not one of uitars_official, uitars_v1, compact, computer_use, "
+               "computer_use_compact, pyautogui")
     with pytest.raises(ValueError, match=message):
         Run(config, tmp_path).system_prompt
     assert message in preflight.problems(config)
@@ -106,3 +107,20 @@ def test_the_rollout_engine_reads_the_prompts_grammar_and_coordinates(prompt, co
     config = launch.resolve("grpo_cpu", [f"rollout.prompt={prompt}", f"rollout.coordinate_model={coordinates}"])
     engine = rollout_config(config, PROMPTS[prompt])
     assert (engine.grammar, engine.coordinate_model, engine.system_prompt) == (grammar, coordinates, PROMPTS[prompt])
+
+
+def test_ui_tars_1_prompt_lists_its_actions_and_its_answers_parse_in_0_1000_coordinates():
+    """UI-TARS 1.0's prompt: its box form and call_user(); an answer in that form lands where 0-1000 says."""
+    from envs.actions.model import ActionType
+    from envs.actions.grammar import parse_response
+
+    prompt = PROMPTS["uitars_v1"]
+    assert prompt.count("{instruction}") == 1 and "call_user() # Submit the task" in prompt
+    assert "click(start_box='<|box_start|>(x1,y1)<|box_end|>')" in prompt and "<point>" not in prompt
+    assert "- Use English in `Thought` part." in prompt and 'use "\\n" at the end' in prompt
+    (click,) = parse_response("Thought: open it.\nAction: click(start_box='<|box_start|>(500,250)<|box_end|>')",
+                              grammar="uitars", screen_hw=(1080, 1920), coordinate_model="uitars-1.0")
+    assert click.kind == ActionType.CLICK and click.point == (960, 270)
+    (call,) = parse_response("Thought: I cannot do this.\nAction: call_user()", grammar="uitars",
+                             screen_hw=(1080, 1920), coordinate_model="uitars-1.0")
+    assert call.kind == ActionType.CALL_USER
