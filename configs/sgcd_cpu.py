@@ -4,7 +4,11 @@
    click_button / toggle_checkbox traces plain (a quarter also with their skill after the instruction), and
    choose_option traces only with the skill: it can use a skill in its context there, but has never solved the
    bare instruction. A pretrained VLM reads a skill as ordinary instruction text; a fresh model has to have seen
-   one (SGCD's skill-guided policy relies on that context).
+   one (SGCD's skill-guided policy relies on that context). The scripted expert's traces carry noise (a quarter
+   of its actions a random click or a missed step, then its recovery), four per task; the noise's own actions
+   carry no loss (`sft.noisy_steps=mask`), so the policy has seen recoveries from off-track states without
+   learning the mistakes. Without them it never recovered from its own first wrong step, and SGCD had no
+   continuation to distil (README).
 2. methods, from the same base policy: `sgcd` (one round: M=4 plain rollouts per training task, a skill per
    failed task from the desk's ground truth and the failed references, skill-guided recoverability, handoffs
    at k = 1..4 branched from one prefix per task, the rule judge, SFT on D_exp ∪ D⁺ ∪ D_cont with the prefix
@@ -23,6 +27,9 @@ def get_config():
     c.sft.plan_only_families = ("choose_option",)
     c.sft.plan_fraction = 0.25
     c.sft.conditioning = "skill"
+    c.sft.expert_noise = 0.25
+    c.sft.noisy_steps = "mask"
+    c.sft.traces_per_task = 4
     c.sgcd.rounds = 1
     c.sgcd.rollouts_per_task = 4
     c.sgcd.skill_rollouts = 2
