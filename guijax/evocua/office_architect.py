@@ -4,8 +4,7 @@ keyboard-only reference solution, all three from the same goal.
 
 The sandbox's errors come back as the attempt history. A reference the validator rejects on a real desktop is
 most often a timing problem (the app had not finished loading or saving), so the next proposal waits twice as
-long; any other failure draws a new goal. There is no LLM counterpart for office tasks yet: a model would have
-to write the expected file as well as the instruction.
+long; any other failure draws a new goal. A model can play the same role (guijax.evocua.office_chat_architect).
 """
 from __future__ import annotations
 
@@ -27,6 +26,8 @@ class OfficeProposal:
     evaluator: dict[str, Any]  # OSWorld evaluator; `expected` names the file EXPECTED until written
     solution: list[dict[str, Any]]  # Action dicts, one per env step (envs.osworld.env.action_from_dict)
     expected: Document
+    raw: str = ""  # a model architect's own answer, replayed to it with the sandbox's verdict
+    format_errors: tuple[str, ...] = ()  # malformed answers it retried before this one
 
     def to_dict(self) -> dict[str, Any]:
         return {"instruction": self.instruction, "evaluator": self.evaluator, "solution": self.solution,

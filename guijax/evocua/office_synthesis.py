@@ -1,10 +1,11 @@
 """EvoCUA's closed-loop synthesis (evocua.txt §3.2) for the local desktop's office apps, and its command:
 
     python -m guijax.evocua.office_synthesis --out=DIR --count=10 [--seed=0] [--capabilities=...]
+        [--architect=chat --chat_url=URL --chat_model=NAME]
 
-Each scenario's proposal is written as an OSWorld task (DIR/examples/<domain>/<id>.json, its documents under
-DIR/examples/assets/)
-and executed on a real Xvfb desktop: the validator must reject the freshly set-up state and accept the state
+The architect is the offline one (guijax.evocua.office_architect) or a model (office_chat_architect). Each
+scenario's proposal is written as an OSWorld task (DIR/examples/<domain>/<id>.json, its documents under
+DIR/examples/assets/) and executed on a real Xvfb desktop: the validator must reject the freshly set-up state and accept the state
 the reference solution reaches; a failure's error goes back to the architect, up to `max_attempts` times.
 Kept tasks load with envs.osworld.loader.load_osworld, so `env.kind=osworld` with `env.osworld_dir=DIR`
 trains on them; DIR/synthesis_report.json holds every attempt and the decontamination against the held-out
@@ -28,7 +29,7 @@ from envs.osworld.loader import OSWorldTask, load_osworld, parse_task
 from envs.osworld.local import solution_actions
 from guijax.evocua.office_architect import EXPECTED, OfficeArchitect, OfficeProposal
 from guijax.evocua.office_resources import CAPABILITIES, OfficeScenario, OfficeScenarioSampler
-from guijax.evocua.synthesis import SOURCE, Attempt, Verdict, rejection_counts
+from guijax.evocua.synthesis import SOURCE, ArchitectSkipped, Attempt, Verdict, rejection_counts
 
 SNAPSHOT = "guijax-local"
 
@@ -128,7 +129,7 @@ class OfficeSynthesizer:
     """Propose, write, check on the desktop, feed the error back; accepted tasks are written under
     `out`/examples, where load_osworld(`out`) finds them."""
 
-    def __init__(self, sandbox: DesktopSandbox, out: pathlib.Path, *, architect: OfficeArchitect | None = None,
+    def __init__(self, sandbox: DesktopSandbox, out: pathlib.Path, *, architect: Any = None,
                  sampler: OfficeScenarioSampler | None = None, max_attempts: int = 3, seed: int = 0):
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -140,7 +141,12 @@ class OfficeSynthesizer:
     def synthesize(self, scenario: OfficeScenario, task_id: str) -> OfficeOutcome:
         attempts: list[Attempt] = []
         for _ in range(self.max_attempts):
-            proposal = self.architect.propose(scenario, list(attempts))
+            try:
+                proposal = self.architect.propose(scenario, list(attempts))
+            except ArchitectSkipped as e:
+                attempts += [Attempt(len(attempts), "format", p) for p in e.problems]
+                return OfficeOutcome(scenario, None, attempts, f"architect {self.architect.name}: {e}")
+            attempts += [Attempt(len(attempts), "format", p) for p in proposal.format_errors]
             with tempfile.TemporaryDirectory(prefix="office-candidate-") as tmp:
                 staged = pathlib.Path(tmp)
                 write_task(staged, scenario, proposal, task_id)
@@ -149,7 +155,7 @@ class OfficeSynthesizer:
                     verdict = self.sandbox.check(scenario, task)
                 except TaskError as e:
                     verdict = Verdict("structure", str(e))
-                attempts.append(Attempt(len(attempts), verdict.check, verdict.error, proposal.to_dict()))
+                attempts.append(Attempt(len(attempts), verdict.check, verdict.error, proposal.to_dict(), proposal.raw))
                 if verdict.ok:
                     record = {"architect": self.architect.name, "capabilities": [scenario.capability],
                               "attempts": [a.to_dict() for a in attempts]}
@@ -205,6 +211,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--capabilities", default=",".join(CAPABILITIES), help=f"comma-separated, of {sorted(CAPABILITIES)}")
     p.add_argument("--held_out", default="", help="folder of held-out OSWorld task files to decontaminate against")
     p.add_argument("--screen", default="1280x720", help="the desktop's WIDTHxHEIGHT")
+    p.add_argument("--architect", default="procedural", choices=("procedural", "chat"),
+                   help="the offline architect, or a model at --chat_url")
+    p.add_argument("--chat_url", default="", help="chat architect: an OpenAI-compatible base URL")
+    p.add_argument("--chat_model", default="")
+    p.add_argument("--chat_api_key_env", default="OPENAI_API_KEY", help="the variable holding the key ('' for none)")
+    p.add_argument("--chat_retries", type=int, default=2, help="chat architect: malformed answers asked again")
     args = p.parse_args(argv)
     from envs.desktop.checks import desktop_missing
 
@@ -212,6 +224,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing is not None:
         print(f"office synthesis needs the local desktop: {missing}", file=sys.stderr)
         return 2
+    architect: Any = OfficeArchitect()
+    if args.architect == "chat":
+        if not (args.chat_url and args.chat_model):
+            print("office synthesis: --architect=chat needs --chat_url and --chat_model", file=sys.stderr)
+            return 2
+        from guijax.chat import ChatClient
+        from guijax.evocua.office_chat_architect import ChatOfficeArchitect
+
+        architect = ChatOfficeArchitect(ChatClient(args.chat_url, args.chat_model, api_key_env=args.chat_api_key_env),
+                                        retries=args.chat_retries)
     try:
         sampler = OfficeScenarioSampler(tuple(c for c in args.capabilities.split(",") if c))
         held_out = load_osworld(args.held_out) if args.held_out else []
@@ -232,8 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     env = DesktopEnv((width, height), settle_s=0.3, step_limit=50)
     try:
-        synthesizer = OfficeSynthesizer(DesktopSandbox(env), out, sampler=sampler, max_attempts=args.max_attempts,
-                                        seed=args.seed)
+        synthesizer = OfficeSynthesizer(DesktopSandbox(env), out, architect=architect, sampler=sampler,
+                                        max_attempts=args.max_attempts, seed=args.seed)
         outcomes = synthesizer.run(args.count, args.max_scenarios or None, progress)
     finally:
         env.close()

@@ -3,7 +3,6 @@ closed loop's feedback, decontamination, and (on the Xvfb desktop) every capabil
 from __future__ import annotations
 
 import json
-import pathlib
 import random
 
 import chex
@@ -11,11 +10,14 @@ import openpyxl
 import pytest
 
 from envs.desktop.checks import desktop_missing
+from fake_chat import fake_chat_server
+from guijax.chat import ChatClient
+from guijax.evocua.office_chat_architect import ChatOfficeArchitect, parse_office_proposal
 from envs.osworld.loader import load_osworld
 from guijax.evocua.office_architect import LOAD_WAIT_S, SAVE_WAIT_S, OfficeArchitect
 from guijax.evocua.office_resources import CAPABILITIES, HEADER, Document, OfficeScenarioSampler
 from guijax.evocua.office_synthesis import OfficeSynthesizer, decontaminate, main, write_task
-from guijax.evocua.synthesis import Attempt, Verdict
+from guijax.evocua.synthesis import Attempt, ProposalError, Verdict
 
 
 def scenario(capability: str, seed: int = 0):
@@ -192,3 +194,78 @@ def test_every_capability_is_accepted_on_the_real_desktop_and_a_wrong_validator_
         assert "zz" in wrong.attempts[0].error  # the file as the reference left it goes back to the architect
     finally:
         env.close()
+
+
+# ------------------------------------------------------------------ the chat architect
+
+
+def answer_from(proposal) -> str:
+    """What a model that wrote the offline architect's goal would answer."""
+    doc = proposal.expected
+    rows = [r[0] for r in doc.rows] if doc.kind == "txt" else [list(r) for r in doc.rows]
+    return json.dumps({"instruction": proposal.instruction, "expected_rows": rows, "solution": proposal.solution})
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda d: d.pop("solution"), "missing \\['solution'\\]"),
+    (lambda d: d.update(extra=1), "extra \\['extra'\\]"),
+    (lambda d: d.update(instruction=" "), "instruction must be a non-empty string"),
+    (lambda d: d.update(expected_rows=[["Item", True]]), "expected_rows\\[0\\] must be a non-empty list"),
+    (lambda d: d.update(solution=[{"kind": "click", "point": [1, 2]}]), "solution\\[0\\] must be an object whose kind"),
+    (lambda d: d.update(solution=[{"kind": "type"}]), "solution\\[0\\] \\(type\\) needs 'text'"),
+    (lambda d: d.update(solution=[{"kind": "wait", "amount": 99}]), "waits 99 s"),
+    (lambda d: d.update(solution=[{"kind": "hotkey", "keys": []}]), "non-empty list of key names"),
+])
+def test_the_chat_architects_answer_is_read_strictly(change, problem):
+    sc = scenario("sheet_append_row", 6)
+    data = json.loads(answer_from(OfficeArchitect().propose(sc, [])))
+    change(data)
+    with pytest.raises(ProposalError, match=problem):
+        parse_office_proposal(data, sc, "here")
+    unchanged = dict(json.loads(answer_from(OfficeArchitect().propose(sc, []))),
+                     expected_rows=[list(r) for r in sc.document.rows])
+    with pytest.raises(ProposalError, match="would change nothing"):
+        parse_office_proposal(unchanged, sc, "here")
+
+
+def test_the_chat_architect_retries_malformed_answers_and_hears_the_sandbox(tmp_path):
+    sc = scenario("text_replace_line", 2)
+    good = answer_from(OfficeArchitect().propose(sc, []))
+    sandbox = ScriptedSandbox(Verdict("reference", "the file holds 'x'"), Verdict("passed"))
+    with fake_chat_server([(200, "not json"), (200, good), (200, good)]) as (url, req):
+        architect = ChatOfficeArchitect(ChatClient(url, "architect", api_key_env=""), retries=1)
+        out = OfficeSynthesizer(sandbox, tmp_path, architect=architect).synthesize(sc, "c1")
+    assert [a.check for a in out.attempts] == ["format", "reference", "passed"] and out.task_file is not None
+    first = req[0]["body"]["messages"]
+    assert sc.document.name in first[1]["content"] and "replace one line" in first[1]["content"]
+    assert req[1]["body"]["messages"][-1]["content"].startswith("That answer is not a valid task")
+    replay = req[2]["body"]["messages"]  # the rejected proposal and the sandbox's words come back
+    assert replay[-2] == {"role": "assistant", "content": good} and "the file holds 'x'" in replay[-1]["content"]
+    assert load_osworld(tmp_path)[0].task.extra["solution"] == json.loads(good)["solution"]
+
+
+def test_a_chat_architect_without_a_readable_answer_skips_the_scenario(tmp_path):
+    with fake_chat_server([(200, '{"instruction": "x"}')]) as (url, _):
+        architect = ChatOfficeArchitect(ChatClient(url, "architect", api_key_env=""), retries=1)
+        synth = OfficeSynthesizer(ScriptedSandbox(), tmp_path, architect=architect)
+        out = synth.synthesize(scenario("csv_append_row"), "c2")
+    assert out.task_file is None and "no well-formed task after 2 answers" in out.skipped
+    assert [a.check for a in out.attempts] == ["format", "format"]
+
+
+@pytest.mark.desktop
+@pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
+def test_a_chat_architects_task_is_accepted_on_the_real_desktop(tmp_path):
+    from envs.desktop.env import DesktopEnv
+    from guijax.evocua.office_synthesis import DesktopSandbox
+
+    sc = scenario("sheet_set_cell", 13)
+    with fake_chat_server([(200, answer_from(OfficeArchitect().propose(sc, [])))]) as (url, _):
+        architect = ChatOfficeArchitect(ChatClient(url, "architect", api_key_env=""))
+        env = DesktopEnv((1280, 720), settle_s=0.3, step_limit=50)
+        try:
+            out = OfficeSynthesizer(DesktopSandbox(env), tmp_path, architect=architect).synthesize(sc, "c3")
+        finally:
+            env.close()
+    assert [a.check for a in out.attempts] == ["passed"]
+    assert json.loads(out.task_file.read_text())["synthesis"]["architect"] == "office_chat"
