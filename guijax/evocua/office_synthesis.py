@@ -75,12 +75,15 @@ def _read_back(env: Desktop, scenario: OfficeScenario) -> str:
     path = pathlib.Path(home) / scenario.document.name
     if not path.exists():
         return f"; ~/{scenario.document.name} does not exist"
-    if scenario.document.kind == "xlsx":
-        import openpyxl
+    try:
+        if scenario.document.kind == "xlsx":
+            import openpyxl
 
-        rows = [list(r) for r in openpyxl.load_workbook(path).active.iter_rows(values_only=True)]
-        return f"; the sheet holds {rows}"
-    return f"; the file holds {path.read_text()!r}"
+            rows = [list(r) for r in openpyxl.load_workbook(path).active.iter_rows(values_only=True)]
+            return f"; the sheet holds {rows}"
+        return f"; the file holds {path.read_text()!r}"
+    except Exception as e:  # a file the app left unreadable is itself the answer the architect needs
+        return f"; ~/{scenario.document.name} cannot be read back: {type(e).__name__}: {e}"
 
 
 class DesktopSandbox:

@@ -269,3 +269,17 @@ def test_a_chat_architects_task_is_accepted_on_the_real_desktop(tmp_path):
             env.close()
     assert [a.check for a in out.attempts] == ["passed"]
     assert json.loads(out.task_file.read_text())["synthesis"]["architect"] == "office_chat"
+
+
+def test_the_read_back_names_a_file_the_app_left_unreadable(tmp_path):
+    from types import SimpleNamespace
+
+    from guijax.evocua.office_synthesis import _read_back
+
+    sc = scenario("sheet_append_row", 1)
+    env = SimpleNamespace(display=SimpleNamespace(home=tmp_path))
+    assert _read_back(env, sc) == f"; ~/{sc.document.name} does not exist"
+    (tmp_path / sc.document.name).write_bytes(b"not a zip")
+    assert "cannot be read back: BadZipFile" in _read_back(env, sc)
+    sc.document.write(tmp_path / sc.document.name)
+    assert _read_back(env, sc) == f"; the sheet holds {[list(r) for r in sc.document.rows]}"
