@@ -356,20 +356,18 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
                                   attention_impl=config.model.attention, scan_layers=config.model.scan_layers,
                                   expert_capacity_factor=config.model.expert_capacity_factor,
                                   attention_block=config.model.attention_block)
+    split = rows % sharding.data_parallel_size(mesh) == 0
+    blocks = sharding.data_parallel_size(mesh) if split and config.pipeline.get("vision_per_device", False) else 1
     sampler = Sampler(module, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens,
                                              prompt_buckets=tuple(config.pipeline.length_buckets),
-                                             patch_bucket=config.pipeline.patch_bucket), mesh=mesh)
+                                             patch_bucket=config.pipeline.patch_bucket, vision_blocks=blocks), mesh=mesh)
     boxed = weights.abstract_params(module)
     params = _abstract(nn.unbox(boxed), sharding.param_shardings(boxed, mesh))
     shape = batch_shape(config, model_cfg)
     length = prompt_tokens(config, model_cfg)
-    grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (rows * shape.screenshots_per_row, 1))
-    from guijax.models.positions import vision_layout
-
-    layout = vision_layout(grids, model_cfg.vision)
-    vision = layout.inputs(jax.ShapeDtypeStruct((layout.num_patches, model_cfg.vision.patch_dim), jnp.float32))
+    # the screenshots as the sampler lays them out: one layout, or per-device blocks of rows / blocks rows each
+    vision = host_batch(dataclasses.replace(shape, rows=rows), model_cfg, blocks)["vision"]
     i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
-    split = rows % sharding.data_parallel_size(mesh) == 0
     args = (params, i32(rows, length), i32(rows, length), i32(3, rows, length), i32(rows), vision,
             jax.eval_shape(lambda: jax.random.PRNGKey(0)))
     program = sampler._programs[split]
@@ -377,7 +375,7 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     args = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), args, in_shardings,
                         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     start = time.perf_counter()
-    out = {"rows": rows, "prompt_tokens": length, "new_tokens": config.rollout.max_new_tokens,
+    out = {"rows": rows, "prompt_tokens": length, "new_tokens": config.rollout.max_new_tokens, "vision_blocks": blocks,
            "kv_cache_bytes_per_row": 2 * model_cfg.num_hidden_layers * (length + config.rollout.max_new_tokens)
            * model_cfg.num_key_value_heads * model_cfg.head_dim * jnp.dtype(sampler.cache_dtype).itemsize}
     try:

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from guijax.models.config import ModelConfig
 from guijax.models.positions import mrope_positions, vision_layout
+from guijax.models.vision_blocks import is_blocked
 from guijax.models.qwen2_5_vl import Qwen2_5_VL, default_cache_dtype, init_cache
 from guijax.sharding import DATA_AXES, data_parallel_size
 
@@ -46,6 +47,10 @@ class SamplingConfig:
     # prompt with five full-HD screenshots is ~16k tokens, so the rows that fit beside the parameters are
     # planned by `python -m guijax.launch --dry_run` and a larger batch is generated in chunks of this size.
     max_rows: int = 0
+    # > 1: when the rows split over the data-parallel devices, the screenshots come in this many per-device blocks,
+    # each laid out over its own rows' images (guijax.models.vision_blocks), so the tower's gathers stay on
+    # their device instead of being replicated (the training step's `pipeline.vision_per_device`)
+    vision_blocks: int = 1
 
 
 @dataclasses.dataclass
@@ -171,8 +176,11 @@ class Sampler:
             put = lambda *spec: NamedSharding(self.mesh, P(*spec))  # noqa: E731
 
             def shardings(params_, ids, mask, positions, next_position, vision, rng):
+                # per-device vision blocks split along their leading block axis like the rows; one layout replicated
+                blocked = split and is_blocked(vision)
                 ins = (params, put(rows, None), put(rows, None), put(None, rows, None), put(rows),
-                       jax.tree.map(lambda _: repl, vision), repl)
+                       jax.tree.map(lambda v: put(rows, *[None] * (np.ndim(v) - 1)) if blocked else repl, vision),
+                       repl)
                 return ins, (put(rows, None), put(rows, None), put(rows), put(rows))
             return shardings
 
@@ -190,12 +198,44 @@ class Sampler:
         next_position = np.where(mask.any(1), positions.max(axis=(0, 2)) + 1, 0).astype(np.int32)
         vision = None
         if pixel_values is not None:
-            merge = self.cfg.vision.spatial_merge_size
-            pix, grid = pad_images(np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw),
-                                   self.config.patch_bucket, merge)
-            layout = vision_layout(grid, self.cfg.vision)
-            vision = layout.inputs(pix)
+            blocks = self.config.vision_blocks
+            if (blocks > 1 and self.mesh is not None and blocks == data_parallel_size(self.mesh)
+                    and ids.shape[0] % blocks == 0):
+                vision = self._vision_blocks(input_ids, attention_mask, np.asarray(pixel_values, np.float32),
+                                             np.asarray(image_grid_thw), blocks)
+            else:
+                pix, grid = pad_images(np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw),
+                                       self.config.patch_bucket, self.cfg.vision.spatial_merge_size)
+                vision = vision_layout(grid, self.cfg.vision).inputs(pix)
         return ids, mask, positions, next_position, vision
+
+    def _vision_blocks(self, input_ids, attention_mask, pixels: np.ndarray, grids: np.ndarray,
+                       blocks: int) -> dict[str, np.ndarray]:
+        """Per-device vision blocks: block b lays out the images of rows [b * n, (b + 1) * n), each block padded
+        with a filler image to the largest block's patch count (rounded up to the patch bucket)."""
+        from guijax.models.vision_blocks import stack_blocks
+
+        rows = input_ids.shape[0]
+        if rows % blocks:
+            raise ValueError(f"{rows} rows do not split into {blocks} vision blocks")
+        merge = self.cfg.vision.spatial_merge_size
+        images = _images_per_row(input_ids, attention_mask, grids, self.cfg)
+        starts = np.concatenate([[0], np.cumsum(np.prod(grids, axis=1))])
+        per = rows // blocks
+        parts = [(pixels[starts[images[b * per]]:starts[images[(b + 1) * per]]],
+                  grids[images[b * per]:images[(b + 1) * per]]) for b in range(blocks)]
+        bucket = self.config.patch_bucket
+        common = max(max(-(-len(pix) // bucket) * bucket, bucket) for pix, _ in parts)
+        laid = []
+        for pix, grid in parts:
+            if len(pix) < common:
+                extra = common - len(pix)
+                if extra % (merge * merge):
+                    raise ValueError(f"patch bucket {bucket} must be a multiple of {merge * merge}")
+                pix = np.concatenate([pix, np.zeros((extra, pixels.shape[1]), pixels.dtype)])
+                grid = np.concatenate([grid.reshape(-1, 3), [[1, merge, extra // merge]]])
+            laid.append(vision_layout(grid, self.cfg.vision).inputs(pix))
+        return stack_blocks(laid)
 
     # ------------------------------------------------------------------ device program
     def _generate(self, params, ids, mask, positions, next_position, vision, rng):
@@ -304,8 +344,11 @@ class Sampler:
         ids, mask, positions, next_position, vision = arrays
         rows = DATA_AXES if ids.shape[0] % data_parallel_size(self.mesh) == 0 else None
         put = lambda x, *spec: jax.device_put(x, NamedSharding(self.mesh, P(*spec)))  # noqa: E731
+        if vision is not None:
+            vision = ({k: put(v, rows, *[None] * (np.ndim(v) - 1)) for k, v in vision.items()}
+                      if rows is not None and is_blocked(vision) else put(vision))
         return (put(ids, rows, None), put(mask, rows, None), put(positions, None, rows, None),
-                put(next_position, rows), None if vision is None else put(vision))
+                put(next_position, rows), vision)
 
     def _apply_stop_strings(self, out: SampleOutput) -> None:
         """Decode texts; cut each at the first stop string, shortening `lengths` to the tokens that cover it."""

@@ -67,14 +67,18 @@ def rollout_config(config: ml_collections.ConfigDict, system_prompt: str) -> Rol
                          max_prompt_tokens=max(config.pipeline.length_buckets) - r.max_new_tokens)
 
 
-def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperature: float) -> SamplingConfig:
+def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperature: float,
+                    mesh: jax.sharding.Mesh | None = None) -> SamplingConfig:
+    """The sampler's settings; on `mesh` (the sampler's) `pipeline.vision_per_device` lays the screenshots out
+    in per-device blocks, as the training batches are."""
     tok = processor.tokenizer
     stops = tuple(i for i in (tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"))
                   if i is not None)
     return SamplingConfig(temperature=temperature, top_p=config.rollout.top_p, top_k=config.rollout.top_k,
                           max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stops,
                           prompt_buckets=tuple(config.pipeline.length_buckets),
-                          patch_bucket=config.pipeline.patch_bucket, max_rows=config.rollout.max_sampler_rows)
+                          patch_bucket=config.pipeline.patch_bucket, max_rows=config.rollout.max_sampler_rows,
+                          vision_blocks=sharding.local_vision_blocks(config, mesh))
 
 
 def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str,
@@ -144,8 +148,9 @@ class Trainer:
         # copied (each step donates their buffers); under LoRA the frozen base is shared, not copied
         self.ref_params = (train_step.reference_params(self.state.params, TrainedPart.of(self.module))
                            if parts.objective.reference_kl else None)
-        self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature),
-                               mesh=parts.sampler_mesh or parts.mesh)
+        sampler_mesh = parts.sampler_mesh or parts.mesh
+        self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature,
+                                                            sampler_mesh), mesh=sampler_mesh)
         self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor,
                                     rollout_config(config, parts.system_prompt))
         self.pipeline = pipeline_config(config, parts.system_prompt, parts.mesh)

@@ -155,7 +155,8 @@ class Run:
         from guijax.sampling import Sampler
         from guijax.trainer import rollout_config, sampling_config
 
-        sampler = Sampler(policy.module, sampling_config(self.config, policy.processor, temperature), mesh=self.mesh())
+        mesh = self.mesh()
+        sampler = Sampler(policy.module, sampling_config(self.config, policy.processor, temperature, mesh), mesh=mesh)
         return RolloutEngine(self.pool(), sampler, policy.processor, rollout_config(self.config, self.system_prompt))
 
     def close(self) -> None:

@@ -93,6 +93,17 @@ def test_the_dry_run_compiles_per_device_vision_blocks():
     assert report["compiled"] is True and report["vision_blocks"] == 8
 
 
+@pytest.mark.slow
+def test_the_dry_run_compiles_the_sampler_with_per_device_vision_blocks():
+    """The sampler's generation program at 8 rows over 8 devices takes one vision block per device; rows that
+    do not divide fall back to one layout."""
+    config = launch.resolve("grpo_cpu", ["mesh.num_devices=8", "pipeline.vision_per_device=True",
+                                         "dry_run.topology="])
+    blocked = aot.compile_sampler(config, get_preset("small"), rows=8)
+    assert blocked["compiled"] is True and blocked["vision_blocks"] == 8
+    assert aot.compile_sampler(config, get_preset("small"), rows=4)["vision_blocks"] == 1
+
+
 def test_the_packed_step_shape_of_a_recipe():
     """bepa_tpu packed: its 64 steps in 64 rows of 16,384 tokens, one block per chip, responses in 512 columns."""
     overrides = ["pipeline.pack=True", "pipeline.max_response_tokens=512"]

@@ -233,6 +233,30 @@ def test_sharded_sampling_matches_single_device(checkpoint):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
+def test_per_device_vision_blocks_sample_what_one_layout_samples(checkpoint):
+    """Screenshots laid out per data-parallel device (each block its own rows' images, an empty block a filler
+    image) give the single-device greedy tokens: 6 image rows padded to 8 over 4 devices, so the last block
+    holds only the two dummy rows."""
+    path, _ = checkpoint
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
+    single = policy_lib.from_pretrained(path)
+    sharded = policy_lib.from_pretrained(path, mesh=mesh)
+    four, two = _prompts_twice(), _prompts()
+    inputs = {k: np.concatenate([four[k], two[k]]) for k in four}
+    cfg = sampling.SamplingConfig(temperature=0.0, max_new_tokens=5, stop_token_ids=(-5,), patch_bucket=64)
+    blocked = sampling.Sampler(sharded.module, dataclasses.replace(cfg, vision_blocks=4), mesh=mesh)
+    a = sampling.Sampler(single.module, cfg).generate(single.params, jax.random.PRNGKey(0), **inputs)
+    b = blocked.generate(sharded.params, jax.random.PRNGKey(0), **inputs)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    ids = np.concatenate([inputs["input_ids"], np.zeros((2, inputs["input_ids"].shape[1]), np.int64)])
+    mask = np.concatenate([inputs["attention_mask"], np.eye(2, inputs["input_ids"].shape[1], dtype=np.int64)])
+    vision = blocked._prepare(ids, mask, inputs["pixel_values"], inputs["image_grid_thw"])[-1]
+    assert vision["pixel_values"].shape[0] == 4 and vision["pixel_values"].ndim == 3  # one block per device
+    with pytest.raises(ValueError, match="do not split into 3 vision blocks"):
+        blocked._vision_blocks(ids, mask, inputs["pixel_values"], inputs["image_grid_thw"], 3)
+
+
 def test_odd_batches_pad_to_a_power_of_two_and_keep_their_rows(checkpoint):
     """3 text rows run as 4 (one dummy row dropped): same greedy tokens as rows sampled alone."""
     path, _ = checkpoint
