@@ -11,10 +11,11 @@ instruction, the validator and the reference solution together.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from guijax.chat import ChatClient, ChatError, json_reply
 from guijax.evocua.synthesis import ArchitectSkipped, Attempt, Proposal, ProposalError, parse_proposal
@@ -205,37 +206,50 @@ class ChatTaskArchitect:
 
     def messages(self, scenario: Scenario, history: Sequence[Attempt]) -> list[dict[str, str]]:
         """The conversation so far: the scenario, then each earlier proposal and the sandbox's verdict on it."""
-        out = [{"role": "system", "content": SYSTEM_PROMPT},
-               {"role": "user", "content": USER_PROMPT.format(persona=scenario.persona,
+        return conversation(SYSTEM_PROMPT, USER_PROMPT.format(persona=scenario.persona,
                                                               capabilities=", ".join(scenario.capabilities),
-                                                              scene=scene_text(scenario))}]
-        for a in history:
-            if a.proposal is None:  # a malformed answer already retried within its own request
-                continue
-            out += [{"role": "assistant", "content": a.raw or json.dumps(a.proposal)},
-                    {"role": "user", "content": FEEDBACK_PROMPT.format(check=a.check, error=a.error)}]
-        return out
+                                                              scene=scene_text(scenario)), history, FEEDBACK_PROMPT)
 
     def propose(self, scenario: Scenario, history: Sequence[Attempt]) -> Proposal:
-        messages = self.messages(scenario, history)
-        problems: list[str] = []
-        for attempt in range(self.retries + 1):
+        return ask_for_proposal(self.client, self.messages(scenario, history),
+                                lambda data, where, answer: parse_proposal(data, where, raw=answer), self.retries,
+                                scenario.id, FORMAT_PROMPT)
+
+
+def conversation(system: str, user: str, history: Sequence[Attempt], feedback: str) -> list[dict[str, str]]:
+    """A chat architect's request: the scenario, then each earlier proposal (its own words) and the sandbox's
+    verdict on it (`feedback` with {check} and {error})."""
+    out = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    for a in history:
+        if a.proposal is None:  # a malformed answer already retried within its own request
+            continue
+        out += [{"role": "assistant", "content": a.raw or json.dumps(a.proposal)},
+                {"role": "user", "content": feedback.format(check=a.check, error=a.error)}]
+    return out
+
+
+def ask_for_proposal(client: ChatClient, messages: list[dict[str, str]], parse: Callable[[Any, str, str], Any],
+                     retries: int, scenario_id: str, format_prompt: str) -> Any:
+    """The first answer `parse(data, where, answer)` accepts, with the malformed ones before it as its
+    `format_errors`; each malformed answer is asked again with its error (`format_prompt` with {error}). An
+    unreachable endpoint, or no well-formed answer in `retries` + 1, skips the scenario with every reason."""
+    problems: list[str] = []
+    for _ in range(retries + 1):
+        try:
+            answer = client.complete(messages)
+        except ChatError as e:
+            raise ArchitectSkipped(f"scenario {scenario_id}: task architect unreachable: {e}", problems) from None
+        where = f"scenario {scenario_id}, answer {len(problems) + 1}"
+        try:
+            data = json_reply(answer)
+        except ValueError as e:
+            problems.append(f"{where}: not valid JSON ({e}): {answer[:120]!r}")
+        else:
             try:
-                answer = self.client.complete(messages)
-            except ChatError as e:
-                raise ArchitectSkipped(f"scenario {scenario.id}: task architect unreachable: {e}", problems) from None
-            where = f"scenario {scenario.id}, answer {len(problems) + 1}"
-            try:
-                data = json_reply(answer)
-            except ValueError as e:
-                problems.append(f"{where}: not valid JSON ({e}): {answer[:120]!r}")
-            else:
-                try:
-                    proposal = parse_proposal(data, where, raw=answer)
-                    return Proposal(proposal.instruction, proposal.evaluator, proposal.expert, answer, tuple(problems))
-                except ProposalError as e:
-                    problems.append(str(e))
-            messages = messages + [{"role": "assistant", "content": answer},
-                                   {"role": "user", "content": FORMAT_PROMPT.format(error=problems[-1])}]
-        raise ArchitectSkipped(f"scenario {scenario.id}: no well-formed task after {self.retries + 1} answers; "
-                               f"last: {problems[-1]}", problems)
+                return dataclasses.replace(parse(data, where, answer), format_errors=tuple(problems))
+            except ProposalError as e:
+                problems.append(str(e))
+        messages = messages + [{"role": "assistant", "content": answer},
+                               {"role": "user", "content": format_prompt.format(error=problems[-1])}]
+    raise ArchitectSkipped(f"scenario {scenario_id}: no well-formed task after {retries + 1} answers; "
+                           f"last: {problems[-1]}", problems)

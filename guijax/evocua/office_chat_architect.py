@@ -10,14 +10,14 @@ written for the desktop's apps.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Sequence
 
-from guijax.chat import ChatClient, ChatError, json_reply
+from guijax.chat import ChatClient
+from guijax.evocua.architects import ask_for_proposal, conversation
 from guijax.evocua.office_architect import EXPECTED, METRIC, OfficeProposal
 from guijax.evocua.office_resources import CAPABILITIES, OfficeScenario
-from guijax.evocua.synthesis import ArchitectSkipped, Attempt, ProposalError
+from guijax.evocua.synthesis import Attempt, ProposalError
 
 CAPABILITY_TEXT = {
     "sheet_append_row": "add one row below the last row of the spreadsheet",
@@ -113,35 +113,13 @@ class ChatOfficeArchitect:
         """The scenario, then each earlier proposal and the sandbox's verdict on it."""
         doc = scenario.document
         content = json.dumps([r[0] if doc.kind == "txt" else list(r) for r in doc.rows], indent=1)
-        out = [{"role": "system", "content": SYSTEM_PROMPT},
-               {"role": "user", "content": USER_PROMPT.format(persona=scenario.persona, name=doc.name, content=content,
-                                                              capability=CAPABILITY_TEXT[scenario.capability])}]
-        for a in history:
-            if a.proposal is None:
-                continue
-            out += [{"role": "assistant", "content": a.raw or json.dumps(a.proposal)},
-                    {"role": "user", "content": FEEDBACK_PROMPT.format(check=a.check, error=a.error)}]
-        return out
+        return conversation(SYSTEM_PROMPT, USER_PROMPT.format(persona=scenario.persona, name=doc.name, content=content,
+                                                              capability=CAPABILITY_TEXT[scenario.capability]),
+                            history, FEEDBACK_PROMPT)
 
     def propose(self, scenario: OfficeScenario, history: Sequence[Attempt]) -> OfficeProposal:
-        messages = self.messages(scenario, history)
-        problems: list[str] = []
-        for _ in range(self.retries + 1):
-            try:
-                answer = self.client.complete(messages)
-            except ChatError as e:
-                raise ArchitectSkipped(f"scenario {scenario.id}: task architect unreachable: {e}", problems) from None
-            where = f"scenario {scenario.id}, answer {len(problems) + 1}"
-            try:
-                proposal = parse_office_proposal(json_reply(answer), scenario, where, raw=answer)
-                return dataclasses.replace(proposal, format_errors=tuple(problems))
-            except ProposalError as e:
-                problems.append(str(e))
-            except ValueError as e:
-                problems.append(f"{where}: not valid JSON ({e}): {answer[:120]!r}")
-            messages = messages + [{"role": "assistant", "content": answer},
-                                   {"role": "user", "content": FORMAT_PROMPT.format(error=problems[-1])}]
-        raise ArchitectSkipped(f"scenario {scenario.id}: no well-formed task after {self.retries + 1} answers", problems)
-
+        return ask_for_proposal(self.client, self.messages(scenario, history),
+                                lambda data, where, answer: parse_office_proposal(data, scenario, where, raw=answer),
+                                self.retries, scenario.id, FORMAT_PROMPT)
 
 assert set(CAPABILITY_TEXT) == set(CAPABILITIES)

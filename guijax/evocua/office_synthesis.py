@@ -29,7 +29,7 @@ from envs.osworld.loader import OSWorldTask, load_osworld, parse_task
 from envs.osworld.local import solution_actions
 from guijax.evocua.office_architect import EXPECTED, OfficeArchitect, OfficeProposal
 from guijax.evocua.office_resources import CAPABILITIES, OfficeScenario, OfficeScenarioSampler
-from guijax.evocua.synthesis import SOURCE, ArchitectSkipped, Attempt, Verdict, rejection_counts
+from guijax.evocua.synthesis import SOURCE, Attempt, Verdict, closed_loop, rejection_counts
 
 SNAPSHOT = "guijax-local"
 
@@ -142,30 +142,20 @@ class OfficeSynthesizer:
         self.max_attempts, self.seed = max_attempts, seed
 
     def synthesize(self, scenario: OfficeScenario, task_id: str) -> OfficeOutcome:
-        attempts: list[Attempt] = []
-        for _ in range(self.max_attempts):
-            try:
-                proposal = self.architect.propose(scenario, list(attempts))
-            except ArchitectSkipped as e:
-                attempts += [Attempt(len(attempts), "format", p) for p in e.problems]
-                return OfficeOutcome(scenario, None, attempts, f"architect {self.architect.name}: {e}")
-            attempts += [Attempt(len(attempts), "format", p) for p in proposal.format_errors]
+        def check(proposal: OfficeProposal) -> tuple[Verdict, None]:
             with tempfile.TemporaryDirectory(prefix="office-candidate-") as tmp:
                 staged = pathlib.Path(tmp)
                 write_task(staged, scenario, proposal, task_id)
-                try:
-                    (task,) = load_osworld(staged)
-                    verdict = self.sandbox.check(scenario, task)
-                except TaskError as e:
-                    verdict = Verdict("structure", str(e))
-                attempts.append(Attempt(len(attempts), verdict.check, verdict.error, proposal.to_dict(), proposal.raw))
-                if verdict.ok:
-                    record = {"architect": self.architect.name, "capabilities": [scenario.capability],
-                              "attempts": [a.to_dict() for a in attempts]}
-                    written = write_task(self.out / "examples", scenario, proposal, task_id, record)
-                    return OfficeOutcome(scenario, written, attempts)
-        return OfficeOutcome(scenario, None, attempts,
-                             f"no proposal passed the sandbox in {self.max_attempts} attempts; last: {attempts[-1].error}")
+                (task,) = load_osworld(staged)
+                return self.sandbox.check(scenario, task), None
+
+        loop = closed_loop(self.architect, scenario, self.max_attempts, check)
+        if loop.proposal is None:
+            return OfficeOutcome(scenario, None, loop.attempts, loop.skipped)
+        record = {"architect": self.architect.name, "capabilities": [scenario.capability],
+                  "attempts": [a.to_dict() for a in loop.attempts]}
+        return OfficeOutcome(scenario, write_task(self.out / "examples", scenario, loop.proposal, task_id, record),
+                             loop.attempts)
 
     def run(self, count: int, max_scenarios: int | None = None, progress=None) -> list[OfficeOutcome]:
         """Scenarios until `count` tasks are accepted or `max_scenarios` (default 2 x count) were tried."""

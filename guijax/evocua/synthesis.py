@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from envs.actions.model import ActionType
 from envs.api import DEFAULT_STEP_LIMIT, Task, TaskError
@@ -289,6 +289,40 @@ class Outcome:
                 "skipped": self.skipped, "attempts": [a.to_dict() for a in self.attempts]}
 
 
+@dataclasses.dataclass
+class LoopResult:
+    """The closed loop's end: the proposal that passed and what `check` built for it (None when none passed,
+    with the reason in `skipped`), and every attempt."""
+
+    proposal: Any
+    candidate: Any
+    attempts: list[Attempt]
+    skipped: str = ""
+
+
+def closed_loop(architect: Any, scenario: Any, max_attempts: int,
+                check: Callable[[Any], tuple[Verdict, Any]]) -> LoopResult:
+    """Propose, check, feed the verdict back, up to `max_attempts` proposals: the loop every sandbox shares.
+    `check(proposal)` -> (verdict, what it built); a TaskError there is a failed structure check."""
+    attempts: list[Attempt] = []
+    for _ in range(max_attempts):
+        try:
+            proposal = architect.propose(scenario, list(attempts))
+        except ArchitectSkipped as e:
+            attempts += [Attempt(len(attempts), "format", p) for p in e.problems]
+            return LoopResult(None, None, attempts, f"architect {architect.name}: {e}")
+        attempts += [Attempt(len(attempts), "format", p) for p in proposal.format_errors]
+        try:
+            verdict, candidate = check(proposal)
+        except TaskError as e:
+            verdict, candidate = Verdict("structure", str(e)), None
+        attempts.append(Attempt(len(attempts), verdict.check, verdict.error, proposal.to_dict(), proposal.raw))
+        if verdict.ok:
+            return LoopResult(proposal, candidate, attempts)
+    return LoopResult(None, None, attempts,
+                      f"no proposal passed the sandbox in {max_attempts} attempts; last: {attempts[-1].error}")
+
+
 class Synthesizer:
     """The closed loop: propose, build, check in the sandbox, feed the error back; `max_attempts` proposals
     per scenario."""
@@ -302,27 +336,17 @@ class Synthesizer:
         self.seed, self.popups = seed, dict(popups)
 
     def synthesize(self, scenario: Scenario, task_id: str) -> Outcome:
-        attempts: list[Attempt] = []
-        for _ in range(self.max_attempts):
-            try:
-                proposal = self.architect.propose(scenario, list(attempts))
-            except ArchitectSkipped as e:
-                attempts += [Attempt(len(attempts), "format", p) for p in e.problems]
-                return Outcome(scenario, None, attempts, f"architect {self.architect.name}: {e}")
-            attempts += [Attempt(len(attempts), "format", p) for p in proposal.format_errors]
-            try:
-                task = build_task(scenario, proposal, task_id, self.popups)
-                verdict = self.sandbox.check(task)
-            except TaskError as e:
-                task, verdict = None, Verdict("structure", str(e))
-            attempts.append(Attempt(len(attempts), verdict.check, verdict.error, proposal.to_dict(), proposal.raw))
-            if verdict.ok:
-                extra = dict(task.extra)
-                extra["synthesis"] = dict(extra["synthesis"], architect=self.architect.name,
-                                          attempts=[a.to_dict() for a in attempts])
-                return Outcome(scenario, dataclasses.replace(task, extra=extra), attempts)
-        return Outcome(scenario, None, attempts,
-                       f"no proposal passed the sandbox in {self.max_attempts} attempts; last: {attempts[-1].error}")
+        def check(proposal: Proposal) -> tuple[Verdict, Task]:
+            task = build_task(scenario, proposal, task_id, self.popups)
+            return self.sandbox.check(task), task
+
+        loop = closed_loop(self.architect, scenario, self.max_attempts, check)
+        if loop.proposal is None:
+            return Outcome(scenario, None, loop.attempts, loop.skipped)
+        extra = dict(loop.candidate.extra)
+        extra["synthesis"] = dict(extra["synthesis"], architect=self.architect.name,
+                                  attempts=[a.to_dict() for a in loop.attempts])
+        return Outcome(scenario, dataclasses.replace(loop.candidate, extra=extra), loop.attempts)
 
     def run(self, count: int, max_scenarios: int | None = None) -> list[Outcome]:
         """Scenarios until `count` tasks are accepted or `max_scenarios` (default 4 x count) were tried."""
