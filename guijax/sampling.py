@@ -100,10 +100,11 @@ def left_align(input_ids: np.ndarray, attention_mask: np.ndarray, length: int, p
 
 
 def pad_images(pixel_values: np.ndarray, grid_thw: np.ndarray, multiple: int, merge: int):
-    """Append one filler image so the patch count is a multiple of `multiple`. No image-pad token refers to
-    it, so its features are computed and never used; its own segment keeps it out of real images' attention."""
+    """Append one filler image so the patch count is a multiple of `multiple` (no patches: the filler alone, one
+    multiple, as a per-device block whose rows show no screenshot needs). No image-pad token refers to it, so its
+    features are computed and never used; its own segment keeps it out of real images' attention."""
     n = pixel_values.shape[0]
-    target = -(-n // multiple) * multiple
+    target = max(-(-n // multiple) * multiple, multiple)
     extra = target - n
     if extra == 0:
         return pixel_values, grid_thw
@@ -226,16 +227,8 @@ class Sampler:
                   grids[images[b * per]:images[(b + 1) * per]]) for b in range(blocks)]
         bucket = self.config.patch_bucket
         common = max(max(-(-len(pix) // bucket) * bucket, bucket) for pix, _ in parts)
-        laid = []
-        for pix, grid in parts:
-            if len(pix) < common:
-                extra = common - len(pix)
-                if extra % (merge * merge):
-                    raise ValueError(f"patch bucket {bucket} must be a multiple of {merge * merge}")
-                pix = np.concatenate([pix, np.zeros((extra, pixels.shape[1]), pixels.dtype)])
-                grid = np.concatenate([grid.reshape(-1, 3), [[1, merge, extra // merge]]])
-            laid.append(vision_layout(grid, self.cfg.vision).inputs(pix))
-        return stack_blocks(laid)
+        return stack_blocks([vision_layout(grid, self.cfg.vision).inputs(pix)
+                             for pix, grid in (pad_images(pix, grid, common, merge) for pix, grid in parts)])
 
     # ------------------------------------------------------------------ device program
     def _generate(self, params, ids, mask, positions, next_position, vision, rng):

@@ -448,12 +448,7 @@ class Collate:
     def _layout(self, pixels: np.ndarray, grids: np.ndarray, index: np.ndarray | None,
                 multiple: int) -> dict[str, np.ndarray]:
         """Vision inputs over `pixels`, padded with a filler image to a multiple of `multiple` patches."""
-        merge = self.model_cfg.vision.spatial_merge_size
-        if len(pixels):
-            pixels, grids = pad_images(pixels, grids, multiple, merge)
-        else:  # a block whose rows show no screenshot: the filler alone
-            pixels = np.zeros((multiple, pixels.shape[1]), np.float32)
-            grids = np.asarray([[1, merge, multiple // merge]])
+        pixels, grids = pad_images(pixels, grids, multiple, self.model_cfg.vision.spatial_merge_size)
         return self._inputs(pixels, grids, index)
 
     def _inputs(self, pixels: np.ndarray, grids: np.ndarray, index: np.ndarray | None) -> dict[str, np.ndarray]:
