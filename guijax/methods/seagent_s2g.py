@@ -34,6 +34,7 @@ class SpecialistToGeneralist(SEAgent):
     name = "seagent_s2g"
     summary = ("SEAgent specialist-to-generalist: a specialist per application, the starting policy fine-tuned on "
                "their judged successes, then SEAgent on every application")
+    _families: tuple[str, ...] | None = None  # while a specialist trains: its application's families
 
     def apps(self) -> list[tuple[str, ...]]:
         return [tuple(a.split("+")) for a in self.options.apps]
@@ -60,12 +61,16 @@ class SpecialistToGeneralist(SEAgent):
         if unknown:
             raise ValueError(f"seagent.apps names families {unknown} that are not in env.families {sorted(known)}")
 
+    @staticmethod
+    def folder(ctx: Context, app: tuple[str, ...]) -> Any:
+        """Where an application's specialist keeps its phases, successes and report."""
+        return ctx.workdir / f"specialist_{app_name('+'.join(app))}"
+
     def ladder(self) -> tuple[str, ...]:
         """A specialist's desk curriculum stays inside its application; the generalist's spans them all."""
-        families = getattr(self, "_families", None)
-        if families is None:
+        if self._families is None:
             return super().ladder()
-        return tuple(f for f in super().ladder() if f in families) or families
+        return tuple(f for f in super().ladder() if f in self._families) or self._families
 
     def specialist(self, ctx: Context, policy: Any, pipeline: Any, app: tuple[str, ...], start: Any) -> dict:
         """One application's specialist from `start`: its phases, then its judged successes (kept in its folder)."""
@@ -74,8 +79,7 @@ class SpecialistToGeneralist(SEAgent):
         from guijax.data.store import TrajectoryStore
         from guijax.rollout.trajectory import Status
 
-        o, name = self.options, app_name("+".join(app))
-        folder = ctx.workdir / f"specialist_{name}"
+        o, name, folder = self.options, app_name("+".join(app)), self.folder(ctx, app)
         report_path = folder / "specialist.json"
         if report_path.exists():
             echo(f"  {self.name}: specialist {name} already trained ({report_path})")
@@ -119,9 +123,8 @@ class SpecialistToGeneralist(SEAgent):
         generalist_dir = ctx.workdir / "generalist"
         done = generalist_dir / "distilled.json"
         if not done.exists():
-            data = [t for app in self.apps()
-                    for store in [ctx.workdir / f"specialist_{app_name('+'.join(app))}" / "successes"]
-                    if store.exists() for t in TrajectoryStore(store)]
+            stores = [self.folder(ctx, app) / "successes" for app in self.apps()]
+            data = [t for store in stores if store.exists() for t in TrajectoryStore(store)]
             policy.params = self.frozen_copy(policy, start)
             history: list[float] = []
             if data:

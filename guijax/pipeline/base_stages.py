@@ -206,8 +206,11 @@ def clean_step_refs(trajectories) -> list:
     recovery is learned from the state the mistake made, without learning the mistake."""
     from guijax.data.pipeline import StepRef
 
-    return [StepRef(i, j, 1.0) for i, t in enumerate(trajectories) for j in range(len(t.steps))
-            if j not in set(t.meta.get("injected_steps", ()))]
+    refs = []
+    for i, t in enumerate(trajectories):
+        injected = set(t.meta.get("injected_steps", ()))
+        refs += [StepRef(i, j, 1.0) for j in range(len(t.steps)) if j not in injected]
+    return refs
 
 
 def policy_dir(run: Run) -> pathlib.Path:
