@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: os.cpu_count())")
     p.add_argument("--device", default="cpu", help="torch device: cpu | cuda (guijax uses jax's default backend)")
     p.add_argument("--dtype", default="float32", help="compute dtype of both sides: float32 | bfloat16")
+    p.add_argument("--layers", default="scan", choices=("scan", "unrolled"),
+                   help="guijax's decoder layers under scan or unrolled (the recipes' model.scan_layers)")
     p.add_argument("--json", default=str(bc.RESULTS / f"vs_torch_{bc.jax.default_backend()}.json"))
     p.add_argument("--markdown", default=str(bc.RESULTS / f"vs_torch_{bc.jax.default_backend()}.md"))
     a = p.parse_args(argv)
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     autocast = (torch.autocast(a.device, dtype=torch.bfloat16) if a.dtype == "bfloat16"
                 else contextlib.nullcontext())
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-    module = weights.build_module(cfg, dtype=jnp.dtype(a.dtype), param_dtype=jnp.float32)
+    module = weights.build_module(cfg, dtype=jnp.dtype(a.dtype), param_dtype=jnp.float32,
+                                  scan_layers=a.layers == "scan")
     params = params_from_torch(model, module)
     step_cfg = train_step.StepConfig()
     loss0_jax = float(jax.jit(lambda p, b: train_step.loss_fn(p, b, module, step_cfg)[0])(params, np_batch))
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- guijax step
     tx, _ = optim.make_optimizer(optim_cfg)
     step = train_step.make_train_step(module, tx, step_cfg)
-    holder = {"state": train_step.TrainState(params, tx.init(params), jnp.int32(0))}
+    holder = {"state": train_step.init_state(module, params, tx)}
     del params
     j_batch = jax.device_put(np_batch)
 
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": f">= {TARGET_RATIO}x torch on CPU, small preset",
         "target_met": (ratio >= TARGET_RATIO) if target_applies else None,
         "preset": a.preset, "batch": a.batch, "seq": a.seq, "tokens_per_step": tokens, "dtype": a.dtype,
+        "layers": a.layers,
         "torch_device": a.device,
         "model": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
                   "kv_heads": cfg.num_key_value_heads, "intermediate": cfg.intermediate_size,
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "| trainer | step (s) | tokens/s | CPU s per step |",
         "|---|---:|---:|---:|",
-        f"| guijax (JAX {jax.__version__}) | {jt:.4f} | {tokens / jt:,.0f} | {bc.median(jax_cpu):.3f} |",
+        f"| guijax (JAX {jax.__version__}, layers {a.layers}) | {jt:.4f} | {tokens / jt:,.0f} | {bc.median(jax_cpu):.3f} |",
         f"| PyTorch {torch.__version__} + transformers {transformers.__version__} | {tt:.4f} | {tokens / tt:,.0f} | "
         f"{bc.median(torch_cpu):.3f} |",
         "",

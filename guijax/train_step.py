@@ -196,8 +196,9 @@ def init_state(module: Qwen2_5_VL, params: Any, tx: optax.GradientTransformation
     """Step-0 TrainState. With a mesh the parameters are (re)placed in their shards and the optimiser state is
     created directly in its shards by a jitted init, never whole on one device."""
     trainable = TrainedPart.of(module).trainable
-    if mesh is None:
-        return TrainState(params, sharding.init_opt_state(tx, trainable(params)), jnp.int32(0))
+    if mesh is None:  # committed, as the step's outputs are: uncommitted inputs would compile the step twice
+        state = TrainState(params, sharding.init_opt_state(tx, trainable(params)), jnp.int32(0))
+        return jax.device_put(state, jax.devices()[0])
     shards = state_shardings(module, tx, mesh)
     params = jax.device_put(params, shards.params)
     return TrainState(params, sharding.init_opt_state(tx, trainable(params), mesh, trainable(shards.params)),

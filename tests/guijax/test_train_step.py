@@ -82,6 +82,18 @@ def test_grpo_step_at_ratio_one(module_params):
     assert np.isfinite(float(luffy)) and float(lm["off_policy_tokens"]) == m[0].sum()
 
 
+def test_the_initial_state_compiles_the_step_once(module_params):
+    """Parameters as a checkpoint loader returns them (host arrays): the step's second call reuses the first
+    call's program instead of compiling again for its now device-committed state."""
+    module, params = module_params
+    tx = _opt()
+    step = train_step.make_train_step(module, tx, train_step.StepConfig(objectives.CrossEntropyLoss()))
+    state = train_step.init_state(module, jax.tree.map(np.asarray, params), tx)
+    for _ in range(3):
+        state, _ = step(state, _batch())
+    assert step.fn._cache_size() == 1
+
+
 def test_non_finite_batch_is_skipped(module_params):
     module, params = module_params
     tx = _opt()
