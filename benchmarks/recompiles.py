@@ -1,6 +1,7 @@
 """Benchmark: how often a recipe's RL iterations recompile, with padded minibatches against packed ones (of
 one fixed shape, or of fixed-length rows as many as each minibatch needs), and what the packed ones gain
-from a smaller attention tile (`model.attention_block`).
+from a smaller attention tile (`model.attention_block`); and what the sampler's screenshot buckets save
+(`packed_fixed` against `packed_fixed_exact_images`: the same episodes, so only the sampler's compilations differ).
 
 Why: every distinct batch shape compiles the train step and the log-prob function again. Padded minibatches
 take their shape from the batch (row count of the last minibatch, length bucket, patch bucket, the vision
@@ -18,6 +19,9 @@ sampler too, so the summary reports iterations 1 onward.
 
   python benchmarks/recompiles.py --iterations 6 --workdir /tmp/recompiles \\
       --json benchmarks/results/recompiles_cpu.json --markdown benchmarks/results/recompiles_cpu.md
+  python benchmarks/recompiles.py --iterations 8 --modes packed_fixed,packed_fixed_exact_images \
+      --workdir /tmp/image_buckets --json benchmarks/results/sampler_image_buckets_cpu.json \
+      --markdown benchmarks/results/sampler_image_buckets_cpu.md
 """
 from __future__ import annotations
 
@@ -49,6 +53,9 @@ MODES = {
 # the packed modes with 128-token attention tiles (512 above): tiles that hold only other examples' pairs
 # are skipped, so smaller tiles skip more of a packed row
 MODES.update({f"{name}_tile128": (*MODES[name], "model.attention_block=128") for name in ("packed_fixed", "packed_rows")})
+# the sampler's screenshots padded to exactly their count (one program per count) instead of the rows x 1, 2, 3,
+# 4, 6, ... per row it pads them to by default: same episodes, so the difference is the sampler's compilations
+MODES["packed_fixed_exact_images"] = (*MODES["packed_fixed"], "rollout.sampler_image_buckets=exact")
 METRICS = ("compiles", "time_compile_s", "time_update_s", "time_old_logprobs_s", "time_iteration_s", "token_fill",
            "trained_tokens", "loss", "success_rate")
 
@@ -90,7 +97,7 @@ def summary(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def markdown(payload: dict[str, Any]) -> str:
-    lines = [f"# Recompilation: padded against packed minibatches ({payload['recipe']})", "",
+    lines = [f"# Recompilation by minibatch and sampler shapes ({payload['recipe']}: {', '.join(payload['summary'])})", "",
              f"`{payload['command']}`", "", bc.machine_line(payload["machine"]), "",
              f"Iterations 1-{payload['iterations'] - 1} (iteration 0 also compiles the sampler):", "",
              "| minibatches | compilations | compile s | update + old log-probs s | trained tokens | "

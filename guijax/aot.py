@@ -19,7 +19,7 @@ import importlib.util
 import math
 import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -109,12 +109,14 @@ def packed_shape(config: ml_collections.ConfigDict, shape: BatchShape, blocks: i
 
 
 def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1,
-               packed: PackedShape | None = None) -> dict[str, Any]:
+               packed: PackedShape | None = None, image_bucket: Callable[[int, int], int] | None = None
+               ) -> dict[str, Any]:
     """A batch with the pipeline's keys and shapes. The vision layout's index arrays are computed for real on
     the host (cheap, and their shapes follow the image grids); every other input stays abstract. Every
     screenshot is distinct (no deduplication: the largest vision batch a step can meet). With
     `vision_blocks` > 1 the vision inputs are per-device blocks of rows / vision_blocks rows each. `packed`:
-    the packed model inputs and response-space training arrays instead of padded rows."""
+    the packed model inputs and response-space training arrays instead of padded rows. `image_bucket`: the
+    screenshots each layout is padded to (with blank ones, as the sampler pads), from their count and rows."""
     from guijax.models.positions import vision_layout
     from guijax.models.vision_blocks import stack_blocks
 
@@ -122,6 +124,7 @@ def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1,
     if b % vision_blocks:
         raise ValueError(f"{b} rows per step cannot be split into {vision_blocks} per-device vision blocks")
     per_block = b // vision_blocks * shape.screenshots_per_row
+    per_block = image_bucket(per_block, b // vision_blocks) if image_bucket else per_block
     grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (per_block, 1))
     layout = vision_layout(grids, model_cfg.vision)
     pixels = (layout.num_patches, model_cfg.vision.patch_dim)
@@ -348,7 +351,7 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
 
     from guijax.models import weights
     from guijax.models.policy import resolve_dtype
-    from guijax.sampling import Sampler, SamplingConfig
+    from guijax.sampling import Sampler, SamplingConfig, images_padded_with_rows, image_bucket
 
     target, mesh, _ = target_mesh or _target_mesh(config)
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
@@ -360,13 +363,15 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     blocks = sharding.data_parallel_size(mesh) if split and config.pipeline.get("vision_per_device", False) else 1
     sampler = Sampler(module, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens,
                                              prompt_buckets=tuple(config.pipeline.length_buckets),
-                                             patch_bucket=config.pipeline.patch_bucket, vision_blocks=blocks), mesh=mesh)
+                                             patch_bucket=config.pipeline.patch_bucket, vision_blocks=blocks,
+                                             pad_images_with_rows=images_padded_with_rows(config)), mesh=mesh)
     boxed = weights.abstract_params(module)
     params = _abstract(nn.unbox(boxed), sharding.param_shardings(boxed, mesh))
     shape = batch_shape(config, model_cfg)
     length = prompt_tokens(config, model_cfg)
     # the screenshots as the sampler lays them out: one layout, or per-device blocks of rows / blocks rows each
-    vision = host_batch(dataclasses.replace(shape, rows=rows), model_cfg, blocks)["vision"]
+    bucket = image_bucket if sampler.config.pad_images_with_rows else None
+    vision = host_batch(dataclasses.replace(shape, rows=rows), model_cfg, blocks, image_bucket=bucket)["vision"]
     i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
     args = (params, i32(rows, length), i32(rows, length), i32(3, rows, length), i32(rows), vision,
             jax.eval_shape(lambda: jax.random.PRNGKey(0)))

@@ -43,6 +43,13 @@ class SamplingConfig:
     # Rows are padded up to the next power of two (text-only dummy rows, dropped from the output), so a
     # shrinking set of live episodes reuses a few compiled programs instead of compiling one per batch size.
     pad_batch_to_power_of_two: bool = True
+    # Likewise the screenshots, when a call's are all of one size: blank ones of that size are appended up to the
+    # rows (padded ones included) x the screenshots per row rounded up (past 8, to 12, 16, 24, ...), so the vision
+    # inputs' shapes (patches, windows, frames) follow the row count and a few per-row counts instead of taking
+    # one value per screenshot count as live episodes come and go (one screenshot per row: one shape per row
+    # count; rows that all hold `max_images` need no blank). False, or screenshots of several sizes: one filler
+    # image pads the patches to a multiple of patch_bucket.
+    pad_images_with_rows: bool = True
     # Rows per device program (0: all in one). The KV cache grows with rows x (prompt + new tokens): a 7B
     # prompt with five full-HD screenshots is ~16k tokens, so the rows that fit beside the parameters are
     # planned by `python -m guijax.launch --dry_run` and a larger batch is generated in chunks of this size.
@@ -84,6 +91,38 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
         if n <= b:
             return b
     raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket {max(buckets)}")
+
+
+def geometric_bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) that is >= n."""
+    if n <= 2:
+        return max(n, 1)
+    power = 1 << (n - 1).bit_length()
+    return power * 3 // 4 if n <= power * 3 // 4 else power
+
+
+def image_bucket(images: int, rows: int) -> int:
+    """Screenshots a layout of `rows` rows holding `images` is padded to: rows x the screenshots per row rounded
+    up, and past 8 per row up to the next geometric bucket (12, 16, 24, ...)."""
+    per_row = -(-images // max(rows, 1))
+    return rows * max(per_row if per_row <= 8 else geometric_bucket(per_row), 1)
+
+
+def images_padded_with_rows(config: Any) -> bool:
+    """Whether a run config's sampler pads screenshots in step with its rows (`rollout.sampler_image_buckets`)."""
+    return config.rollout.get("sampler_image_buckets", "rows") == "rows"
+
+
+def pad_to_image_bucket(pixel_values: np.ndarray, grid_thw: np.ndarray, count: int, size: np.ndarray):
+    """Append blank images of grid `size` ([t, h, w], the screenshots' one size) until there are `count`. No
+    image-pad token refers to them: their features are computed and never used, each in its own frame."""
+    grid_thw = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+    extra = count - len(grid_thw)
+    if extra <= 0:
+        return pixel_values, grid_thw
+    size = np.asarray(size, np.int64).reshape(1, 3)
+    blank = np.zeros((extra * int(np.prod(size)), pixel_values.shape[1]), pixel_values.dtype)
+    return np.concatenate([pixel_values, blank]), np.concatenate([grid_thw, np.repeat(size, extra, axis=0)])
 
 
 def left_align(input_ids: np.ndarray, attention_mask: np.ndarray, length: int, pad_id: int = 0):
@@ -205,30 +244,41 @@ class Sampler:
                 vision = self._vision_blocks(input_ids, attention_mask, np.asarray(pixel_values, np.float32),
                                              np.asarray(image_grid_thw), blocks)
             else:
-                pix, grid = pad_images(np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw),
-                                       self.config.patch_bucket, self.cfg.vision.spatial_merge_size)
+                [(pix, grid)] = self._pad_vision([(np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw))],
+                                                 ids.shape[0])
                 vision = vision_layout(grid, self.cfg.vision).inputs(pix)
         return ids, mask, positions, next_position, vision
 
     def _vision_blocks(self, input_ids, attention_mask, pixels: np.ndarray, grids: np.ndarray,
                        blocks: int) -> dict[str, np.ndarray]:
-        """Per-device vision blocks: block b lays out the images of rows [b * n, (b + 1) * n), each block padded
-        with a filler image to the largest block's patch count (rounded up to the patch bucket)."""
+        """Per-device vision blocks: block b lays out the images of rows [b * n, (b + 1) * n), every block padded to
+        one shape (`_pad_vision`)."""
         from guijax.models.vision_blocks import stack_blocks
 
         rows = input_ids.shape[0]
         if rows % blocks:
             raise ValueError(f"{rows} rows do not split into {blocks} vision blocks")
-        merge = self.cfg.vision.spatial_merge_size
         images = _images_per_row(input_ids, attention_mask, grids, self.cfg)
         starts = np.concatenate([[0], np.cumsum(np.prod(grids, axis=1))])
         per = rows // blocks
         parts = [(pixels[starts[images[b * per]]:starts[images[(b + 1) * per]]],
                   grids[images[b * per]:images[(b + 1) * per]]) for b in range(blocks)]
-        bucket = self.config.patch_bucket
-        common = max(max(-(-len(pix) // bucket) * bucket, bucket) for pix, _ in parts)
         return stack_blocks([vision_layout(grid, self.cfg.vision).inputs(pix)
-                             for pix, grid in (pad_images(pix, grid, common, merge) for pix, grid in parts)])
+                             for pix, grid in self._pad_vision(parts, per)])
+
+    def _pad_vision(self, parts: list[tuple[np.ndarray, np.ndarray]], rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each part's (pixels, grids), the screenshots of `rows` rows, padded to one shape: with screenshots of one
+        size (and `pad_images_with_rows`), to `image_bucket` of the fullest part in blank screenshots (an empty
+        part then holds blanks alone); otherwise with a filler image to the fullest part's patch count rounded up
+        to `patch_bucket`."""
+        grids = [np.asarray(g, np.int64).reshape(-1, 3) for _, g in parts]
+        every = np.concatenate(grids)
+        if self.config.pad_images_with_rows and len(every) and (every == every[0]).all():
+            count = image_bucket(max(len(g) for g in grids), rows)
+            return [pad_to_image_bucket(pix, g, count, every[0]) for (pix, _), g in zip(parts, grids)]
+        bucket, merge = self.config.patch_bucket, self.cfg.vision.spatial_merge_size
+        common = max(max(-(-len(pix) // bucket) * bucket, bucket) for pix, _ in parts)
+        return [pad_images(pix, grid, common, merge) for pix, grid in parts]
 
     # ------------------------------------------------------------------ device program
     def _generate(self, params, ids, mask, positions, next_position, vision, rng):

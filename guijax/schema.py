@@ -163,6 +163,9 @@ class Rollout:
     top_k: int = ranged(0, low=0)  # 0: off
     max_new_tokens: int = ranged(256, low=1)
     max_sampler_rows: int = ranged(0, low=0)  # rows per sampler program (0: all live episodes at once); see --dry_run
+    # the screenshots of a sampler call (when of one size) padded with blank ones to its rows x the screenshots per
+    # row rounded up: a few programs per row count | exact: one program per screenshot count
+    sampler_image_buckets: Literal["rows", "exact"] = "rows"
     format_reward: float = -1.0  # reward of an unparsable response (ARPO) ...
     format_weight: float = ranged(0.5, low=0)  # ... and its weight
     # the system prompt, and with it the action grammar the policy writes: UI-TARS-1.5's own prompt | UI-TARS

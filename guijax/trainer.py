@@ -33,7 +33,7 @@ from guijax.rollout.engine import RolloutConfig, RolloutEngine, episode_seed
 from guijax.rollout.prompt import grammar_of
 from guijax.rollout.stream import RolloutStream, group_index, sampling_version, shard_name
 from guijax.rollout.trajectory import Status, Trajectory
-from guijax.sampling import Sampler, SamplingConfig
+from guijax.sampling import Sampler, SamplingConfig, images_padded_with_rows
 from guijax.sft import device_batch
 
 Scorer = Callable[[Sequence[Trajectory]], list[float]]
@@ -78,6 +78,7 @@ def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperatu
                           max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stops,
                           prompt_buckets=tuple(config.pipeline.length_buckets),
                           patch_bucket=config.pipeline.patch_bucket, max_rows=config.rollout.max_sampler_rows,
+                          pad_images_with_rows=images_padded_with_rows(config),
                           vision_blocks=sharding.local_vision_blocks(config, mesh))
 
 

@@ -10,7 +10,7 @@ import sys
 import chex
 import pytest
 
-from guijax import aot, launch
+from guijax import aot, launch, sampling
 from guijax.models.config import get_preset
 
 REQUIRED = ("compiled", "compile_target", "devices", "peak_bytes_per_device", "param_bytes_per_device",
@@ -81,6 +81,12 @@ def test_per_device_vision_blocks_of_the_tpu_recipe():
     assert vision["pixel_values"].shape == (64, 5 * 10764, 1176)
     assert vision["window_tokens"].shape[0] == 64 and (vision["window_tokens"] < 5 * 10764).all()
     assert vision["window_slots"].shape == (64, 5 * 10764) and vision["image_tokens"].shape[:2] == (64, 5)
+    padded = aot.host_batch(aot.batch_shape(config, cfg), cfg, vision_blocks=64,
+                            image_bucket=sampling.image_bucket)["vision"]  # as the sampler pads: 5 per row stay 5
+    assert {k: v.shape for k, v in padded.items()} == {k: v.shape for k, v in vision.items()}
+    odd = aot.host_batch(aot.batch_shape(config, cfg), cfg, vision_blocks=64,
+                         image_bucket=lambda images, rows: sampling.image_bucket(images + 4, rows))["vision"]
+    assert odd["pixel_values"].shape == (64, 12 * 10764, 1176)  # 9 screenshots in a row: past 8, the next is 12
     with pytest.raises(ValueError, match="64 rows per step cannot be split into 48"):
         aot.host_batch(aot.batch_shape(config, cfg), cfg, vision_blocks=48)
 

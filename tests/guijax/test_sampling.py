@@ -3,6 +3,7 @@ top-k / top-p truncation; bucketing; sharded sampling."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import chex
 import numpy as np
@@ -16,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from guijax import sampling, sharding  # noqa: E402
 from guijax.models import policy as policy_lib  # noqa: E402
 from guijax.models.config import PRESETS, ModelConfig  # noqa: E402
+from guijax.models.positions import vision_layout  # noqa: E402
 
 CFG = PRESETS["tiny"]
 GRIDS = np.array([[1, 4, 6], [1, 4, 4]])
@@ -255,6 +257,54 @@ def test_per_device_vision_blocks_sample_what_one_layout_samples(checkpoint):
     assert vision["pixel_values"].shape[0] == 4 and vision["pixel_values"].ndim == 3  # one block per device
     with pytest.raises(ValueError, match="do not split into 3 vision blocks"):
         blocked._vision_blocks(ids, mask, inputs["pixel_values"], inputs["image_grid_thw"], 3)
+
+
+def _one_size_prompts(rows: int, seed: int = 0):
+    """`rows` prompts, each with one 4x4-patch screenshot (4 image tokens) between random text."""
+    rs = np.random.RandomState(seed)
+    ids = np.stack([np.concatenate([rs.randint(0, 900, 3), [CFG.vision_start_token_id], [CFG.image_token_id] * 4,
+                                    [CFG.vision_end_token_id], rs.randint(0, 900, 2)]) for _ in range(rows)])
+    return {"input_ids": ids.astype(np.int64), "attention_mask": np.ones_like(ids, np.int64),
+            "pixel_values": rs.randn(16 * rows, CFG.vision.patch_dim).astype(np.float32),
+            "image_grid_thw": np.tile([[1, 4, 4]], (rows, 1))}
+
+
+def test_screenshots_pad_with_the_rows_and_the_blanks_change_nothing(checkpoint):
+    """A call's screenshots go to its (padded) rows x the screenshots per row rounded up: every vision input (patches,
+    windows, frames) of 5 or 7 one-screenshot rows padded to 8 has one shape; 5 prompts sample the same greedy
+    tokens and log-probs with three blank screenshots as with none; screenshots of two sizes pad with one filler
+    image to a multiple of the patch bucket."""
+    assert [sampling.geometric_bucket(n) for n in range(10)] == [1, 1, 2, 3, 4, 6, 6, 8, 8, 12]
+    assert len({sampling.geometric_bucket(n) for n in range(1, 33)}) == 10
+    assert [sampling.image_bucket(n, 8) for n in (0, 1, 5, 8, 9, 25, 33, 40, 65, 97)] == \
+        [8, 8, 8, 8, 16, 32, 40, 40, 96, 128]  # past 8 per row: 12, 16, ... per row
+    path, _ = checkpoint
+    policy = policy_lib.from_pretrained(path)
+    sc = sampling.SamplingConfig(temperature=0.0, max_new_tokens=5, stop_token_ids=(-5,), patch_bucket=16)
+    grown = sampling.Sampler(policy.module, sc)
+    exact = sampling.Sampler(policy.module, dataclasses.replace(sc, pad_images_with_rows=False))
+
+    def shapes(sampler, inputs, rows=8):
+        [(pix, grid)] = sampler._pad_vision([(inputs["pixel_values"], inputs["image_grid_thw"])], rows)
+        return {k: np.shape(v) for k, v in vision_layout(grid, CFG.vision).inputs(pix).items()}
+
+    five, seven = _one_size_prompts(5), _one_size_prompts(7)
+    assert shapes(grown, five) == shapes(grown, seven) and shapes(exact, five) != shapes(exact, seven)
+    assert shapes(grown, five)["pixel_values"][0] == 8 * 16 and shapes(exact, five)["pixel_values"][0] == 5 * 16
+    assert shapes(grown, _prompts(), rows=2)["pixel_values"][0] == 48  # two sizes (24 + 16 patches): filler to 48
+    a = grown.generate(policy.params, jax.random.PRNGKey(0), **five)
+    b = exact.generate(policy.params, jax.random.PRNGKey(0), **five)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_the_recipe_chooses_the_samplers_image_buckets():
+    from guijax import launch, trainer
+
+    processor = types.SimpleNamespace(tokenizer=types.SimpleNamespace(convert_tokens_to_ids=lambda token: 7))
+    for name, with_rows in (("rows", True), ("exact", False)):
+        config = launch.resolve("grpo_cpu", [f"rollout.sampler_image_buckets={name}"])
+        assert trainer.sampling_config(config, processor, 1.0).pad_images_with_rows is with_rows
 
 
 def test_odd_batches_pad_to_a_power_of_two_and_keep_their_rows(checkpoint):
