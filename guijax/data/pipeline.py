@@ -47,7 +47,7 @@ from guijax.models.positions import mrope_positions, vision_layout
 from guijax.models.vision_blocks import stack_blocks
 from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages, guided_instruction
 from guijax.rollout.trajectory import Source, Trajectory
-from guijax.sampling import bucket_for, pad_images
+from guijax.sampling import bucket_for, pad_images, pad_to_image_bucket
 
 IM_END = "<|im_end|>"
 
@@ -423,9 +423,7 @@ class Collate:
     def _fixed_layout(self, pixels: np.ndarray, grids: np.ndarray, index: np.ndarray | None,
                       grid: np.ndarray, count: int) -> dict[str, np.ndarray]:
         """Vision inputs over exactly `count` images of `grid`: the layout arrays then have one shape."""
-        blank = np.zeros(((count - len(grids)) * int(np.prod(grid)), pixels.shape[1]), np.float32)
-        return self._inputs(np.concatenate([pixels, blank]),
-                            np.concatenate([grids.reshape(-1, 3), np.tile(grid, (count - len(grids), 1))]), index)
+        return self._inputs(*pad_to_image_bucket(pixels, grids, count, grid), index)
 
     def _pixels(self, examples: Sequence[dict[str, Any]], ids: np.ndarray, grids: np.ndarray,
                 members: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
