@@ -104,6 +104,10 @@ JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 class DesktopServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # The listen backlog. socketserver's default of 5 drops handshakes whenever more clients connect at once
+    # than the accept loop has just taken; a client that then sends nothing is not seen for up to 15 s of
+    # SYN-ACK retries. Connections past the cap are still answered 503 as soon as they are accepted.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], controller: LocalController, token: str | None = None,
                  timeout_s: float = 90.0, max_body_bytes: int = MAX_BODY_BYTES,

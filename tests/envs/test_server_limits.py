@@ -113,6 +113,34 @@ def test_idle_connections_are_capped_and_closed(serve):
             sock.close()
 
 
+def test_a_burst_of_silent_connections_is_taken_and_closed_promptly():
+    """Forty clients connect while the accept loop is not running, then send nothing: each handshake must be
+    queued (a backlog of 5 drops the rest, whose clients then wait out SYN-ACK retries for up to 15 s), and
+    once serving, every one is answered 503 or closed within the idle timeout."""
+    server = DesktopServer(("127.0.0.1", 0), _Echo(), max_connections=4, idle_timeout_s=0.5)
+    socks, serving = [], False
+    try:
+        for _ in range(40):
+            sock = socket.socket()
+            sock.settimeout(0.5)
+            sock.connect(server.server_address)  # times out when the listen backlog is full
+            socks.append(sock)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        serving = True
+        start = time.monotonic()
+        for sock in socks:
+            sock.settimeout(10)
+            head = sock.recv(64)
+            assert head == b"" or head.startswith(b"HTTP/1.1 503"), head
+        assert time.monotonic() - start < 5
+    finally:
+        for sock in socks:
+            sock.close()
+        if serving:  # shutdown() waits for a serve_forever loop to end, forever if none ran
+            server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.parametrize("path, body, ctype, status", [
     ("/list_directory", b'{"path": "~"}', "application/json", 200),
     ("/list_directory", b'{"path": "~"}', "application/json; charset=utf-8", 200),
