@@ -10,6 +10,10 @@ env.osworld_dir and env.server_urls for your machines; Qwen3-VL-32B: --config.mo
 --config.model.path=/models/Qwen3-VL-32B-Instruct (evocua_tpu). Not here: the synthesis and coldstart
 stages, which build desk tasks and desk expert traces; check the sizes with --dry_run.
 
+Step-DPO finds its forking points by comparing screens, exactly by default (the desk's ground truth). On
+OSWorld the pointer, caret and clock keep two visits of one state apart, so give it the VLM aligner:
+--config.evocua.state_alignment=chat --config.evocua.chat_url=URL --config.evocua.chat_model=NAME.
+
 The vision tower and its merger stay frozen: the paper does not say whether it trains them, and with them
 trained the compiled step does not fit 8 H100s (TPU proxy v5p:2x2x2: 89.85 GiB per device, 103.60 GiB with
 the measured GPU factor). Frozen, it compiles to 55.91 GiB per device, 64.47 GiB scaled, of 74.51 (README).

@@ -1,4 +1,4 @@
-"""EvoCUA's two model roles around RFT and step-DPO, as OpenAI-compatible clients beside the offline ones:
+"""EvoCUA's model roles around RFT and step-DPO, as OpenAI-compatible clients beside the offline ones:
 
 - `ChatDenoiser`, the judge of step-level denoising (§5.2): shown a successful trajectory (each step's
   thought, action and screenshot), it names the redundant steps, which leave the loss. The offline judge is
@@ -7,14 +7,21 @@
   erring step, the action that erred and the successful reference's aligned step, it writes the "Reflection:"
   thought that notices the error and turns to the remedy. The offline writer is
   `guijax.evocua.step_dpo.reflection_response`'s template.
+- `ChatStateAligner`, step-DPO's CheckAlignment (App. C, Algorithm 2): shown two screens, the task and the
+  actions taken from each, it says whether they are the same state of the task, which decides the critical
+  forking point and whether Pair II's recovery applies. The offline aligner is
+  `guijax.evocua.step_dpo.exact_match` (equal screenshots), exact on the desk but not on a real screen, whose
+  pointer, caret and clock move between two visits of one state.
 
-The paper prints neither prompt; the ones here follow its description. Answers are checked strictly and asked
-again (`retries`); a trajectory the denoiser cannot read keeps every step in the loss and a reflection the
-writer cannot write falls back to the offline template, each counted by the caller. A dead endpoint
+The paper prints none of the prompts; the ones here follow its description. Answers are checked strictly and asked
+again (`retries`); a trajectory the denoiser cannot read keeps every step in the loss, a reflection the
+writer cannot write falls back to the offline template, and two screens the aligner cannot judge are not
+aligned (no pair is built on a guess), each counted. A dead endpoint
 (ChatError from the transport) propagates: it must stop the run rather than silently change the data.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Sequence
 
 from guijax.chat import ChatClient, UnreadableAnswer, ask_parsed, json_reply, png_data_url
@@ -41,6 +48,29 @@ What a successful attempt of the same task did at this point: {remedy}
 
 Write the agent's thought for its next step, in the first person. It must begin with "Reflection:", say what went wrong from what the screen shows, then turn to the corrected plan ("Now I will ..."). Do not name pixel coordinates. Answer with the thought only."""
 
+ALIGN_PROMPT = """You compare two screenshots taken while computer-use agents worked on the same task.
+
+Task: {instruction}
+
+Screen A (the first image): an attempt then did: {action_a}
+Screen B (the second image): an attempt then did: {action_b}
+
+Decide whether A and B show the same state of the task: the same application, window, dialog, selection and content that matter to the task, so that any action would have the same effect on either screen. Ignore what does not matter to the task: the mouse pointer, a blinking caret, the clock, notifications.
+
+Answer with one JSON object and nothing else:
+{{"same_state": true or false, "reason": "one sentence"}}"""
+
+
+def _answer_field(answer: str, key: str, kind: type, what: str) -> Any:
+    """`key` of the JSON object a model answered, or ValueError when the answer is not one or `key` is not `kind`."""
+    try:
+        data = json_reply(answer)
+    except ValueError as err:
+        raise ValueError(f"the answer is not a JSON object ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get(key), kind):
+        raise ValueError(f"the answer is not a JSON object with {what} {key!r}")
+    return data[key]
+
 
 def _thought_and_action(response: str) -> str:
     return " ".join(line.strip() for line in response.strip().splitlines() if line.strip())
@@ -49,14 +79,8 @@ def _thought_and_action(response: str) -> str:
 def parse_redundant(answer: str, steps: int) -> list[int]:
     """The 0-based redundant steps of a `steps`-step trajectory from the denoiser's answer, or ValueError naming
     what is wrong (not a JSON object, no list, a number that is not a step, the last step)."""
-    try:
-        data = json_reply(answer)
-    except ValueError as err:
-        raise ValueError(f"the answer is not a JSON object ({err})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("redundant_steps"), list):
-        raise ValueError("the answer is not a JSON object with a list 'redundant_steps'")
     out = set()
-    for n in data["redundant_steps"]:
+    for n in _answer_field(answer, "redundant_steps", list, "a list"):
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= steps:
             raise ValueError(f"redundant_steps holds {n!r}, not a step number from 1 to {steps}")
         if n == steps:
@@ -123,3 +147,55 @@ class ChatReflectionWriter:
         except UnreadableAnswer:
             self.fallbacks += 1
             return None
+
+
+def parse_same_state(answer: str) -> bool:
+    """The aligner's verdict, or ValueError naming what is wrong (not a JSON object, no boolean 'same_state')."""
+    return _answer_field(answer, "same_state", bool, "a boolean")
+
+
+def _screen_key(step: Step) -> tuple:
+    return step.screenshot.shape, hashlib.sha1(step.screenshot.tobytes()).hexdigest()
+
+
+class ChatStateAligner:
+    """A `guijax.evocua.step_dpo.StateMatcher` that asks a model. Equal screenshots are the same state without a
+    call; screenshots of different sizes are never aligned (the reference's coordinates would not carry over);
+    each pair of screens is asked once per task. `calls` counts the questions asked and `unreadable` those no
+    answer could be read for (counted as not aligned)."""
+
+    def __init__(self, client: ChatClient, retries: int = 2, max_side: int = 1280):
+        self.client, self.retries, self.max_side = client, retries, max_side
+        self.calls = self.unreadable = 0
+        self._verdicts: dict[tuple, bool] = {}
+
+    def messages(self, instruction: str, a: Step, b: Step) -> list[dict[str, Any]]:
+        from guijax.evocua.denoise import action_part
+
+        def did(step: Step) -> str:
+            return action_part(step.response).removeprefix("Action:").strip() or "(no action)"
+
+        text = ALIGN_PROMPT.format(instruction=instruction, action_a=did(a), action_b=did(b))
+        return [{"role": "user", "content": [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": {"url": png_data_url(a.screenshot, self.max_side)}},
+            {"type": "image_url", "image_url": {"url": png_data_url(b.screenshot, self.max_side)}}]}]
+
+    def __call__(self, instruction: str, a: Step, b: Step) -> bool:
+        from guijax.evocua.step_dpo import same_state
+
+        if a.screenshot.shape != b.screenshot.shape:
+            return False
+        if same_state(a, b):
+            return True
+        key = (instruction, *sorted([_screen_key(a), _screen_key(b)]))
+        if key not in self._verdicts:
+            self.calls += 1
+            try:
+                verdict = ask_parsed(self.client, self.messages(instruction, a, b), parse_same_state, self.retries,
+                                     "same-state verdict")
+            except UnreadableAnswer:
+                self.unreadable += 1
+                verdict = False
+            self._verdicts[key] = verdict
+        return self._verdicts[key]

@@ -2,8 +2,10 @@
 
 For a failed rollout τ⁻ and a successful reference τ⁺ of the same task, the critical deviation step t* is
 the first step of τ⁻ whose state matches a reference state (within a window of w steps) while its action
-differs from the reference's there. States are compared exactly (equal screenshots), which is the
-environment's ground truth on the desk; steps whose actions agree are followed past.
+differs from the reference's there; steps whose actions agree are followed past. Who says two states match
+is a `StateMatcher`: by default the screenshots must be equal, the environment's ground truth on the desk; off
+the desk (a real screen's pointer, caret and clock move) the paper's VLM aligner does it,
+`guijax.evocua.chat_roles.ChatStateAligner`.
 
 Two preference pairs come out of it, each scored on one step with τ⁻'s own history as context:
 - Pair I (action correction, at t*): the reference's response (thought and action, migrated from the
@@ -49,23 +51,36 @@ def same_state(a: Step, b: Step) -> bool:
     return a.screenshot.shape == b.screenshot.shape and np.array_equal(a.screenshot, b.screenshot)
 
 
+# (instruction, a step of the failed rollout, a step to compare it with) -> whether their states are equivalent
+StateMatcher = Callable[[str, Step, Step], bool]
+
+
+def exact_match(instruction: str, a: Step, b: Step) -> bool:
+    """States are equivalent when the screenshots are equal: exact on the desk, where the screen is the state."""
+    return same_state(a, b)
+
+
 def same_action(a: Step, b: Step) -> bool:
     """Equal parsed actions (an unparsable step agrees with nothing)."""
     return bool(a.actions) and list(a.actions) == list(b.actions)
 
 
-def critical_deviation(failed: Trajectory, reference: Trajectory, window: int = 2) -> Deviation | None:
+def critical_deviation(failed: Trajectory, reference: Trajectory, window: int = 2,
+                       match: StateMatcher = exact_match) -> Deviation | None:
     """The first step of `failed` whose state the reference also reached (within `window` steps of it) and
     where the two act differently; None when the rollouts part without such a step (a state the reference
-    never showed, or every matched step agreeing)."""
+    never showed, or every matched step agreeing). The matcher is asked as few times as the answer needs (a
+    model aligner is a call each): first the reference steps that act as this step does, then the others
+    nearest first."""
     for t, step in enumerate(failed.steps):
         lo, hi = max(0, t - window), min(len(reference.steps), t + window + 1)
-        matches = sorted((j for j in range(lo, hi) if same_state(step, reference.steps[j])), key=lambda j: (abs(j - t), j))
-        if not matches:
-            return None
-        if any(same_action(step, reference.steps[j]) for j in matches):
+        nearest = sorted(range(lo, hi), key=lambda j: (abs(j - t), j))
+        agreeing = [j for j in nearest if same_action(step, reference.steps[j])]
+        if any(match(failed.instruction, step, reference.steps[j]) for j in agreeing):
             continue
-        return Deviation(t, matches[0])
+        aligned = next((j for j in nearest if j not in agreeing and match(failed.instruction, step, reference.steps[j])),
+                       None)
+        return None if aligned is None else Deviation(t, aligned)
     return None
 
 
@@ -92,9 +107,9 @@ Reflector = Callable[[str, Step, Step, Any], "str | None"]
 
 
 def step_pairs(failed: Trajectory, reference: Trajectory, window: int = 2, reflection: bool = True,
-               reflect: Reflector | None = None) -> list[StepPair]:
+               reflect: Reflector | None = None, match: StateMatcher = exact_match) -> list[StepPair]:
     """Pair I at t* and, where the recovery is known, Pair II at t*+1 (see the module docstring)."""
-    found = critical_deviation(failed, reference, window)
+    found = critical_deviation(failed, reference, window, match)
     if found is None:
         return []
     t, j = found.step, found.reference_step
@@ -103,7 +118,8 @@ def step_pairs(failed: Trajectory, reference: Trajectory, window: int = 2, refle
     pairs = [StepPair(_prefix(failed, corrected, t, "action_correction"), _prefix(failed, wrong, t, "action_correction"),
                       "action_correction", failed.task_id)]
     blind = failed.steps[t + 1] if t + 1 < len(failed.steps) else None
-    if reflection and blind is not None and same_state(blind, wrong) and not same_action(blind, right):
+    if (reflection and blind is not None and not same_action(blind, right)
+            and match(failed.instruction, blind, wrong)):
         thought = reflect(failed.instruction, wrong, right, blind.screenshot) if reflect else None
         recover = Step.text(blind.screenshot, reflection_response(wrong, right, thought), right.actions)
         pairs.append(StepPair(_prefix(failed, recover, t + 1, "reflection"), _prefix(failed, blind, t + 1, "reflection"),
@@ -112,7 +128,8 @@ def step_pairs(failed: Trajectory, reference: Trajectory, window: int = 2, refle
 
 
 def mine_pairs(rollouts: Sequence[Trajectory], window: int = 2, reflection: bool = True,
-               seed: int = 0, reflect: Reflector | None = None) -> tuple[list[StepPair], dict]:
+               seed: int = 0, reflect: Reflector | None = None,
+               match: StateMatcher = exact_match) -> tuple[list[StepPair], dict]:
     """Step pairs from every failed rollout that has a successful reference of its task (one drawn at random
     per failure), and counts of what was found."""
     rng = random.Random(seed)
@@ -129,7 +146,7 @@ def mine_pairs(rollouts: Sequence[Trajectory], window: int = 2, reflection: bool
             if not wins:
                 continue
             with_reference += 1
-            pairs.extend(step_pairs(failed, rng.choice(wins), window, reflection, reflect))
+            pairs.extend(step_pairs(failed, rng.choice(wins), window, reflection, reflect, match))
     counts = {"failures": failures, "failures_with_reference": with_reference,
               "action_correction_pairs": sum(p.kind == "action_correction" for p in pairs),
               "reflection_pairs": sum(p.kind == "reflection" for p in pairs)}

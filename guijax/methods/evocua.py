@@ -49,6 +49,9 @@ class EvoCUAOptions:
     # who judges redundant steps for denoising and writes Pair II's reflections: 'rule' (the screen's ground truth
     # and the offline template) | 'chat' (an OpenAI-compatible vision model, guijax.evocua.chat_roles)
     model_roles: Literal["rule", "chat"] = "rule"
+    # who says two screens are the same state when step-DPO looks for the forking point and Pair II's no-op:
+    # 'exact' (equal screenshots: the desk's ground truth) | 'chat' (the VLM aligner on chat_url, for real screens)
+    state_alignment: Literal["exact", "chat"] = "exact"
     chat_url: str = ""
     chat_model: str = ""
     chat_api_key_env: str = "OPENAI_API_KEY"
@@ -111,9 +114,12 @@ class _EvoCUA(Method):
 
         o, streams, folder = self.options, streams or ctx.streams, folder or ctx.workdir
         reflector = self.chat_roles()[1] if o.model_roles == "chat" else None
+        aligner = self.state_aligner()
         pairs, counts = mine_pairs(rollouts, o.window, o.reflection, seed=streams.seed_for(self.name, "pairs"),
-                                   reflect=reflector)
+                                   reflect=reflector, **({"match": aligner} if aligner else {}))
         counts["reflection_fallbacks"] = reflector.fallbacks if reflector else 0
+        counts["alignment_calls"] = aligner.calls if aligner else 0
+        counts["alignment_unreadable"] = aligner.unreadable if aligner else 0
         write_text_atomic(folder / "step_dpo_pairs.json", json.dumps(counts, indent=1))
         writer.write({f"dpo_{k}": v for k, v in counts.items()})
         if not pairs:
@@ -150,18 +156,31 @@ class _EvoCUA(Method):
 
         BudgetLadder(tuple(self.options.budgets), tuple(self.options.thresholds))
         o = self.options
-        if o.model_roles == "chat" and not (o.chat_url and o.chat_model):
-            raise ValueError("evocua.model_roles is 'chat': set evocua.chat_url and evocua.chat_model (an "
-                             f"OpenAI-compatible vision endpoint; the key is read from ${o.chat_api_key_env})")
+        for knob, value in (("model_roles", o.model_roles), ("state_alignment", o.state_alignment)):
+            if value == "chat" and not (o.chat_url and o.chat_model):
+                raise ValueError(f"evocua.{knob} is 'chat': set evocua.chat_url and evocua.chat_model (an "
+                                 f"OpenAI-compatible vision endpoint; the key is read from ${o.chat_api_key_env})")
+
+    def _client(self) -> Any:
+        from guijax.chat import ChatClient
+
+        o = self.options
+        return ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env)
 
     def chat_roles(self) -> tuple[Any, Any]:
         """(denoising judge, reflection writer) on `evocua.chat_url`."""
-        from guijax.chat import ChatClient
         from guijax.evocua.chat_roles import ChatDenoiser, ChatReflectionWriter
 
-        o = self.options
-        client = ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env)
-        return ChatDenoiser(client, o.chat_retries), ChatReflectionWriter(client, o.chat_retries)
+        client = self._client()
+        return ChatDenoiser(client, self.options.chat_retries), ChatReflectionWriter(client, self.options.chat_retries)
+
+    def state_aligner(self) -> Any:
+        """The VLM aligner on `evocua.chat_url` when `evocua.state_alignment` is 'chat'; None for exact screens."""
+        from guijax.evocua.chat_roles import ChatStateAligner
+
+        if self.options.state_alignment != "chat":
+            return None
+        return ChatStateAligner(self._client(), self.options.chat_retries)
 
 
 class EvoCUARFT(_EvoCUA):

@@ -8,7 +8,8 @@ import pytest
 
 from fake_chat import decoded_image, fake_chat_server
 from guijax.chat import ChatClient, ChatError
-from guijax.evocua.chat_roles import ChatDenoiser, ChatReflectionWriter, parse_redundant
+from guijax.evocua.chat_roles import (ChatDenoiser, ChatReflectionWriter, ChatStateAligner, parse_redundant,
+                                      parse_same_state)
 from guijax.evocua.denoise import denoise
 from guijax.evocua.step_dpo import mine_pairs
 from guijax.rollout.trajectory import Status, Step, Trajectory
@@ -108,3 +109,77 @@ def test_the_method_asks_for_an_endpoint_when_the_roles_are_chat(tiny_config):
     judge, writer = method.chat_roles()
     assert isinstance(judge, ChatDenoiser) and isinstance(writer, ChatReflectionWriter)
     assert judge.client is writer.client and judge.client.url == "http://x/v1"
+
+
+def _pointer(step: Step, at: tuple[int, int]) -> Step:
+    """`step` with a mouse pointer drawn on its screen: the same state of the task, other pixels."""
+    screen = step.screenshot.copy()
+    screen[at] = 255
+    return Step(screen, step.response, step.response_tokens, step.behaviour_logprobs, step.actions)
+
+
+# FAILED as a real screen shows it: the pointer sits somewhere else at every step
+FAILED_ON_A_REAL_SCREEN = _traj([_pointer(FAILED.steps[0], (0, 0)), _pointer(FAILED.steps[1], (1, 1)),
+                                 _pointer(FAILED.steps[2], (2, 2))], False)
+SAME = '{"same_state": true, "reason": "only the pointer moved"}'
+
+
+@pytest.mark.parametrize("answer, problem", [
+    ("they look alike", "not a JSON object"),
+    ('{"same": true}', "with a boolean 'same_state'"),
+    ('{"same_state": "yes"}', "with a boolean 'same_state'"),
+])
+def test_the_aligners_answer_is_read_strictly(answer, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_same_state(answer)
+    assert parse_same_state('```json\n{"same_state": false, "reason": "a dialog is open"}\n```') is False
+
+
+def test_exact_screens_find_no_forking_point_on_a_real_screen_and_the_aligner_does():
+    pairs, counts = mine_pairs([REFERENCE, FAILED_ON_A_REAL_SCREEN])
+    assert pairs == [] and counts["failures_with_reference"] == 1  # the pointer makes every screen differ
+    with fake_chat_server([(200, "they look alike"), (200, SAME)]) as (url, req):
+        aligner = ChatStateAligner(client(url), retries=1)
+        pairs, _ = mine_pairs([REFERENCE, FAILED_ON_A_REAL_SCREEN], match=aligner)
+    correction, reflection = pairs
+    assert correction.kind == "action_correction" and len(correction.chosen.steps) == 2
+    assert correction.chosen.steps[-1].actions == ["click(b)"] and correction.rejected.steps[-1].actions == ["click(z)"]
+    assert reflection.kind == "reflection" and len(reflection.chosen.steps) == 3
+    # step 0 (whose action agrees), t* = 1 against the reference's step 1, and Pair II's no-op: three questions,
+    # the first answered twice because its first answer could not be read
+    assert aligner.calls == 3 and aligner.unreadable == 0 and len(req) == 4
+    text = req[0]["body"]["messages"][0]["content"][0]["text"]
+    assert "Task: open the file" in text and "Screen A (the first image): an attempt then did: click(a)" in text
+    a, b = _images(req[0])
+    np.testing.assert_array_equal(a, FAILED_ON_A_REAL_SCREEN.steps[0].screenshot)
+    np.testing.assert_array_equal(b, REFERENCE.steps[0].screenshot)
+
+
+def test_the_aligner_asks_once_per_pair_of_screens_and_never_for_equal_or_differently_sized_ones():
+    with fake_chat_server([(200, SAME)]) as (url, req):
+        aligner = ChatStateAligner(client(url), retries=0)
+        noisy, clean = FAILED_ON_A_REAL_SCREEN.steps[0], REFERENCE.steps[0]
+        assert aligner("task", noisy, clean) and aligner("task", clean, noisy) and aligner("task", clean, clean)
+        wide = Step.text(np.full((4, 8, 3), 1, np.uint8), "Thought: t\nAction: click(a)", ["click(a)"])
+        assert not aligner("task", clean, wide)
+    assert aligner.calls == 1 and len(req) == 1
+
+
+def test_screens_the_aligner_cannot_judge_are_not_aligned_and_counted():
+    with fake_chat_server([(200, "the same, I think")]) as (url, req):
+        aligner = ChatStateAligner(client(url), retries=1)
+        pairs, _ = mine_pairs([REFERENCE, FAILED_ON_A_REAL_SCREEN], match=aligner)
+    # step 0 against each reference step in its window: none judged, so the rollouts part there
+    assert pairs == [] and aligner.calls == 3 and aligner.unreadable == 3 and len(req) == 6
+
+
+def test_the_method_builds_the_aligner_the_recipe_asks_for(tiny_config):
+    from guijax.methods import get_method
+
+    assert get_method("evocua", tiny_config("grpo_cpu")).state_aligner() is None  # exact screens by default
+    with pytest.raises(ValueError, match="evocua.state_alignment is 'chat': set evocua.chat_url"):
+        get_method("evocua", tiny_config("grpo_cpu", "evocua.state_alignment=chat"))
+    method = get_method("evocua", tiny_config("grpo_cpu", "evocua.state_alignment=chat",
+                                              "evocua.chat_url=http://x/v1", "evocua.chat_model=m"))
+    aligner = method.state_aligner()
+    assert isinstance(aligner, ChatStateAligner) and aligner.client.url == "http://x/v1"
