@@ -284,8 +284,8 @@ class Sft:
 @dataclasses.dataclass(frozen=True)
 class Coldstart:
     """EvoCUA's cold start (§5.1), the `coldstart` stage: successful scripted-expert traces of the training tasks
-    with a hindsight thought for every step, written in the computer_use grammar (`rollout.prompt` must ask
-    for it); `sft.data='coldstart'` trains on them. How many earlier steps keep their screenshot and whole text
+    (or the traces in `traces_dir`) with a hindsight thought for every step, written in the grammar
+    `rollout.prompt` asks for; `sft.data='coldstart'` trains on them. How many earlier steps keep their screenshot and whole text
     is `rollout.max_images`, as in the rollouts."""
 
     traces_per_task: int = ranged(1, low=1)
@@ -298,6 +298,9 @@ class Coldstart:
     hindsight_model: str = ""
     hindsight_api_key_env: str = "OPENAI_API_KEY"  # chat: the variable holding the key ("" for none)
     hindsight_retries: int = ranged(2, low=0)  # chat: answers asked again before a step is skipped
+    # a folder of cold-start traces recorded elsewhere (guijax.evocua.office_coldstart's --out: references replayed
+    # on the desktop's office apps); the stage then takes them instead of running the desk's scripted expert
+    traces_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

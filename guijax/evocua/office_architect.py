@@ -1,6 +1,8 @@
 """The offline task architect for office scenarios (evocua.txt §3.2's dual stream on the local desktop): from
 a generated document it writes the instruction, an OSWorld validator with the expected file, and a
-keyboard-only reference solution, all three from the same goal.
+keyboard-only reference solution, all three from the same goal. Each reference action carries `why`, its
+purpose in words, which the cold start's rule writer turns into the step's thought
+(guijax.evocua.office_coldstart); the replay ignores it.
 
 The sandbox's errors come back as the attempt history. A reference the validator rejects on a real desktop is
 most often a timing problem (the app had not finished loading or saving), so the next proposal waits twice as
@@ -34,16 +36,20 @@ class OfficeProposal:
                 "expected_rows": [list(r) for r in self.expected.rows]}
 
 
-def _press(key: str, times: int = 1) -> list[dict[str, Any]]:
-    return [{"kind": "press", "keys": [key]} for _ in range(times)]
+def _press(key: str, times: int = 1, *, why: str) -> list[dict[str, Any]]:
+    return [{"kind": "press", "keys": [key], "why": why} for _ in range(times)]
 
 
-def _hotkey(*keys: str) -> dict[str, Any]:
-    return {"kind": "hotkey", "keys": list(keys)}
+def _hotkey(*keys: str, why: str) -> dict[str, Any]:
+    return {"kind": "hotkey", "keys": list(keys), "why": why}
 
 
-def _type(text: str) -> dict[str, Any]:
-    return {"kind": "type", "text": text}
+def _type(text: str, why: str) -> dict[str, Any]:
+    return {"kind": "type", "text": text, "why": why}
+
+
+def _wait(seconds: float, why: str) -> dict[str, Any]:
+    return {"kind": "wait", "amount": seconds, "why": why}
 
 
 def _fresh_item(rng: random.Random, doc: Document, persona) -> str:
@@ -57,7 +63,10 @@ def _sheet_append(rng, scenario: OfficeScenario, persona, load: list) -> tuple[s
     item, price, qty = _fresh_item(rng, doc, persona), rng.randint(1, 99), rng.randint(1, 20)
     text = (f"In the open spreadsheet ~/{doc.name}, add a row below the last one for {item} with price {price} and "
             f"quantity {qty}, and save it as xlsx.")
-    steps = load + [_hotkey("ctrl", "home"), _hotkey("ctrl", "down"), *_press("down"), _type(f"{item}\t{price}\t{qty}\n")]
+    steps = load + [_hotkey("ctrl", "home", why="go to the first cell of the sheet"),
+                    _hotkey("ctrl", "down", why="jump to the last filled row of the first column"),
+                    *_press("down", why="move to the empty row below it"),
+                    _type(f"{item}\t{price}\t{qty}\n", why=f"enter {item}, its price and its quantity across the row")]
     return text, doc.with_rows(doc.rows + ((item, price, qty),)), steps
 
 
@@ -69,7 +78,10 @@ def _sheet_set(rng, scenario: OfficeScenario, persona, load: list) -> tuple[str,
     text = f"In ~/{doc.name}, change the quantity of {item} to {new} and save the file, keeping the xlsx format."
     rows = list(doc.rows)
     rows[index] = (item, price, new)
-    steps = load + [_hotkey("ctrl", "home"), *_press("down", index), *_press("right", 2), _type(f"{new}\n")]
+    steps = load + [_hotkey("ctrl", "home", why="go to the first cell of the sheet"),
+                    *_press("down", index, why=f"move down towards the row of {item}"),
+                    *_press("right", 2, why="move right towards the quantity column"),
+                    _type(f"{new}\n", why=f"replace the quantity of {item} with the new value")]
     return text, doc.with_rows(rows), steps
 
 
@@ -78,8 +90,12 @@ def _csv_append(rng, scenario: OfficeScenario, persona, load: list) -> tuple[str
     item, price, qty = _fresh_item(rng, doc, persona), rng.randint(1, 99), rng.randint(1, 20)
     text = (f"Open ~/{doc.name} (accept the import settings), add a record for {item} with price {price} and "
             f"quantity {qty} at the end, and save it, keeping the CSV format.")
-    steps = load + [*_press("enter"), {"kind": "wait", "amount": 2 * load[0]["amount"]}, _hotkey("ctrl", "end"),
-                    *_press("down"), *_press("home"), _type(f"{item}\t{price}\t{qty}\n")]
+    steps = load + [*_press("enter", why="accept the import settings dialog"),
+                    _wait(2 * load[0]["amount"], "let the imported sheet appear"),
+                    _hotkey("ctrl", "end", why="jump to the last filled cell"),
+                    *_press("down", why="move to the empty row below it"),
+                    *_press("home", why="go to the first column of that row"),
+                    _type(f"{item}\t{price}\t{qty}\n", why=f"enter {item}, its price and its quantity across the row")]
     return text, doc.with_rows(doc.rows + ((item, str(price), str(qty)),)), steps
 
 
@@ -90,7 +106,9 @@ def _text_append(rng, scenario: OfficeScenario, persona, load: list) -> tuple[st
                                         f"by {rng.choice(('monday', 'friday', 'noon', 'tonight'))}", None)
                 if x not in present)
     text = f"In the open text editor, add '{line}' as a new last line of ~/{doc.name} and save the file."
-    return text, doc.with_rows(doc.rows + ((line,),)), load + [_hotkey("ctrl", "end"), _type(f"{line}\n")]
+    return text, doc.with_rows(doc.rows + ((line,),)), load + [
+        _hotkey("ctrl", "end", why="move the cursor to the end of the file"),
+        _type(f"{line}\n", why="type the new line")]
 
 
 def _text_replace(rng, scenario: OfficeScenario, persona, load: list) -> tuple[str, Document, list]:
@@ -103,7 +121,11 @@ def _text_replace(rng, scenario: OfficeScenario, persona, load: list) -> tuple[s
     text = f"In the open text editor, replace the line '{old}' of ~/{doc.name} with '{new}' and save the file."
     rows = list(doc.rows)
     rows[index] = (new,)
-    steps = load + [_hotkey("ctrl", "home"), *_press("down", index), *_press("home"), _hotkey("shift", "end"), _type(new)]
+    steps = load + [_hotkey("ctrl", "home", why="move the cursor to the start of the file"),
+                    *_press("down", index, why="move down towards the line to replace"),
+                    *_press("home", why="go to the start of that line"),
+                    _hotkey("shift", "end", why="select the whole line"),
+                    _type(new, why="type the new text over the selected line")]
     return text, doc.with_rows(rows), steps
 
 
@@ -123,9 +145,9 @@ class OfficeArchitect:
         slower = 2 ** timing  # each reference the desktop rejected doubles the waits
         rng = random.Random(f"{scenario.seed}/{len(history) - timing}")  # a new goal only after other failures
         persona = PERSONA_BY_ROLE[scenario.persona]
-        load = [{"kind": "wait", "amount": LOAD_WAIT_S * slower}]
+        load = [_wait(LOAD_WAIT_S * slower, "wait for the document to finish opening")]
         text, expected, steps = COMPOSERS[scenario.capability](rng, scenario, persona, load)
-        steps += [_hotkey("ctrl", "s"), {"kind": "wait", "amount": SAVE_WAIT_S * slower}]
+        steps += [_hotkey("ctrl", "s", why="save the file"), _wait(SAVE_WAIT_S * slower, "let the save finish")]
         doc = scenario.document
         evaluator = {"func": METRIC[doc.kind],
                      "result": {"type": "vm_file", "path": f"~/{doc.name}", "dest": doc.name},

@@ -34,7 +34,7 @@ Answer with one JSON object and nothing else, with exactly these keys:
   "expected_rows": [...],       // the whole document after the task: for .xlsx and .csv a list of rows (each a list of cells, header first); for .txt a list of lines
   "solution": [ACTION, ...]     // keyboard-only actions that perform the task and save the file
 }
-ACTION is one of {"kind": "wait", "amount": SECONDS}, {"kind": "press", "keys": ["down"]}, {"kind": "hotkey", "keys": ["ctrl", "s"]}, {"kind": "type", "text": "..."} ("\\t" moves to the next cell, "\\n" ends a row or a line). The application has just opened the file with the cursor at its start; wait about a second first, save with ctrl+s and wait again at the end."""
+ACTION is one of {"kind": "wait", "amount": SECONDS}, {"kind": "press", "keys": ["down"]}, {"kind": "hotkey", "keys": ["ctrl", "s"]}, {"kind": "type", "text": "..."} ("\\t" moves to the next cell, "\\n" ends a row or a line); give each action a "why", its purpose in a few words ("move to the empty row below the last one"). The application has just opened the file with the cursor at its start; wait about a second first, save with ctrl+s and wait again at the end."""
 
 USER_PROMPT = """Persona: {persona}
 Capability: {capability}
@@ -94,6 +94,8 @@ def parse_office_proposal(data: Any, scenario: OfficeScenario, where: str, raw: 
                 raise ProposalError(f"{where}: solution[{i}] ({kind}) needs {key!r} of type {typ}")
         if kind in ("press", "hotkey") and not (action["keys"] and all(isinstance(k, str) and k for k in action["keys"])):
             raise ProposalError(f"{where}: solution[{i}] ({kind}) needs a non-empty list of key names")
+        if "why" in action and not isinstance(action["why"], str):
+            raise ProposalError(f"{where}: solution[{i}] ({kind}) has a 'why' that is not a string")
         if kind == "wait" and not 0 <= action["amount"] <= 30:
             raise ProposalError(f"{where}: solution[{i}] waits {action['amount']} s (0 to 30)")
     evaluator = {"func": METRIC[doc.kind], "result": {"type": "vm_file", "path": f"~/{doc.name}", "dest": doc.name},

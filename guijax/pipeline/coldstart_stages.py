@@ -3,7 +3,8 @@
     coldstart    the scripted expert on every training task; each success gets a hindsight thought per step
                  (guijax.evocua.hindsight) and is written in the grammar `rollout.prompt` asks for (EvoCUA's
                  computer_use, or UI-TARS text) (coldstart_trajectories/, coldstart.json); `sft.data='coldstart'`
-                 trains on them
+                 trains on them. With `coldstart.traces_dir` it takes traces recorded elsewhere instead (the
+                 desktop's office references, guijax.evocua.office_coldstart), in the same grammar
 
 The paper's single-turn decomposition is what the data pipeline already does with a trajectory: one row per
 step, its prompt holding the last `rollout.max_images` - 1 steps whole (screenshot, reasoning, semantic
@@ -74,9 +75,37 @@ def coldstart_refs(trajectories: Sequence[Trajectory]) -> list:
 
 def _describe(run: Run) -> str:
     c = run.config.coldstart
+    if c.traces_dir:
+        return f"the cold-start traces recorded in {c.traces_dir}"
     writer = f"a VLM at {c.hindsight_url}" if c.hindsight == "chat" else "the desk's accessibility-tree rules"
     return (f"{c.traces_per_task} scripted-expert trace(s) per training task in the "
             f"{run.grammar} grammar; hindsight thoughts by {writer}")
+
+
+def _take_recorded(run: Run, folder: str) -> str:
+    """The stage's outputs from traces recorded elsewhere, checked to be in the grammar the policy writes."""
+    import pathlib
+
+    from guijax.data.store import TrajectoryStore, write_named_shard
+
+    source = pathlib.Path(folder) / "coldstart_trajectories"
+    if not any(source.glob("*.array_record")):
+        raise FileNotFoundError(f"coldstart.traces_dir={folder}: {source} holds no trajectories (record them with "
+                                "python -m guijax.evocua.office_coldstart --out=...)")
+    traces = list(TrajectoryStore(source))
+    for t in traces:
+        if t.meta.get("grammar") != run.grammar:
+            raise ValueError(f"coldstart.traces_dir={folder}: task {t.task_id}'s trace is written in the "
+                             f"{t.meta.get('grammar')!r} grammar, but rollout.prompt={run.config.rollout.prompt!r} "
+                             f"asks for {run.grammar!r}; record them again with --grammar={run.grammar}")
+    trained = len(coldstart_refs(traces))
+    if not trained:
+        raise RuntimeError(f"coldstart.traces_dir={folder}: no step with a thought among {len(traces)} traces")
+    write_named_shard(run.workdir / "coldstart_trajectories", "coldstart", traces)
+    write_text_atomic(run.workdir / "coldstart.json", json.dumps(
+        {"traces": len(traces), "steps": sum(len(t.steps) for t in traces), "trained_steps": trained,
+         "source": str(folder), "grammar": run.grammar}, indent=1))
+    return f"{len(traces)} recorded traces from {folder}, {trained} steps with a thought"
 
 
 @stage("coldstart", _describe, done=output_exists("coldstart.json"), reads=("seed", "env", "coldstart", "rollout.prompt"),
@@ -89,6 +118,8 @@ def coldstart(run: Run) -> str:
     from guijax.evocua.hindsight import make_writer
 
     c, e = options(run.config), run.config.env
+    if c.traces_dir:
+        return _take_recorded(run, c.traces_dir)
     if e.kind != "desk":
         raise ValueError(f"the coldstart stage runs the synthetic desk's scripted expert; env.kind is {e.kind!r}")
     writer = make_writer(c.hindsight, c.hindsight_url, c.hindsight_model, c.hindsight_api_key_env, c.hindsight_retries,

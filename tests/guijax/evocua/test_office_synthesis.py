@@ -14,6 +14,7 @@ from fake_chat import fake_chat_server
 from guijax.chat import ChatClient
 from guijax.evocua.office_chat_architect import ChatOfficeArchitect, parse_office_proposal
 from envs.osworld.loader import load_osworld
+from guijax.evocua.hindsight import coordinate_leaks
 from guijax.evocua.office_architect import LOAD_WAIT_S, SAVE_WAIT_S, OfficeArchitect
 from guijax.evocua.office_resources import CAPABILITIES, HEADER, Document, OfficeScenarioSampler
 from guijax.evocua.office_synthesis import OfficeSynthesizer, decontaminate, main, write_task
@@ -72,7 +73,8 @@ def test_the_expected_document_differs_from_the_initial_one_only_where_the_instr
     else:
         assert all(x in p.instruction for x in row), (row, p.instruction)
     assert sc.document.name in p.instruction and p.instruction.startswith(f"I'm {sc.persona}.")
-    assert p.solution[-2] == {"kind": "hotkey", "keys": ["ctrl", "s"]}
+    assert p.solution[-2] == {"kind": "hotkey", "keys": ["ctrl", "s"], "why": "save the file"}
+    assert all(a["why"] and not coordinate_leaks(a["why"]) for a in p.solution)  # the cold start's thoughts
     assert waits(p)[0] == LOAD_WAIT_S and waits(p)[-1] == SAVE_WAIT_S
 
 
