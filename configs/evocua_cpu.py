@@ -1,12 +1,12 @@
 """EvoCUA on the synthetic desk with the small preset (`--config=evocua_cpu`), 2 CPU cores, no downloads: the
-paper's pipeline in the computer_use grammar, end to end.
+paper's pipeline end to end, in the CPU recipes' compact UI-TARS prompt (the paper's computer_use tool calls:
+--config.rollout.prompt=computer_use_compact).
 
 1. synthesis: verifiable task synthesis (§3): scenarios -> instruction, validator and reference, checked in the
    sandbox (rejects the start state, accepts the reference's end) with errors fed back; the scripted expert's
    consistency with each validator; decontamination against the held-out split.
-2. coldstart + sft: the cold start (§5.1): the scripted expert's successes with a hindsight thought per step, in
-   EvoCUA's computer_use tool calls (0-1000 coordinates), older steps shown as their semantic action; a fresh
-   small Qwen2.5-VL fine-tuned on them.
+2. coldstart + sft: the cold start (§5.1): the scripted expert's successes with a brief hindsight thought per
+   step, written in the grammar the prompt asks for; a fresh small Qwen2.5-VL fine-tuned on them.
 3. budget: dynamic compute budgeting (Eq. 1): the cold-start policy rolls each training task out 2 times, topped
    up to 4 and then 8 while its success rate stays under 1.0, 0.5, 0.25.
 4. methods, from the same cold-start policy: RFT on the step-denoised successes (§5.2), RFT then step-level DPO
