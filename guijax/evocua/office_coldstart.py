@@ -12,7 +12,8 @@ each action to do, so the thought is ground truth, not a guess), or by a VLM sho
 no loss, as in the desk's cold start.
 
 OUT/coldstart_trajectories and OUT/coldstart.json are what a recipe's coldstart stage reads with
-`coldstart.traces_dir=OUT`; `sft.data='coldstart'` then trains on them.
+`coldstart.traces_dir=OUT`; `sft.data='coldstart'` then trains on them. OUT/coldstart.html shows every trace
+step by step in the trajectory inspector (screenshots downscaled to 640 pixels).
 """
 from __future__ import annotations
 
@@ -187,15 +188,20 @@ def record_coldstart(env: Desktop, tasks: Sequence[OSWorldTask], writer: Any, gr
     return record
 
 
-def save(record: ColdstartRecord, out: pathlib.Path, **about: Any) -> dict[str, Any]:
-    """OUT/coldstart_trajectories (one shard) and OUT/coldstart.json, the layout `coldstart.traces_dir` reads."""
+def save(record: ColdstartRecord, out: pathlib.Path, grammar: str = "computer_use", **about: Any) -> dict[str, Any]:
+    """OUT/coldstart_trajectories (one shard) and OUT/coldstart.json, the layout `coldstart.traces_dir` reads,
+    and OUT/coldstart.html, the traces in the inspector."""
     from guijax.data.store import write_named_shard
+    from guijax.inspector import write_page
     from guijax.pipeline.coldstart_stages import coldstart_refs
 
     write_named_shard(out / "coldstart_trajectories", "coldstart", record.trajectories)
+    largest = max((max(t.steps[0].screenshot.shape[:2]) for t in record.trajectories), default=640)
+    write_page(record.trajectories, out / "coldstart.html", "office cold-start traces", grammar=grammar,
+               max_side=640, scale=min(1.0, 640 / largest))
     summary = {"traces": len(record.trajectories), "steps": sum(len(t.steps) for t in record.trajectories),
                "trained_steps": len(coldstart_refs(record.trajectories)), "skipped_steps": record.skipped_steps,
-               "dropped_tasks": record.dropped, **about}
+               "dropped_tasks": record.dropped, "grammar": grammar, **about}
     write_text_atomic(out / "coldstart.json", json.dumps(summary, indent=1))
     return summary
 

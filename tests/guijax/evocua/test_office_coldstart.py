@@ -112,7 +112,9 @@ def test_the_coldstart_stage_takes_recorded_traces_in_the_policys_grammar(tmp_pa
     from guijax.pipeline.run import Run
 
     record = record_coldstart(ScriptedDesktop(), _tasks(tmp_path), NoteHindsight())
-    save(record, tmp_path / "recorded", grammar="computer_use")
+    summary = save(record, tmp_path / "recorded", grammar="computer_use")
+    assert summary["traces"] == 2 and summary["grammar"] == "computer_use"
+    assert "2 episode(s), 2 solved" in (tmp_path / "recorded" / "coldstart.html").read_text()  # the inspector page
     config = tiny_config("grpo_cpu", "rollout.prompt=computer_use_compact",
                          f"coldstart.traces_dir={tmp_path / 'recorded'}")
     config.env.kind = "osworld"  # recorded traces need no desk
@@ -153,5 +155,5 @@ def test_a_synthesized_task_is_recorded_on_the_real_desktop(tmp_path):
     summary = json.loads((tmp_path / "out" / "coldstart.json").read_text())
     assert summary["traces"] == 1 and summary["dropped_tasks"] == {} and summary["skipped_steps"] == []
     (trace,) = TrajectoryStore(tmp_path / "out" / "coldstart_trajectories")
-    assert trace.steps[0].screenshot.shape == (360, 640, 3)
+    assert trace.steps[0].screenshot.shape == (360, 640, 3) and (tmp_path / "out" / "coldstart.html").exists()
     assert not np.array_equal(trace.steps[1].screenshot, trace.steps[-1].screenshot)  # the typing shows
