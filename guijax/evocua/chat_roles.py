@@ -72,6 +72,13 @@ def _answer_field(answer: str, key: str, kind: type, what: str) -> Any:
     return data[key]
 
 
+def _action_words(step: Step) -> str:
+    """The action a step took, as its response's `Action:` part says it."""
+    from guijax.evocua.denoise import action_part
+
+    return action_part(step.response).removeprefix("Action:").strip() or "(no action)"
+
+
 def _thought_and_action(response: str) -> str:
     return " ".join(line.strip() for line in response.strip().splitlines() if line.strip())
 
@@ -129,10 +136,7 @@ class ChatReflectionWriter:
         self.fallbacks = 0
 
     def messages(self, instruction: str, failed_step: Step, reference_step: Step, screen: Any) -> list[dict[str, Any]]:
-        from guijax.evocua.denoise import action_part
-
-        tried = action_part(failed_step.response).removeprefix("Action:").strip() or "(no action)"
-        text = REFLECT_PROMPT.format(instruction=instruction, tried=tried,
+        text = REFLECT_PROMPT.format(instruction=instruction, tried=_action_words(failed_step),
                                      remedy=_thought_and_action(reference_step.response))
         return [{"role": "user", "content": [{"type": "text", "text": text},
                                              {"type": "image_url", "image_url": {"url": png_data_url(screen, self.max_side)}}]}]
@@ -170,12 +174,7 @@ class ChatStateAligner:
         self._verdicts: dict[tuple, bool] = {}
 
     def messages(self, instruction: str, a: Step, b: Step) -> list[dict[str, Any]]:
-        from guijax.evocua.denoise import action_part
-
-        def did(step: Step) -> str:
-            return action_part(step.response).removeprefix("Action:").strip() or "(no action)"
-
-        text = ALIGN_PROMPT.format(instruction=instruction, action_a=did(a), action_b=did(b))
+        text = ALIGN_PROMPT.format(instruction=instruction, action_a=_action_words(a), action_b=_action_words(b))
         return [{"role": "user", "content": [
             {"type": "text", "text": text},
             {"type": "image_url", "image_url": {"url": png_data_url(a.screenshot, self.max_side)}},

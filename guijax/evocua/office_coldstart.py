@@ -18,7 +18,6 @@ step by step in the trajectory inspector (screenshots downscaled to 640 pixels).
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import sys
 import time
@@ -29,7 +28,6 @@ import numpy as np
 from envs.actions.grammar import GRAMMARS, RELATIVE, render_response as render_in
 from envs.actions.model import Action, ActionType
 from envs.api import TaskError
-from envs.atomic import write_text_atomic
 from envs.osworld.env import EvaluationError
 from envs.osworld.loader import OSWorldTask, load_osworld
 from envs.osworld.local import solution_actions
@@ -191,18 +189,14 @@ def record_coldstart(env: Desktop, tasks: Sequence[OSWorldTask], writer: Any, gr
 def save(record: ColdstartRecord, out: pathlib.Path, grammar: str = "computer_use", **about: Any) -> dict[str, Any]:
     """OUT/coldstart_trajectories (one shard) and OUT/coldstart.json, the layout `coldstart.traces_dir` reads,
     and OUT/coldstart.html, the traces in the inspector."""
-    from guijax.data.store import write_named_shard
     from guijax.inspector import write_page
-    from guijax.pipeline.coldstart_stages import coldstart_refs
+    from guijax.pipeline.coldstart_stages import write_coldstart
 
-    write_named_shard(out / "coldstart_trajectories", "coldstart", record.trajectories)
+    summary = write_coldstart(out, record.trajectories, skipped_steps=record.skipped_steps,
+                              dropped_tasks=record.dropped, grammar=grammar, **about)
     largest = max((max(t.steps[0].screenshot.shape[:2]) for t in record.trajectories), default=640)
     write_page(record.trajectories, out / "coldstart.html", "office cold-start traces", grammar=grammar,
                max_side=640, scale=min(1.0, 640 / largest))
-    summary = {"traces": len(record.trajectories), "steps": sum(len(t.steps) for t in record.trajectories),
-               "trained_steps": len(coldstart_refs(record.trajectories)), "skipped_steps": record.skipped_steps,
-               "dropped_tasks": record.dropped, "grammar": grammar, **about}
-    write_text_atomic(out / "coldstart.json", json.dumps(summary, indent=1))
     return summary
 
 

@@ -109,14 +109,14 @@ class _EvoCUA(Method):
                  streams: Streams | None = None, folder: pathlib.Path | None = None) -> dict[str, Any]:
         """Step-level DPO on the pairs mined from the rollouts, in place on `policy.params` (the policy it
         starts from is its reference); the pair counts and losses, for the report."""
-        from guijax.evocua.step_dpo import mine_pairs
+        from guijax.evocua.step_dpo import exact_match, mine_pairs
         from guijax.offline import train_preferences
 
         o, streams, folder = self.options, streams or ctx.streams, folder or ctx.workdir
         reflector = self.chat_roles()[1] if o.model_roles == "chat" else None
         aligner = self.state_aligner()
         pairs, counts = mine_pairs(rollouts, o.window, o.reflection, seed=streams.seed_for(self.name, "pairs"),
-                                   reflect=reflector, **({"match": aligner} if aligner else {}))
+                                   reflect=reflector, match=aligner or exact_match)
         counts["reflection_fallbacks"] = reflector.fallbacks if reflector else 0
         counts["alignment_calls"] = aligner.calls if aligner else 0
         counts["alignment_unreadable"] = aligner.unreadable if aligner else 0

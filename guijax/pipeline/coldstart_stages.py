@@ -73,6 +73,21 @@ def coldstart_refs(trajectories: Sequence[Trajectory]) -> list:
             if j not in set(t.meta.get("coldstart_skipped", ()))]
 
 
+def write_coldstart(folder: Any, traces: Sequence[Trajectory], **about: Any) -> dict[str, Any]:
+    """FOLDER/coldstart_trajectories (one shard) and FOLDER/coldstart.json (the counts, then `about`): what the
+    stage leaves in a run and what `coldstart.traces_dir` reads; returns the summary written."""
+    import pathlib
+
+    from guijax.data.store import write_named_shard
+
+    folder = pathlib.Path(folder)
+    write_named_shard(folder / "coldstart_trajectories", "coldstart", traces)
+    summary = {"traces": len(traces), "steps": sum(len(t.steps) for t in traces),
+               "trained_steps": len(coldstart_refs(traces)), **about}
+    write_text_atomic(folder / "coldstart.json", json.dumps(summary, indent=1))
+    return summary
+
+
 def _describe(run: Run) -> str:
     c = run.config.coldstart
     if c.traces_dir:
@@ -86,7 +101,7 @@ def _take_recorded(run: Run, folder: str) -> str:
     """The stage's outputs from traces recorded elsewhere, checked to be in the grammar the policy writes."""
     import pathlib
 
-    from guijax.data.store import TrajectoryStore, write_named_shard
+    from guijax.data.store import TrajectoryStore
 
     source = pathlib.Path(folder) / "coldstart_trajectories"
     if not any(source.glob("*.array_record")):
@@ -101,10 +116,7 @@ def _take_recorded(run: Run, folder: str) -> str:
     trained = len(coldstart_refs(traces))
     if not trained:
         raise RuntimeError(f"coldstart.traces_dir={folder}: no step with a thought among {len(traces)} traces")
-    write_named_shard(run.workdir / "coldstart_trajectories", "coldstart", traces)
-    write_text_atomic(run.workdir / "coldstart.json", json.dumps(
-        {"traces": len(traces), "steps": sum(len(t.steps) for t in traces), "trained_steps": trained,
-         "source": str(folder), "grammar": run.grammar}, indent=1))
+    write_coldstart(run.workdir, traces, source=str(folder), grammar=run.grammar)
     return f"{len(traces)} recorded traces from {folder}, {trained} steps with a thought"
 
 
@@ -114,7 +126,6 @@ def coldstart(run: Run) -> str:
     from envs.desk import DeskEnv, ScriptedExpert, run_expert
     from envs.desk.expert import expert_subgoals
     from guijax import progress
-    from guijax.data.store import write_named_shard
     from guijax.evocua.hindsight import make_writer
 
     c, e = options(run.config), run.config.env
@@ -145,9 +156,6 @@ def coldstart(run: Run) -> str:
     if not trained:
         raise RuntimeError(f"coldstart: no step to train on from {len(tasks)} training tasks ({len(traces)} expert "
                            f"successes, {len(skipped)} steps skipped)")
-    write_named_shard(run.workdir / "coldstart_trajectories", "coldstart", traces)
-    write_text_atomic(run.workdir / "coldstart.json", json.dumps(
-        {"traces": len(traces), "steps": sum(len(t.steps) for t in traces), "trained_steps": trained,
-         "skipped_steps": skipped, "hindsight": c.hindsight, "brief": c.brief,
-         "grammar": run.grammar}, indent=1))
+    write_coldstart(run.workdir, traces, skipped_steps=skipped, hindsight=c.hindsight, brief=c.brief,
+                    grammar=run.grammar)
     return f"{len(traces)} successful traces, {trained} steps with a thought; {len(skipped)} steps skipped"
