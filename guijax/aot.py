@@ -14,6 +14,7 @@ does not account for rematerialisation.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -161,6 +162,16 @@ class Target:
     note: str
     # the target's peak over this compile's, where a proxy is known to under-count (1: taken as is)
     proxy_factor: float = 1.0
+    # the platform attention is traced for (its "auto" backend: splash on a TPU); None: this machine's
+    attention_platform: str | None = None
+
+    def tracing(self) -> contextlib.AbstractContextManager:
+        """The context to lower the step in, so its kernels are the target's own, not this machine's."""
+        from guijax.models import attention
+
+        if self.attention_platform is None:
+            return contextlib.nullcontext()
+        return attention.compiling_for(self.attention_platform)
 
     def fits(self, peak_bytes: int) -> bool | None:
         if self.capacity_bytes is None:
@@ -195,7 +206,8 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
                           "no CUDA compiler runs without a GPU: compiled for one TPU v5p chip per GPU as a proxy, "
                           f"checked against the H100's 80 GB after scaling by {GPU_PROXY_FACTOR} (XLA:GPU held "
                           "that much more than the proxy's figure for grpo_gpu's step)", GPU_PROXY_FACTOR)
-        return Target(f"tpu {topology}", devices, CAPACITY.get(chip), True, "the TPU compiler's own figures")
+        return Target(f"tpu {topology}", devices, CAPACITY.get(chip), True, "the TPU compiler's own figures",
+                      attention_platform="tpu")
     cpus = jax.devices("cpu")
     if len(cpus) < num_devices:
         raise ValueError(f"the dry run needs {num_devices} devices: install libtpu (pip install -e '.[tpu-compile]') "
@@ -275,13 +287,16 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     start = time.perf_counter()
     report = {"compile_target": target.name, "exact": target.exact, "note": target.note, "devices": num_devices,
               "mesh": dict(zip(sharding.MESH_AXES, mesh.devices.shape)), "batch": shape.as_dict(),
-              "remat": config.model.remat, "attention": config.model.attention, "logprob_impl": step_cfg.impl,
+              "remat": config.model.remat, "attention": config.model.attention,
+              "attention_traced_for": target.attention_platform or jax.default_backend(), "logprob_impl": step_cfg.impl,
               "vision_blocks": blocks, **({"packed": packed.as_dict()} if packed else {}),
               "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
               "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
               "capacity_bytes_per_device": target.capacity_bytes}
     try:
-        compiled = step.lower_abstract(state, batch).compile()
+        with target.tracing():
+            lowered = step.lower_abstract(state, batch)
+        compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
@@ -293,10 +308,19 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     peak = figures["peak_bytes_per_device"]
     return {
         **report, "compiled": True, "compile_s": compile_s, **figures,
+        "tpu_kernel_sites": tpu_kernel_sites(lowered),
         "activation_bytes_per_device": figures["temp_bytes_per_device"],
         "fits": target.fits(peak), "proxy_factor": target.proxy_factor,
         "flops_per_device": compiled_flops(compiled),
     }
+
+
+def tpu_kernel_sites(lowered: Any) -> int:
+    """Pallas (Mosaic) kernel call sites in the program handed to the compiler, splash attention's included:
+    the evidence that a kernel, not its fallback, is what the figures describe. A site inside a function that
+    several layers call counts once, so this is not the number of calls. Kernel FLOPs are not in
+    `compiled_flops`."""
+    return lowered.as_text().count("@tpu_custom_call")
 
 
 def compiled_flops(compiled: Any) -> float | None:
@@ -384,7 +408,9 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
            "kv_cache_bytes_per_row": 2 * model_cfg.num_hidden_layers * (length + config.rollout.max_new_tokens)
            * model_cfg.num_key_value_heads * model_cfg.head_dim * jnp.dtype(sampler.cache_dtype).itemsize}
     try:
-        compiled = program.lower(*args).compile()
+        with target.tracing():
+            lowered = program.lower(*args)
+        compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

@@ -30,25 +30,55 @@ Backends (`implementation`):
       the row's queries and keys, zeros after it.
   The first two are static and raise ValueError when unmet. The last depends on values; rows that break it
   come back as NaN rather than silently wrong.
-* "auto": on a GPU when the static conditions hold, a `lax.cond` checks the row layout at run time and
-  takes cuDNN when it holds and "xla" otherwise; everywhere else "xla".
+* "splash": Pallas splash attention on a TPU (`guijax.models.splash_attention`): the kernel skips the tiles
+  its causal or full mask leaves empty and takes the segment ids as they are, so packed rows and per-image
+  vision segments need no rewriting. It applies when the target is a TPU and positions are the defaults.
+* "auto": on a TPU, splash when it applies (a sequence of at least one 128-token tile) and "xla" otherwise;
+  on a GPU when the cuDNN static conditions hold, a `lax.cond` checks the row layout at run time and takes
+  cuDNN when it holds and "xla" otherwise; everywhere else "xla".
 
-There is no TPU-specific backend (Pallas splash attention is not implemented here); TPUs run "xla".
+The target platform is the default backend, or the one `compiling_for` names while tracing: the dry run
+compiles a TPU recipe on a machine without TPUs, and tests run the splash kernel in the Pallas interpreter
+on CPU.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from guijax.models import splash_attention
+
 PAD_SEGMENT = 0
-IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn")
+IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
 # Finite stand-in for -inf: exp(M_INIT - m) underflows to exactly 0 and M_INIT - M_INIT stays 0, where -inf
 # would turn the running-max rescaling of an all-masked row into NaN.
 M_INIT = -1e30
 _CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
+# (platform, interpret) set by `compiling_for`; None: the default backend, kernels compiled for it
+_TARGET: contextvars.ContextVar[tuple[str, bool] | None] = contextvars.ContextVar("attention_target", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str, *, interpret: bool = False) -> Iterator[None]:
+    """Trace attention for `platform` ("tpu", "gpu", "cpu") instead of the default backend. interpret=True
+    runs Pallas kernels in the interpreter, so a TPU kernel's path can be executed on a CPU. It acts at trace
+    time: a function jitted and traced outside the context keeps what it traced."""
+    token = _TARGET.set((platform, interpret))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def target_platform() -> tuple[str, bool]:
+    """(platform attention is traced for, whether Pallas kernels run interpreted)."""
+    return _TARGET.get() or (jax.default_backend(), False)
 
 
 def attention(
@@ -65,12 +95,15 @@ def attention(
     scale: float | None = None,
     block_q: int = 512,
     block_k: int = 512,
+    row_axis: str = "batch",
 ) -> jax.Array:
     """Grouped-query attention. q [b, sq, h, d]; k, v [b, sk, kvh, d] with h a multiple of kvh.
 
     Segment ids and positions are [b, sq] for queries and [b, sk] for keys (see the module docstring);
     missing segment ids mean "no padding", missing positions 0..s-1. Returns [b, sq, h, d] in q's dtype.
-    block_q / block_k are the "xla" tile sizes (clipped to the sequence lengths).
+    block_q / block_k are the "xla" tile sizes (clipped to the sequence lengths); "splash" takes the larger,
+    rounded up to whole 128-lane tiles. row_axis is the rows' logical axis name, which says how a kernel run
+    under shard_map ("splash") splits them.
     """
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -92,7 +125,17 @@ def attention(
     def blockwise() -> jax.Array:
         return _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, scale, block_q, block_k)
 
-    reason = _cudnn_unsupported(q, k, causal, default_positions)
+    platform, interpret = target_platform()
+    splash_reason = splash_attention.unsupported(platform, default_positions)
+    if implementation == "splash" or (implementation == "auto" and not splash_reason
+                                      and max(sq, sk) >= splash_attention.LANES):
+        if splash_reason:
+            raise ValueError(f"splash attention does not apply: {splash_reason}")
+        out = splash_attention.splash_attention(q, k, v, q_seg, kv_seg, causal=causal, scale=scale,
+                                                block=max(block_q, block_k), row_axis=row_axis,
+                                                interpret=interpret)
+        return jnp.where((q_seg != PAD_SEGMENT)[:, :, None, None], out, 0).astype(q.dtype)
+    reason = _cudnn_unsupported(q, k, causal, default_positions, platform)
     if implementation == "cudnn":
         if reason:
             raise ValueError(f"cudnn attention does not apply: {reason}")
@@ -257,11 +300,11 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 # ------------------------------------------------------------------------------------------------ cuDNN
-def _cudnn_unsupported(q: jax.Array, k: jax.Array, causal: bool, default_positions: bool) -> str:
+def _cudnn_unsupported(q: jax.Array, k: jax.Array, causal: bool, default_positions: bool, platform: str) -> str:
     """Why cuDNN flash attention cannot take this call ('' when it can, as far as shapes tell)."""
     d = q.shape[-1]
-    if jax.default_backend() != "gpu":
-        return f"the default backend is {jax.default_backend()!r}, not a GPU"
+    if platform != "gpu":
+        return f"the target is {platform!r}, not a GPU"
     if q.dtype not in _CUDNN_DTYPES or k.dtype != q.dtype:
         return f"cuDNN needs float16/bfloat16 q, k, v; got {q.dtype}, {k.dtype}"
     if d % 8 or d > 128:

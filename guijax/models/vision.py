@@ -53,7 +53,8 @@ def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, window_tokens: ja
     index = jnp.maximum(window_tokens, 0)
     rows = lambda x: nn.with_logical_constraint(x, ("vision_windows", None, None, None))  # noqa: E731
     qw, kw, vw = (rows(jnp.take(x, index, axis=0)) for x in (q, k, v))
-    out = attention(qw, kw, vw, q_segment_ids=valid, kv_segment_ids=valid, implementation=implementation)
+    out = attention(qw, kw, vw, q_segment_ids=valid, kv_segment_ids=valid, implementation=implementation,
+                    row_axis="vision_windows")
     return jnp.take(rows(out).reshape(-1, heads, hd), window_slots, axis=0)
 
 

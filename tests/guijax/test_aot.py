@@ -39,6 +39,7 @@ def test_cli_compiles_the_cpu_recipe_and_writes_the_report(tmp_path):
     report = json.loads(out.read_text())
     assert all(k in report for k in REQUIRED)
     assert report["compiled"] is True and report["compile_target"] == "cpu" and report["exact"] is False
+    assert report["attention_traced_for"] == "cpu" and report["tpu_kernel_sites"] == 0
     assert report["devices"] == 8 and report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}
     assert report["batch"] == {"rows": 8, "tokens_per_row": 160, "screenshots_per_row": 1,
                                "screenshot_hw": [280, 280], "patches_per_screenshot": 64}
@@ -54,6 +55,8 @@ def test_tpu_compiler_figures_for_a_small_topology():
     report = aot.compile_train_step(config, get_preset("small"))
     assert report["exact"] is True and report["compile_target"] == "tpu v5p:2x2x1"
     assert report["fits"] is True and report["capacity_bytes_per_device"] == 95 * 1024 ** 3
+    # attention traced for the TPU: the scanned decoder layer's splash kernel, forward, dq and dkv
+    assert report["attention_traced_for"] == "tpu" and report["tpu_kernel_sites"] == 3
 
 
 def test_too_few_devices_names_the_way_out():

@@ -143,12 +143,15 @@ def test_errors_name_the_problem():
         attention(q, k, v)
     q, k, v = _qkv(np.random.RandomState(0), 1, 4, 4, 2, 2, 8)
     with pytest.raises(ValueError, match="unknown attention implementation"):
-        attention(q, k, v, implementation="splash")
+        attention(q, k, v, implementation="flash")
     with pytest.raises(ValueError, match=r"must be \[1, 4\]"):
         attention(q, k, v, q_segment_ids=jnp.ones((1, 5), jnp.int32))
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="cudnn attention does not apply.*not a GPU"):
             attention(q, k, v, implementation="cudnn")
+    if jax.default_backend() != "tpu":
+        with pytest.raises(ValueError, match="splash attention does not apply.*TPU kernel and the target is"):
+            attention(q, k, v, implementation="splash")
 
 
 def test_the_models_attention_block_sets_the_decoders_tiles():
