@@ -120,6 +120,15 @@ def test_vision_gather_memory_benchmark(tmp_path):
     assert all(r["temp_bytes_per_device"] > 0 and r["patches"] == 256 * r["devices"] for r in rows)
 
 
+def test_attention_memory_benchmark(tmp_path):
+    mod = load_script("attention_memory")
+    assert mod.main(["--custom", "2,256,4,2,32,1"] + outputs(tmp_path, "am")) == 0
+    payload = read_outputs(tmp_path, "am")
+    assert [r["implementation"] for r in payload["rows"]] == ["xla", "splash"]
+    assert all(r["temp_bytes"] > 0 and r["tokens"] == 256 and r["causal"] for r in payload["rows"])
+    assert "| custom 2 x 256 tokens, 4/2 heads x 32 | forward + backward |" in (tmp_path / "am.md").read_text()
+
+
 def test_block_local_window_attention_equals_the_global_one():
     """The benchmark's block-local layout computes the same attention as the model's global gather."""
     import jax
