@@ -118,6 +118,10 @@ def test_preflight_names_what_to_install_or_set(monkeypatch, tmp_path):
     assert any("'requests'" in p and "pip install -e '.[desktop]'" in p for p in found)
     assert any(f"model.path {tmp_path} has no config.json" in p for p in found)
     assert any("env.osworld_dir" in p for p in found)
+    for backend, platform in (("splash", "TPU"), ("cudnn", "GPU")):
+        assert preflight.problems(_config(**{"model.attention": backend})) == [
+            f"model.attention='{backend}' is a {platform} kernel and jax finds no {platform}: use "
+            "--config.model.attention=auto (it takes that kernel where one is, the blockwise path elsewhere)"]
     monkeypatch.delenv("GUIJAX_TEST_KEY", raising=False)
     chat = _config(**{"bepa.plan_extractor": "chat", "bepa.plan_api_key_env": "GUIJAX_TEST_KEY"})
     assert preflight.problems(chat) == ["bepa.plan_extractor='chat' reads its API key from $GUIJAX_TEST_KEY, which "
