@@ -139,12 +139,11 @@ def print_compiled(r: dict[str, Any]) -> None:
     print(f"  peak bytes per device: {format_bytes(r['peak_bytes_per_device'])}{capacity} ({fits}); "
           f"parameters {format_bytes(r['param_bytes_per_device'])}, optimizer {format_bytes(r['opt_bytes_per_device'])}, "
           f"temporaries {format_bytes(r['temp_bytes_per_device'])}")
+    sites = r.get("tpu_kernel_sites", 0)
     if r.get("flops_per_device"):
-        kernels = r.get("tpu_kernel_sites", 0)
         print(f"  compiled FLOPs per device per step: {r['flops_per_device']:.3g}"
-              + (" (not counting the Pallas kernels')" if kernels else ""))
+              + (" (not counting the Pallas kernels')" if sites else ""))
     if "attention_traced_for" in r:
-        sites = r.get("tpu_kernel_sites", 0)
         print(f"  attention: {r['attention']} traced for {r['attention_traced_for']}"
               + (f"; Pallas TPU kernels at {sites} call sites of the program" if sites else ""))
 

@@ -134,7 +134,7 @@ def attention(
         out = splash_attention.splash_attention(q, k, v, q_seg, kv_seg, causal=causal, scale=scale,
                                                 block=max(block_q, block_k), row_axis=row_axis,
                                                 interpret=interpret)
-        return jnp.where((q_seg != PAD_SEGMENT)[:, :, None, None], out, 0).astype(q.dtype)
+        return _zero_padding_queries(out, q_seg, q.dtype)
     reason = _cudnn_unsupported(q, k, causal, default_positions, platform)
     if implementation == "cudnn":
         if reason:
@@ -144,6 +144,11 @@ def attention(
         return lax.cond(jnp.all(_right_padded(q_seg, kv_seg)),
                         lambda: _cudnn(q, k, v, q_seg, kv_seg, causal, scale), blockwise)
     return blockwise()
+
+
+def _zero_padding_queries(out: jax.Array, q_seg: jax.Array, dtype) -> jax.Array:
+    """A kernel's output with padding queries set to exactly 0, as the blockwise path gives them."""
+    return jnp.where((q_seg != PAD_SEGMENT)[:, :, None, None], out, 0).astype(dtype)
 
 
 def _ids(x: jax.Array | None, b: int, s: int, fill: int | None) -> jax.Array:
@@ -334,4 +339,4 @@ def _cudnn(q, k, v, q_seg, kv_seg, causal: bool, scale: float) -> jax.Array:
     kv_len = jnp.sum(kv_seg != PAD_SEGMENT, 1).astype(jnp.int32)
     out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, query_seq_lengths=q_len,
                                        key_value_seq_lengths=kv_len, implementation="cudnn")
-    return jnp.where((q_seg != PAD_SEGMENT)[:, :, None, None], out, 0).astype(q.dtype)
+    return _zero_padding_queries(out, q_seg, q.dtype)

@@ -125,9 +125,8 @@ def test_auto_keeps_the_blockwise_path_where_splash_does_not_apply():
         assert backend(decode) == "xla"
         assert backend(lambda q, k, v: attention(q[:, :64], k[:, :64], v[:, :64])) == "xla"
         with pytest.raises(ValueError, match="splash attention does not apply: explicit positions"):
-            decode_splash = attention(q[:, :1], k, v, causal=True, implementation="splash",
-                                      q_positions=jnp.full((1, 1), 255), kv_positions=jnp.arange(256)[None])
-            del decode_splash
+            attention(q[:, :1], k, v, causal=True, implementation="splash",
+                      q_positions=jnp.full((1, 1), 255), kv_positions=jnp.arange(256)[None])
     assert backend(lambda q, k, v: attention(q, k, v, causal=True)) == "xla"  # the context is gone: CPU again
 
 
