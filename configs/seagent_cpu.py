@@ -14,7 +14,12 @@ Specialist to generalist (§3.3): `--config.compare.methods="('seagent', 'seagen
 over two applications, click_button and toggle_checkbox+choose_option: a two-phase specialist for each, the
 base policy fine-tuned (40 steps, lr 1e-4) on the successes each specialist's 4 collection episodes per task
 gave, then the two phases on every task. The LLM curriculum runs with `seagent.curriculum=chat` and an
-endpoint (none here). Not built: a judge trained in guijax.
+endpoint (none here).
+
+A World State Model trained in guijax instead of the oracle: `--config.seagent.judge=trained` (the README's
+measured run adds `--config.seagent.judge_steps=250 --config.seagent.judge_batch_size=4
+--config.seagent.judge_learning_rate=1e-3`): LoRA r128 on the base policy's model, tuned on the ground truth's
+judgments and change descriptions of the base policy's episodes on 48 fresh tasks, scored on 24 others.
 """
 from configs._common import base, small_desk
 

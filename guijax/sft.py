@@ -26,7 +26,8 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
               config: ml_collections.ConfigDict, pipeline: PipelineConfig, steps: int, batch_size: int, seed: int,
               log: Any = None, checkpoint_dir: str | pathlib.Path | None = None,
               checkpoint_every: int = 50, desc: str = "sft",
-              learning_rate: float | None = None, refs: Sequence[StepRef] | None = None) -> tuple[Any, list[float]]:
+              learning_rate: float | None = None, refs: Sequence[StepRef] | None = None,
+              encode: Any = None) -> tuple[Any, list[float]]:
     """Supervised warm start on (converted expert) trajectories: token cross-entropy on the responses.
 
     `trajectories` may be a list or a TrajectoryStore. With `checkpoint_dir`, parameters, optimiser state,
@@ -34,7 +35,8 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
     rerun continues from the newest save with the same batches an uninterrupted run would have seen.
     `learning_rate` overrides `sft.learning_rate` (the fresh model's warm-start rate) for fine-tuning runs.
     `refs` picks the steps that carry loss (default: every step; the others still appear in later steps'
-    history).
+    history). `encode` replaces the step encoder (see guijax.data.pipeline.make_dataset), with `refs` then
+    indexing what it encodes.
     """
     sft_optim = ml_collections.ConfigDict(config.optim.to_dict())
     sft_optim.learning_rate = config.sft.learning_rate if learning_rate is None else learning_rate
@@ -46,7 +48,7 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
     state = train_step.init_state(policy.module, policy.params, tx, policy.mesh)
     data = make_dataset(trajectories, step_refs(trajectories) if refs is None else list(refs), processor,
                         policy.module.cfg,
-                        dataclasses.replace(pipeline, batch_size=batch_size, seed=seed, num_epochs=None))
+                        dataclasses.replace(pipeline, batch_size=batch_size, seed=seed, num_epochs=None), encode)
     it = iter(data)
     losses_seen: list[float] = []
     ckpt = Checkpointer(checkpoint_dir, keep=1) if checkpoint_dir else None

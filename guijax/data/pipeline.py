@@ -559,15 +559,17 @@ class BlockShuffle(grain.MapDataset):
 
 
 def make_dataset(trajectories: Sequence[Trajectory] | Any, refs: Sequence[StepRef], processor: Any,
-                 model_cfg: ModelConfig, config: PipelineConfig) -> grain.IterDataset:
+                 model_cfg: ModelConfig, config: PipelineConfig, encode: Any = None) -> grain.IterDataset:
     """The batch pipeline. Deterministic for `config.seed` (also across worker counts); `iter()` of it gives a
     grain DatasetIterator whose `get_state()` / `set_state()` resume it exactly.
 
     processor: a guijax.models.processor.Processor, or its directory (then loaded inside each worker).
+    encode: what turns a StepRef into an example (default: `EncodeStep` over `trajectories`; chat examples that
+    are not agent steps come with guijax.data.chat_examples.EncodeChat).
     """
     if not refs:
         raise ValueError("no steps to train on: every trajectory was empty or filtered out")
-    encode = EncodeStep(trajectories, processor, config)
+    encode = EncodeStep(trajectories, processor, config) if encode is None else encode
     pad_id = encode.processor.tokenizer.pad_token_id  # same padding whichever form the processor came in
     if config.shuffle and config.shuffle_block > 1:
         ds = BlockShuffle(refs, config.shuffle_block, config.seed, config.num_epochs)

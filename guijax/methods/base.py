@@ -73,7 +73,9 @@ class Context:
     `workdir` is the method's own directory; `streams` its random streams; `expert_traces` loads the
     converted expert traces on first use; `train_tasks` is the training split; `score` is the trainer's mean response log-prob of trajectories
     under the current policy (bound when the trainer builds the hook); `rollout_engine(policy, temperature)`
-    builds a rollout engine over the run's environments for methods that roll out before (or instead of) RL."""
+    builds a rollout engine over the run's environments for methods that roll out before (or instead of) RL;
+    `load_policy(path, config)` loads a checkpoint as the run loads its policies (with `config`'s LoRA when it
+    trains, the plain model for None)."""
 
     config: ml_collections.ConfigDict
     run_dir: pathlib.Path
@@ -83,6 +85,8 @@ class Context:
     train_tasks: Sequence[Task] = ()
     score: Scorer | None = None
     rollout_engine: Callable[[Any, float], Any] | None = None
+    # the run's policy loader: (checkpoint directory, config it trains under or None) -> policy
+    load_policy: Callable[[pathlib.Path, Any], Any] | None = None
 
 
 def stage_rollouts(run_dir: pathlib.Path, folder: str, stage: str, method: str) -> list[Trajectory]:

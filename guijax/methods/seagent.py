@@ -15,8 +15,11 @@ A phase's tasks (`seagent.curriculum`): the training split; on the desk, the off
 LLM's (Fig. 9, `guijax.seagent.chat_curriculum`): instructions without validators, run from the training
 tasks' screens and judged by the chat judge, phase 1's from the captions of those screens.
 
-Specialist-to-generalist training is `seagent_s2g` (guijax.methods.seagent_s2g). Not built yet: a judge
-trained in guijax.
+With `seagent.judge=trained` the judge is a World State Model trained in guijax before phase 1
+(guijax.seagent.judge_training: LoRA on the base policy's model, ground-truth judgments and change descriptions
+of the base policy's episodes on fresh desk tasks, scored against the verifier beside the untrained model).
+
+Specialist-to-generalist training is `seagent_s2g` (guijax.methods.seagent_s2g).
 """
 from __future__ import annotations
 
@@ -37,8 +40,21 @@ class SEAgentOptions:
     episodes_per_task: int = ranged(4, low=1)  # rollouts of each training task per phase
     group_size: int = ranged(8, low=2)  # G responses sampled at each a_T state (Eq. 3)
     max_states: int = ranged(0, low=0)  # a_T states sampled per phase (0: all), the first in rollout order
-    judge: Literal["oracle", "chat"] = "oracle"  # oracle: the desk's ground truth
-    judge_retries: int = ranged(2, low=0)  # chat: unreadable answers asked again
+    # oracle: the desk's ground truth; chat: an OpenAI-compatible vision model; trained: a World State Model
+    # LoRA-tuned in guijax before phase 1 (desk only: its training labels are the ground truth's)
+    judge: Literal["oracle", "chat", "trained"] = "oracle"
+    judge_retries: int = ranged(2, low=0)  # chat, trained: unreadable answers asked again
+    judge_lora_rank: int = ranged(128, low=1)  # A.2: LoRA rank 128
+    judge_lora_alpha: float = ranged(256.0, low=0, low_open=True)  # LLaMA-Factory's default, 2 x rank
+    judge_steps: int = ranged(2000, low=1)  # A.2: 2,000 iterations
+    judge_learning_rate: float = ranged(2e-5, low=0, low_open=True)  # A.2
+    judge_batch_size: int = ranged(8, low=1)
+    judge_change_descriptions: bool = True  # co-train on change descriptions (Table 1's "w/ CD")
+    judge_tasks: int = ranged(48, low=1)  # fresh desk tasks whose episodes train the judge
+    judge_eval_tasks: int = ranged(24, low=1)  # another fresh set whose episodes score it
+    judge_episodes_per_task: int = ranged(4, low=1)  # base-policy episodes per task, both sets
+    judge_max_new_tokens: int = ranged(768, low=1)  # a judgment's reasoning and res_dict
+    judge_length_buckets: tuple[int, ...] = (256, 512, 1024, 1536, 2048)  # judgment prompts are ~1k tokens
     chat_url: str = ""
     chat_model: str = ""
     chat_api_key_env: str = "OPENAI_API_KEY"
@@ -100,9 +116,9 @@ class SEAgent(Method):
             if self.config.env.kind != "desk":
                 raise ValueError(f"seagent.curriculum='chat' runs its tasks from the desk's screens; env.kind is "
                                  f"{self.config.env.kind!r}: use seagent.curriculum='none'")
-        if o.judge == "oracle" and self.config.env.kind != "desk":
-            raise ValueError(f"seagent.judge='oracle' reads the synthetic desk's ground truth; env.kind is "
-                             f"{self.config.env.kind!r}: use seagent.judge='chat'")
+        if o.judge in ("oracle", "trained") and self.config.env.kind != "desk":
+            raise ValueError(f"seagent.judge={o.judge!r} reads the synthetic desk's ground truth (the trained judge "
+                             f"learns from it); env.kind is {self.config.env.kind!r}: use seagent.judge='chat'")
 
     def loss(self) -> Any:
         from guijax import objectives
@@ -112,14 +128,17 @@ class SEAgent(Method):
         return objectives.WithAdversarialImitation(inner, o.gamma, o.failure_loss)
 
     def judge(self) -> Any:
-        from guijax.seagent.world_state import ChatWorldStateJudge, DeskOracleJudge
+        from guijax.seagent.world_state import ChatWorldStateJudge
 
-        o, env = self.options, self.config.env
+        o = self.options
         if o.judge == "oracle":
-            from guijax.rollout.prompt import grammar_of
+            from guijax.seagent.world_state import desk_oracle
 
-            return DeskOracleJudge(tuple(env.screen), popups=env.popups, coordinate_model=self.config.rollout.coordinate_model,
-                                   grammar=grammar_of(self.config.rollout.prompt))
+            return desk_oracle(self.config)
+        if o.judge == "trained":
+            if self._trained_judge is None:
+                raise RuntimeError("seagent.judge='trained': the World State Model is trained in before_rl")
+            return self._trained_judge
         from guijax.chat import ChatClient
 
         return ChatWorldStateJudge(ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env),
@@ -208,7 +227,13 @@ class SEAgent(Method):
         return [Task.from_dict(t, domain=t.get("domain", ""))
                 for t in json.loads(self.buffer_path(ctx, p).read_text())["tasks"]]
 
+    _trained_judge: Any = None
+
     def before_rl(self, ctx: Context, policy: Any, pipeline: Any) -> None:
+        if self.options.judge == "trained":
+            from guijax.seagent.judge_training import world_state_model
+
+            self._trained_judge = world_state_model(ctx, policy, pipeline)
         resumable_rounds(ctx, policy, self.name, self.options.phases, "phase", f"{self.section}_metrics.jsonl",
                          lambda rnd: self.phase(ctx, policy, pipeline, rnd))
 
@@ -232,7 +257,12 @@ class SEAgent(Method):
                                  desc=f"{self.name} p{p} rollouts")
         rollouts = [t for t in rollouts if t.status != Status.ENV_ERROR and t.steps]
         judge = self.judge()
-        judgments = [judge.judge(tasks[t.task_id], t) for t in rollouts]
+        records = self.records(tasks, rollouts)
+        if hasattr(judge, "judge_all"):  # the trained judge: batched, and shown the final screen it learnt from
+            judgments = judge.judge_all([(tasks[t.task_id], t, r.final_screenshot if r else None)
+                                         for t, r in zip(rollouts, records)])
+        else:
+            judgments = [judge.judge(tasks[t.task_id], t) for t in rollouts]
         labels = [step_labels(j, len(t.steps)) for j, t in zip(judgments, rollouts)]
         positives, failures = step_rl.labelled_states(labels)
         positives, unparsable = step_rl.parsable_states(rollouts, positives, engine.config.coordinate_model,
@@ -250,7 +280,7 @@ class SEAgent(Method):
             policy.params, history = step_rl.update(
                 policy, reference, data, self.loss(), self.config, pipeline, o.batch_rows, o.update_epochs,
                 o.learning_rate, streams.seed_for("batches"), log=writer.write)
-        captions = self.captions(tasks, rollouts)
+        captions = [r.captions if r is not None else None for r in records]
         verifiable = [not is_judged(tasks[t.task_id]) for t in rollouts]  # the curriculum's tasks have no validator
         score = score_judge([j for j, v in zip(judgments, verifiable) if v],
                             [t.success for t, v in zip(rollouts, verifiable) if v])
@@ -258,6 +288,7 @@ class SEAgent(Method):
             "phase": p, "episodes": len(rollouts), "verified_episodes": sum(verifiable),
             "verified_successes": sum(t.success for t, v in zip(rollouts, verifiable) if v),
             "judged_correct": score.judged_correct, "judge_precision": score.precision, "judge_npv": score.npv,
+            "judge_unreadable": sum(not j.readable for j in judgments),
             "a_T": sum(row.count(Label.CORRECT) for row in labels),
             "a_F": sum(row.count(Label.FAILURE) for row in labels), "a_T_unparsable": len(unparsable),
             "states_sampled": len(positives),
@@ -293,21 +324,22 @@ class SEAgent(Method):
                 + (f", loss {report['loss_first']:.3f} -> {report['loss_last']:.3f}" if history else "")
                 + (f"; next phase: {report['next_tasks']} tasks" if "next_tasks" in report else ""))
 
-    def captions(self, tasks: dict, rollouts: list) -> list:
-        """The World State Model's state-change captions C of every episode, step by step: from the desk's
-        ground truth (guijax.seagent.captions); None elsewhere (the chat judge answers Fig. 8, which asks for
-        none)."""
+    def records(self, tasks: dict, rollouts: list) -> list:
+        """Each episode's ground-truth record (guijax.seagent.captions.EpisodeRecord): the World State Model's
+        state-change captions C step by step, and the final screen; None off the desk (the chat judge answers
+        Fig. 8, which asks for no captions)."""
         if self.config.env.kind != "desk":
             return [None] * len(rollouts)
         from guijax.rollout.prompt import grammar_of
-        from guijax.seagent.captions import desk_step_captions
+        from guijax.seagent.captions import desk_episode_record
 
         env = self.config.env
-        return [desk_step_captions(tasks[t.task_id], t, tuple(env.screen), env.popups,
-                                   self.config.rollout.coordinate_model, grammar_of(self.config.rollout.prompt))
+        return [desk_episode_record(tasks[t.task_id], t, tuple(env.screen), env.popups,
+                                    self.config.rollout.coordinate_model, grammar_of(self.config.rollout.prompt))
                 for t in rollouts]
 
     def describe(self) -> str:
         o = self.options
         return (f"{self.summary}; {o.phases} phase(s) of {o.episodes_per_task} episodes per task, G={o.group_size}, "
                 f"γ={o.gamma} ({o.failure_loss}), judge {o.judge}")
+

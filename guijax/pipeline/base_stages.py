@@ -283,7 +283,7 @@ def method_context(run: Run, config: ml_collections.ConfigDict, workdir: pathlib
 
     return Context(config=config, run_dir=run.workdir, workdir=workdir, streams=run.streams.child("method", name),
                    expert_traces=run.expert_traces, train_tasks=tuple(run.tasks()["train"]),
-                   rollout_engine=run.engine)
+                   rollout_engine=run.engine, load_policy=run.load_policy)
 
 
 def train_with(run: Run, method: Any, workdir: pathlib.Path, desc: str) -> tuple[Any, list[dict[str, Any]]]:

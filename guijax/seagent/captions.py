@@ -9,7 +9,10 @@ windows and dialogs that opened, closed or came to the front, and every control 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
+
+import numpy as np
 
 from envs.actions.model import Action, ActionType
 from envs.api import Task
@@ -153,21 +156,54 @@ def action_phrase(actions: Sequence[Action], a11y: str) -> str:
     return f"{verb} {target}"
 
 
-def desk_step_captions(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int], popups: bool = False,
-                       coordinate_model: str = "uitars-1.5", grammar: str = "uitars") -> list[str]:
-    """One caption per replayed step, "Step k: <action>. <what changed>"; replay ends at a response that does
-    not parse or a screen that differs from the episode's, and so do the captions."""
+@dataclasses.dataclass(frozen=True)
+class StepChange:
+    """One replayed step's screens and what changed between them (the change-description pair)."""
+
+    index: int  # 1-based step number
+    before: np.ndarray
+    after: np.ndarray
+    change: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeRecord:
+    """What the desk's ground truth says of an episode, step by step: the captions ("Step k: <action>. <what
+    changed>"), each replayed step's before/after screens, and the screen the last step left (None when the
+    replay stopped early)."""
+
+    captions: list[str]
+    changes: list[StepChange]
+    final_screenshot: np.ndarray | None
+
+
+def desk_episode_record(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int], popups: bool = False,
+                        coordinate_model: str = "uitars-1.5", grammar: str = "uitars") -> EpisodeRecord:
+    """The episode replayed with its seed (see EpisodeRecord); replay ends at a response that does not parse or
+    a screen that differs from the episode's, and so do the captions."""
     from guijax.sgcd.desk_skills import replay
 
-    captions = []
+    captions: list[str] = []
+    changes: list[StepChange] = []
+    final = None
     for r in replay(task, trajectory, screen_hw, popups, coordinate_model, grammar=grammar):
         if not r.replayable:
             captions.append(f"Step {r.index}: the screen differs from the episode's; not replayed.")
+            final = None
             break
         if r.actions is None:
             captions.append(f"Step {r.index}: the answer did not parse; the episode ended.")
+            final = r.before.screenshot
             break
         change = change_caption(r.before.a11y_tree or "", r.after.a11y_tree or "",
                                 recorded_changes(r.state_before, r.env.scene.state()))
         captions.append(f"Step {r.index}: {action_phrase(r.actions, r.before.a11y_tree or '')}. {change}")
-    return captions
+        changes.append(StepChange(r.index, r.before.screenshot, r.after.screenshot, change))
+        final = r.after.screenshot
+    return EpisodeRecord(captions, changes, final)
+
+
+def desk_step_captions(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int], popups: bool = False,
+                       coordinate_model: str = "uitars-1.5", grammar: str = "uitars") -> list[str]:
+    """One caption per replayed step, "Step k: <action>. <what changed>" (`desk_episode_record`)."""
+    return desk_episode_record(task, trajectory, screen_hw, popups, coordinate_model, grammar).captions

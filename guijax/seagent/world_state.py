@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import json
 import re
 from typing import Any, Protocol, Sequence
 
@@ -78,6 +79,7 @@ class Judgment:
     error_type: str = ""
     correct_action: str = ""
     reasoning: str = ""
+    readable: bool = True  # False: the judge's answer had no readable res_dict (counted, labels nothing)
 
     def as_dict(self) -> dict[str, Any]:
         return {"Correctness": self.correct, "Redundant": list(self.redundant), "Optimized": self.optimized,
@@ -147,6 +149,31 @@ def parse_judgment(text: str) -> Judgment:
         reasoning=(thinking.group(1) if thinking else text[:max(start, 0)]).strip())
 
 
+def _literal_text(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_literal_text(v) for v in value) + "]"
+    return repr(value)
+
+
+def judgment_answer(judgment: Judgment) -> str:
+    """A Fig. 8 answer stating `judgment`: its reasoning in <thinking>, then the res_dict in the figure's
+    Python-literal style; `parse_judgment` reads it back to the same judgment (what a judge trained in guijax
+    learns to write)."""
+    body = ",\n".join(f'"{k}": {_literal_text(v)}' for k, v in judgment.as_dict().items())
+    return f"<thinking>{judgment.reasoning}</thinking>\nres_dict = {{\n{body}\n}}"
+
+
+def keyframe_parts(instruction: str, frames: Sequence[np.ndarray]) -> list[str | np.ndarray]:
+    """Fig. 8's request as text and images in order: the prompt with the instruction, then "Keyframe k:" and
+    the k-th frame. Every judge backend that reads screenshots is asked exactly this."""
+    parts: list[str | np.ndarray] = [JUDGE_PROMPT.replace("[INSTRUCTION]", instruction)]
+    for k, frame in enumerate(frames, 1):
+        parts += [f"Keyframe {k}:", frame]
+    return parts
+
+
 def step_labels(judgment: Judgment, num_steps: int) -> list[Label | None]:
     """A.3's labels of a judged trajectory's `num_steps` steps (index i is step i + 1); None: unlabelled."""
     labels: list[Label | None] = [None] * num_steps
@@ -162,6 +189,12 @@ def step_labels(judgment: Judgment, num_steps: int) -> list[Label | None]:
         labels[i] = Label.CORRECT
     labels[error - 1] = Label.FAILURE
     return labels
+
+
+def episode_frames(trajectory: Trajectory, final_screenshot: np.ndarray | None = None) -> list[np.ndarray]:
+    """An episode's keyframes: the screen before each action, then the final screen when known."""
+    frames = [s.screenshot for s in trajectory.steps]
+    return frames if final_screenshot is None else [*frames, final_screenshot]
 
 
 class WorldStateJudge(Protocol):
@@ -199,6 +232,15 @@ class DeskOracleJudge:
         return Judgment(False, repeated, False, first.index, first.trap, suggestion)
 
 
+def desk_oracle(config: Any) -> DeskOracleJudge:
+    """The desk's ground-truth judge for a run config's screen, pop-ups and action grammar."""
+    from guijax.rollout.prompt import grammar_of
+
+    env = config.env
+    return DeskOracleJudge(tuple(env.screen), popups=env.popups, coordinate_model=config.rollout.coordinate_model,
+                           grammar=grammar_of(config.rollout.prompt))
+
+
 class ChatWorldStateJudge:
     """Fig. 8 through an OpenAI-compatible vision model; `retries` more requests on an unreadable answer."""
 
@@ -207,15 +249,10 @@ class ChatWorldStateJudge:
 
     def messages(self, task: Task, trajectory: Trajectory,
                  final_screenshot: np.ndarray | None = None) -> list[dict[str, Any]]:
-        frames: Sequence[np.ndarray] = [s.screenshot for s in trajectory.steps]
-        if final_screenshot is not None:
-            frames = [*frames, final_screenshot]
-        content: list[dict[str, Any]] = [
-            {"type": "text", "text": JUDGE_PROMPT.replace("[INSTRUCTION]", trajectory.instruction or task.instruction)}]
-        for k, frame in enumerate(frames, 1):
-            content.append({"type": "text", "text": f"Keyframe {k}:"})
-            content.append({"type": "image_url", "image_url": {"url": png_data_url(frame)}})
-        return [{"role": "user", "content": content}]
+        parts = keyframe_parts(trajectory.instruction or task.instruction, episode_frames(trajectory, final_screenshot))
+        return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else
+                                             {"type": "image_url", "image_url": {"url": png_data_url(p)}}
+                                             for p in parts]}]
 
     def judge(self, task: Task, trajectory: Trajectory, final_screenshot: np.ndarray | None = None) -> Judgment:
         return ask_parsed(self.client, self.messages(task, trajectory, final_screenshot), parse_judgment,

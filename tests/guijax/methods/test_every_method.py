@@ -302,6 +302,41 @@ def test_seagent_resumes_after_its_last_finished_phase(prepared, capsys):
     assert json.loads((workdir / "phase_2" / "phase.json").read_text())["phase"] == 2
 
 
+@pytest.mark.slow  # ~1 min: rollouts on fresh tasks, two judge steps, three evaluations, two phases
+def test_seagent_trains_its_world_state_model_then_judges_with_it(prepared, capsys):
+    """seagent.judge='trained': before phase 1 a LoRA judge is tuned on the ground truth's judgments and change
+    descriptions of the base policy's episodes on fresh tasks, and scored on other fresh tasks' episodes beside
+    the untrained model and the oracle; the phases judge with it; a rerun loads it instead of training again."""
+    config, run, _ = prepared
+    trained = copy.deepcopy(config)
+    for key, value in {"judge": "trained", "judge_tasks": 2, "judge_eval_tasks": 2, "judge_episodes_per_task": 1,
+                       "judge_steps": 2, "judge_batch_size": 2, "judge_lora_rank": 4, "judge_max_new_tokens": 16,
+                       "judge_retries": 0, "judge_length_buckets": (512, 1024, 2048)}.items():
+        setattr(trained.seagent, key, value)
+    workdir = run.workdir / "methods" / "seagent_trained_judge"
+    base_stages.train_with(run, get_method("seagent", trained), workdir, "seagent")
+    folder = workdir / "world_state_model"
+    report = json.loads((folder / "judge_eval.json").read_text())
+    assert [r["judge"].split(" (")[0].split(",")[0] for r in report["rows"]] == [
+        "base model", "World State Model", "desk oracle"]
+    assert report["evaluation_episodes"] == 2 and len(report["losses"]) == 2
+    # a judgment per episode, and a change description per step the tiny policy's parsable answers took
+    assert report["training_examples"] >= report["training_episodes"] == 2
+    assert report["rows"][2]["accuracy"] == 1.0 and report["rows"][1]["trajectories"] == 2
+    assert (folder / "model" / "config.json").exists() and "| judge |" in (folder / "judge_eval.md").read_text()
+    phase = json.loads((workdir / "phase_1" / "phase.json").read_text())
+    # 16 new tokens hold no res_dict: every episode of the phase was judged by the trained model, unreadably
+    assert phase["judge_unreadable"] == phase["episodes"] > 0 and phase["a_T"] == phase["a_F"] == 0
+    written = (folder / "judge_eval.json").stat().st_mtime_ns
+    two = copy.deepcopy(trained)
+    two.seagent.phases = 2
+    capsys.readouterr()
+    base_stages.train_with(run, get_method("seagent", two), workdir, "seagent")
+    assert "world state model" not in capsys.readouterr().out  # loaded, not trained again
+    assert (folder / "judge_eval.json").stat().st_mtime_ns == written
+    assert json.loads((workdir / "phase_2" / "phase.json").read_text())["judge_unreadable"] > 0
+
+
 def test_seagent_runs_the_llm_curriculums_tasks(prepared):
     """seagent.curriculum='chat': phase 1's tasks are the generator's answer to the training screens' captions,
     placed on the screen whose elements they name and judged by the chat judge alone (no validator); the phase
