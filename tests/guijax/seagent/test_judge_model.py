@@ -125,3 +125,25 @@ def test_a_judge_tuned_in_guijax_writes_back_the_judgment_it_learnt(episodes, tm
     assert losses[-1] < 0.05 * losses[0]
     trained = TrainedWorldStateJudge(policy.module, params, policy.processor, sampling, retries=0)
     assert trained.judge_all(episode) == [judgment]
+
+
+def test_the_final_keyframe_is_the_screen_the_last_action_left():
+    """A checkbox ticked in the episode's only step: the final screen shows it ticked, as a fresh desk does."""
+    from envs.actions.model import Action, ActionType
+    from envs.desk.a11y import parse_tree
+    from envs.desk.env import DeskEnv
+    from envs.tasks import generate_desk_tasks
+
+    task = generate_desk_tasks(1, seed=2, families=["toggle_checkbox"], screen_hw=SCREEN)[0]
+    env = DeskEnv(SCREEN, popups=False)
+    (box,) = [n for n in parse_tree(env.reset(task).a11y_tree) if n.role == "checkbox" and n.name in task.instruction]
+    x, y = (box.rect[0] + box.rect[2]) // 2, (box.rect[1] + box.rect[3]) // 2
+    with scripted_episodes(task, step_limit=1) as run:
+        episode = run([f"Thought: tick it.\nAction: click(start_box='({x},{y})')"])
+    env.reset(task, episode.meta.get("seed"))
+    expected = env.step([Action(ActionType.CLICK, point=(x, y))]).observation.screenshot
+    record = desk_episode_record(task, episode, SCREEN)
+    assert not np.array_equal(expected, episode.steps[-1].screenshot)
+    np.testing.assert_array_equal(record.final_screenshot, expected)
+    frames = [p for p in judge_examples([(task, episode, Judgment(True), record)])[0].parts if isinstance(p, np.ndarray)]
+    np.testing.assert_array_equal(frames[-1], expected)
