@@ -3,7 +3,7 @@
 A judge or captioner trained in guijax (SEAgent's World State Model) reads prompts the agent never sees: a
 whole episode's keyframes under a judging prompt, or a before/after pair of screenshots. `ChatExample` holds
 such a turn as its parts in order; `EncodeChat` turns it into the same example dict `EncodeStep` makes for an
-agent step (the answer carries the loss, tokenised and closed with <|im_end|>), so the batch pipeline, the
+agent step (the answer carries the loss, as off-policy response text does), so the batch pipeline, the
 train step and `sft_steps` take it unchanged; `chat_prompt` renders the same turn for the sampler.
 """
 from __future__ import annotations
@@ -14,9 +14,8 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
+from guijax.data.pipeline import supervised_tokens, text_response
 from guijax.rollout.trajectory import Source
-
-IM_END = "<|im_end|>"
 
 Part = str | np.ndarray  # text, or an [H, W, 3] uint8 image
 
@@ -62,20 +61,11 @@ class EncodeChat(grain.transforms.Map):
         text, images = chat_prompt(self.processor, example.parts)
         proc = self.processor
         prompt = proc(text=[text], images=[images] if images else None)
-        prompt_ids = np.asarray(prompt["input_ids"][0], np.int32)
-        tok = proc.tokenizer
-        answer = np.asarray(tok(example.answer, add_special_tokens=False)["input_ids"]
-                            + [tok.convert_tokens_to_ids(IM_END)], np.int32)
-        n_prompt, n = len(prompt_ids), len(prompt_ids) + len(answer)
-        if n > self.max_tokens:
-            raise ValueError(f"{example.name}: {n} tokens ({n_prompt} prompt + {len(answer)} answer) exceed the "
-                             f"largest length bucket {self.max_tokens}")
-        loss_mask = np.zeros(n, np.float32)
-        loss_mask[n_prompt:] = 1.0
+        answer = text_response(proc.tokenizer, example.answer)
         dim = 3 * proc.image_processor.temporal_patch_size * proc.image_processor.patch_size ** 2
         pixels = prompt.get("pixel_values")
-        return {"input_ids": np.concatenate([prompt_ids, answer]), "loss_mask": loss_mask,
-                "advantages": loss_mask * np.float32(ref.advantage), "behaviour_logprobs": np.zeros(n, np.float32),
+        return {**supervised_tokens(np.asarray(prompt["input_ids"][0], np.int32), answer,
+                                    np.zeros(len(answer), np.float32), ref.advantage, self.max_tokens, example.name),
                 "pixel_values": np.asarray(pixels if pixels is not None else np.zeros((0, dim)), np.float32),
                 "image_grid_thw": np.asarray(prompt.get("image_grid_thw", np.zeros((0, 3))), np.int64).reshape(-1, 3),
                 "trajectory": ref.trajectory, "step": 0, "task_id": example.name,

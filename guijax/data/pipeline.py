@@ -124,6 +124,30 @@ def step_refs(trajectories: Sequence[Trajectory] | Any,
     return [StepRef(i, j, a) for i, a in chosen.items() for j in range(counts[i])]
 
 
+def text_response(tokenizer: Any, text: str) -> np.ndarray:
+    """Response text with no sampled ids as the tokens a model is trained to write: tokenised, closed with
+    <|im_end|>."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids(IM_END)]
+    return np.asarray(ids, np.int32)
+
+
+def supervised_tokens(prompt_ids: np.ndarray, response: np.ndarray, behaviour: np.ndarray, advantage: float,
+                      max_tokens: int, where: str) -> dict[str, np.ndarray]:
+    """An example's token-aligned arrays (the module docstring's convention): prompt then response ids, the loss
+    mask and advantage on the response, its behaviour log-probs; longer than `max_tokens` is refused, naming
+    `where`."""
+    n_prompt, n = len(prompt_ids), len(prompt_ids) + len(response)
+    if n > max_tokens:
+        raise ValueError(f"{where}: {n} tokens ({n_prompt} prompt + {len(response)} response) exceed the largest "
+                         f"length bucket {max_tokens}")
+    loss_mask = np.zeros(n, np.float32)
+    loss_mask[n_prompt:] = 1.0
+    behaviour_lp = np.zeros(n, np.float32)
+    behaviour_lp[n_prompt:] = behaviour
+    return {"input_ids": np.concatenate([prompt_ids, response]), "loss_mask": loss_mask,
+            "advantages": loss_mask * np.float32(advantage), "behaviour_logprobs": behaviour_lp}
+
+
 class EncodeStep(grain.transforms.Map):
     """StepRef -> one example (token-aligned arrays, see the module docstring). Picklable for grain workers:
     holds the trajectories (a list or a TrajectoryStore) and a processor, or the processor's directory, which
@@ -167,19 +191,10 @@ class EncodeStep(grain.transforms.Map):
             if behaviour.shape != response.shape:
                 raise ValueError(f"{where}: {len(behaviour)} behaviour log-probs for {len(response)} response tokens")
         else:  # off-policy text: no sampled ids, no behaviour log-probs
-            tok = proc.tokenizer
-            ids = tok(step.response, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(IM_END)]
-            response, behaviour = np.asarray(ids, np.int32), np.zeros(len(ids), np.float32)
-        n_prompt, n = len(prompt_ids), len(prompt_ids) + len(response)
-        if n > max(self.config.length_buckets):
-            raise ValueError(f"{where}: {n} tokens ({n_prompt} prompt + {len(response)} response) exceed the largest "
-                             f"length bucket {max(self.config.length_buckets)}")
-        loss_mask = np.zeros(n, np.float32)
-        loss_mask[n_prompt:] = 1.0
-        behaviour_lp = np.zeros(n, np.float32)
-        behaviour_lp[n_prompt:] = behaviour
-        return {"input_ids": np.concatenate([prompt_ids, response]), "loss_mask": loss_mask,
-                "advantages": loss_mask * np.float32(ref.advantage), "behaviour_logprobs": behaviour_lp,
+            response = text_response(proc.tokenizer, step.response)
+            behaviour = np.zeros(len(response), np.float32)
+        return {**supervised_tokens(prompt_ids, response, behaviour, ref.advantage, max(self.config.length_buckets),
+                                    where),
                 "pixel_values": np.asarray(prompt["pixel_values"], np.float32),
                 "image_grid_thw": np.asarray(prompt["image_grid_thw"], np.int64).reshape(-1, 3),
                 "image_keys": self.image_keys(ref, len(images)),

@@ -9,6 +9,7 @@ run's own tasks), the evaluation episodes its rollouts on another fresh set. Eve
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Any, Sequence
@@ -84,8 +85,6 @@ def eval_markdown(rows: Sequence[dict[str, Any]], episodes: int, successes: int)
 def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> TrainedWorldStateJudge:
     """The run's trained judge: loaded from `world_state_model/` when an earlier run finished it, else trained
     and evaluated there (see the module docstring)."""
-    import dataclasses
-
     from envs.tasks import generate_desk_tasks
     from guijax.models.policy import save_pretrained
     from guijax.sft import sft_steps
@@ -95,9 +94,9 @@ def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> 
     folder = pathlib.Path(ctx.workdir) / FOLDER
     model_dir, report = folder / "model", folder / "judge_eval.json"
     cfg = judge_config(config)
-    make = lambda p: TrainedWorldStateJudge(  # noqa: E731
+    make = lambda p, retries=o.judge_retries: TrainedWorldStateJudge(  # noqa: E731
         p.module, p.params, p.processor, sampling_config(cfg, p.processor, 0.0, p.mesh), mesh=p.mesh,
-        retries=o.judge_retries, seed=ctx.streams.seed_for("judge_samples"), max_rows=o.sampler_rows)
+        retries=retries, seed=ctx.streams.seed_for("judge_samples"), max_rows=o.sampler_rows)
     if (model_dir / "config.json").exists() and report.exists():
         return make(ctx.load_policy(model_dir, None))
     families = tuple(config.env.families) or None
@@ -111,9 +110,8 @@ def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> 
                        "world state model: evaluation episodes")
     examples = judge_examples(train_eps, o.judge_change_descriptions)
     judge_policy = ctx.load_policy(policy.path, cfg)
-    untrained = make(judge_policy)
-    untrained.retries = 0  # an untrained model rarely writes a res_dict; one greedy answer says so
-    base_row, _ = evaluate(untrained, eval_eps)
+    # an untrained model rarely writes a res_dict; one greedy answer says so
+    base_row, _ = evaluate(make(judge_policy, retries=0), eval_eps)
     judge_pipeline = dataclasses.replace(pipeline, length_buckets=tuple(o.judge_length_buckets), pack=False)
     params, losses = sft_steps(
         judge_policy, [], judge_policy.processor, cfg, judge_pipeline, o.judge_steps, o.judge_batch_size,
