@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import Mesh
 
 from guijax import kernels, objectives, sharding
@@ -255,11 +256,18 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trained)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = tx.update(grads, state.opt_state, trained)
-        new_trained = optax.apply_updates(trained, updates)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+
+        def update(args: tuple[Any, Any]) -> tuple[Any, Any]:
+            params, opt_state = args
+            updates, new_opt = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt
+
+        # A branch rather than a select per leaf: the update's fusions write the new state once, where
+        # `where(finite, new, old)` over every parameter and moment read both again (3-5% of the small
+        # preset's CPU step, same-process A/B).
+        new_trained, new_opt = lax.cond(finite, update, lambda args: args, (trained, state.opt_state))
         metrics = dict(metrics, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
-        return TrainState(keep(new_trained, trained), keep(new_opt, state.opt_state), state.step + 1), metrics
+        return TrainState(new_trained, new_opt, state.step + 1), metrics
 
     if mesh is None:
         return _SplitStep(jax.jit(step, donate_argnums=(0,)), part)

@@ -2,6 +2,7 @@
 batch, GRPO at ratio 1 has the expected value, non-finite batches are skipped, sharded equals unsharded."""
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -102,10 +103,14 @@ def test_non_finite_batch_is_skipped(module_params):
     batch = _batch(2)
     batch["old_logp"] = np.zeros_like(batch["loss_mask"])
     batch["advantages"] = np.array([np.nan, 0, 0, 0], np.float32)
-    before = np.asarray(state.params["norm"]["weight"]).copy()
+    before = jax.tree.map(np.array, (state.params, state.opt_state))
     state, metrics = step(state, batch)
     assert int(metrics["skipped"]) == 1
-    np.testing.assert_array_equal(state.params["norm"]["weight"], before)
+    chex.assert_trees_all_equal((state.params, state.opt_state), before)  # every parameter and moment
+    batch["advantages"] = np.array([1.0, 0, 0, 0], np.float32)
+    state, metrics = step(state, batch)
+    assert int(metrics["skipped"]) == 0
+    assert not np.array_equal(state.params["norm"]["weight"], before[0]["norm"]["weight"])
 
 
 def test_sharded_step_equals_single_device(module_params):
