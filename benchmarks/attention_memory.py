@@ -9,6 +9,12 @@ runs in the Pallas interpreter, whose memory says nothing about the kernel.
 
     python benchmarks/attention_memory.py --json benchmarks/results/attention_memory_tpu.json \\
         --markdown benchmarks/results/attention_memory_tpu.md
+
+Compiled alone, q, k and v are the program's arguments, so any copy the backend makes of them (splash wants
+them heads-major) is a temporary. `--in-layer` compiles the attention inside its layer instead: the hidden
+states through the q/k/v projections, the attention and the output projection (the layer's hidden size from
+HIDDEN), as the decoder and the vision blocks call it, where the compiler may fold a layout change into the
+projections; `--remat` wraps that layer in full rematerialisation, as the TPU recipes run.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ SHAPES = {
     "evocua_tpu decoder (Qwen3-VL-32B, 12,288 tokens)": (1, 12288, 64, 8, 128, True),
     "bepa_tpu vision frames (5 x 10,764 patches, 16 x 80)": (5, 10764, 16, 16, 80, False),
 }
+# each shape's layer width (hidden size) for --in-layer: Qwen2.5-VL-7B's decoder, Qwen3-VL-32B's, the 7B's vision blocks
+HIDDEN = dict(zip(SHAPES, (3584, 5120, 1280)))
 
 
 def target_devices() -> tuple[list[Any], str, bool]:
@@ -45,35 +53,56 @@ def target_devices() -> tuple[list[Any], str, bool]:
 
 
 def measure(name: str, shape: tuple[int, int, int, int, int, bool], implementation: str,
-            forward_only: bool) -> dict[str, Any]:
+            forward_only: bool, hidden: int = 0, remat: bool = False) -> dict[str, Any]:
+    """One compile; hidden > 0: the attention inside its layer of that width (see the module docstring)."""
     rows, tokens, heads, kv_heads, head_dim, causal = shape
     devices, target, tpu = target_devices()
     mesh = Mesh(np.asarray(devices).reshape(1, 1, 1, 1), sharding.MESH_AXES)
     whole = NamedSharding(mesh, P())
-    args = [jax.ShapeDtypeStruct((rows, tokens, n, head_dim), jnp.bfloat16, sharding=whole)
-            for n in (heads, kv_heads, kv_heads)] + [jax.ShapeDtypeStruct((rows, tokens), jnp.int32, sharding=whole)]
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)  # noqa: E731
+    segment_ids = spec(rows, tokens, dtype=jnp.int32)
 
-    def call(q, k, v, segments):
+    def attend(q, k, v, segments):
         return attention.attention(q, k, v, causal=causal, q_segment_ids=segments, kv_segment_ids=segments,
                                    implementation=implementation)
 
-    def loss(q, k, v, segments):
-        return jnp.sum(call(q, k, v, segments).astype(jnp.float32))
+    if hidden:
+        def call(x, wq, wk, wv, wo, segments):
+            heads_of = lambda w: (x @ w).reshape(rows, tokens, -1, head_dim)  # noqa: E731
+            out = attend(heads_of(wq), heads_of(wk), heads_of(wv), segments)
+            return out.reshape(rows, tokens, heads * head_dim) @ wo
 
-    program = jax.jit(call if forward_only else jax.grad(loss, argnums=(0, 1, 2)))
+        if remat:
+            call = jax.checkpoint(call, policy=jax.checkpoint_policies.nothing_saveable)
+        args = [spec(rows, tokens, hidden), spec(hidden, heads * head_dim), spec(hidden, kv_heads * head_dim),
+                spec(hidden, kv_heads * head_dim), spec(heads * head_dim, hidden), segment_ids]
+        differentiated = (0, 1, 2, 3, 4)
+    else:
+        call = attend
+        args = [spec(rows, tokens, n, head_dim) for n in (heads, kv_heads, kv_heads)] + [segment_ids]
+        differentiated = (0, 1, 2)
+
+    def loss(*a):
+        return jnp.sum(call(*a).astype(jnp.float32))
+
+    program = jax.jit(call if forward_only else jax.grad(loss, argnums=differentiated))
     start = time.perf_counter()
     with attention.compiling_for("tpu", interpret=not tpu), jax.set_mesh(mesh):
         compiled = program.lower(*args).compile()
     mem = compiled.memory_analysis()
     return {"shape": name, "implementation": implementation, "direction": "forward" if forward_only else
             "forward + backward", "rows": rows, "tokens": tokens, "heads": heads, "kv_heads": kv_heads,
-            "head_dim": head_dim, "causal": causal, "target": target,
+            "head_dim": head_dim, "causal": causal, "target": target, "in_layer": bool(hidden),
+            "hidden": hidden or None, "remat": remat,
             "temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
             "compile_s": time.perf_counter() - start}
 
 
 def markdown(rows: list[dict[str, Any]], command: str) -> str:
-    lines = [f"`{command}`", "", "| shape (per chip) | direction | xla | splash | splash - xla | compiled for |",
+    where = ("inside its layer (q/k/v/o projections" + (", full remat)" if rows[0]["remat"] else ")")
+             if rows and rows[0]["in_layer"] else "the attention call alone")
+    lines = [f"`{command}`", "", f"Temporaries of {where}.", "",
+             "| shape (per chip) | direction | xla | splash | splash - xla | compiled for |",
              "|---|---|---:|---:|---:|---|"]
     by_shape: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for r in rows:
@@ -94,19 +123,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--custom", default="", help="rows,tokens,heads,kv_heads,head_dim,causal(0/1) instead")
     parser.add_argument("--implementations", default="xla,splash")
     parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--in-layer", action="store_true",
+                        help="compile the attention inside its layer: the q/k/v/o projections around it")
+    parser.add_argument("--hidden", type=int, default=0, help="with --in-layer and --custom: the layer's width")
+    parser.add_argument("--remat", action="store_true", help="with --in-layer: the layer fully rematerialised")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
+    if args.remat and not args.in_layer:
+        parser.error("--remat needs --in-layer")
     if args.custom:
         r, t, h, kvh, d, c = (int(x) for x in args.custom.split(","))
-        shapes = {f"custom {r} x {t} tokens, {h}/{kvh} heads x {d}": (r, t, h, kvh, d, bool(c))}
+        name = f"custom {r} x {t} tokens, {h}/{kvh} heads x {d}"
+        shapes, hidden = {name: (r, t, h, kvh, d, bool(c))}, {name: args.hidden or h * d}
     else:
         names = list(SHAPES)
         shapes = {names[int(i)]: SHAPES[names[int(i)]] for i in args.shapes.split(",")}
+        hidden = HIDDEN
     results = []
     for name, shape in shapes.items():
         for implementation in args.implementations.split(","):
-            row = measure(name, shape, implementation, args.forward_only)
+            row = measure(name, shape, implementation, args.forward_only, hidden[name] if args.in_layer else 0,
+                          args.remat)
             print(f"{name}, {implementation}, {row['direction']}: {row['temp_bytes'] / 2**20:,.0f} MiB of "
                   f"temporaries ({row['target']})", flush=True)
             results.append(row)

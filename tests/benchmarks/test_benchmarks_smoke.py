@@ -129,6 +129,21 @@ def test_attention_memory_benchmark(tmp_path):
     assert "| custom 2 x 256 tokens, 4/2 heads x 32 | forward + backward |" in (tmp_path / "am.md").read_text()
 
 
+def test_attention_memory_benchmark_in_layer(tmp_path):
+    """--in-layer compiles the projections around the attention: more arguments, the layer's width recorded."""
+    mod = load_script("attention_memory")
+    assert mod.main(["--custom", "1,256,4,2,32,1", "--in-layer", "--hidden", "256", "--remat"]
+                    + outputs(tmp_path, "al")) == 0
+    rows = read_outputs(tmp_path, "al")["rows"]
+    assert all(r["in_layer"] and r["hidden"] == 256 and r["remat"] and r["temp_bytes"] > 0 for r in rows)
+    alone = mod.measure("alone", (1, 256, 4, 2, 32, True), "xla", False)
+    # the layer's arguments are x and four weights, not q, k and v
+    assert rows[0]["argument_bytes"] != alone["argument_bytes"]
+    assert "inside its layer (q/k/v/o projections, full remat)" in (tmp_path / "al.md").read_text()
+    with pytest.raises(SystemExit):
+        mod.main(["--custom", "1,256,4,2,32,1", "--remat"] + outputs(tmp_path, "bad"))
+
+
 def test_block_local_window_attention_equals_the_global_one():
     """The benchmark's block-local layout computes the same attention as the model's global gather."""
     import jax
