@@ -49,6 +49,10 @@ MODES = {
                      *FIXED_RESPONSE_AND_VISION),
     # rows of 512 tokens, as many as a minibatch needs: one shape per row count
     "packed_rows": ("pipeline.pack=True", "pipeline.pack_length=512", *FIXED_RESPONSE_AND_VISION),
+    # rows as many as needed, each minibatch's row length a length bucket: the smallest holding it in one row, else
+    # the largest ("one_row"), or the one holding it in the fewest token slots: one shape per (rows, bucket)
+    "packed_one_row": ("pipeline.pack=True", *FIXED_RESPONSE_AND_VISION),
+    "packed_fewest_slots": ("pipeline.pack=True", "pipeline.pack_length_rule=fewest_slots", *FIXED_RESPONSE_AND_VISION),
 }
 # the packed modes with 128-token attention tiles (512 above): tiles that hold only other examples' pairs
 # are skipped, so smaller tiles skip more of a packed row

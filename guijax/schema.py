@@ -201,12 +201,15 @@ class Pipeline:
     # vision tower's gathers stay on-device instead of being replicated across the mesh. Screenshots are
     # deduplicated within a block only.
     vision_per_device: bool = False
-    # padding-free batches: each minibatch's steps packed end to end into rows of `pack_length` tokens (0: the
-    # smallest length bucket that holds them, else the largest), `pack_rows` rows per minibatch (0: as many as
-    # it needs; a number gives every minibatch that fits one shape, one compiled step, and one that does not
+    # padding-free batches: each minibatch's steps packed end to end into rows of `pack_length` tokens (0: a
+    # length bucket per minibatch, by `pack_length_rule`), `pack_rows` rows per minibatch (0: as
+    # many as it needs; a number gives every minibatch that fits one shape, one compiled step, and one that does not
     # pack_rows x 2^k rows), each data-parallel device packing its own steps
     pack: bool = False
     pack_length: int = ranged(0, low=0)
+    # "one_row": the smallest bucket that holds the minibatch's tokens in one row, else the largest (few shapes);
+    # "fewest_slots": the bucket whose rows hold it in the fewest token slots (higher fill, more shapes)
+    pack_length_rule: Literal["one_row", "fewest_slots"] = "one_row"
     pack_rows: int = ranged(0, low=0)
     # the response budget: loss tokens per step (0: the longest step's, rounded up to `response_bucket`); a
     # number fixes the shape, and a step with more loss tokens is refused

@@ -104,6 +104,7 @@ def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str,
                           max_response_tokens=config.pipeline.get("max_response_tokens", 0) or None,
                           pack=config.pipeline.get("pack", False),
                           pack_length=config.pipeline.get("pack_length", 0) or None,
+                          pack_length_rule=config.pipeline.get("pack_length_rule", "one_row"),
                           pack_rows=config.pipeline.get("pack_rows", 0) or None,
                           pack_blocks=blocks, vision_images=config.pipeline.get("vision_images", 0))
 

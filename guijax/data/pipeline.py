@@ -76,12 +76,16 @@ class PipelineConfig:
     # rows' screenshots (guijax.models.vision_blocks); a short batch leaves the last blocks short or empty
     vision_blocks: int = 1
     # padding-free batches (guijax.data.packing): each batch's examples packed end to end into rows of
-    # `pack_length` tokens (None: the smallest length bucket that holds a block's tokens, else the largest),
+    # `pack_length` tokens (None: a length bucket chosen per batch by `pack_length_rule`),
     # `pack_rows` rows per batch (None: as many as the batch needs; a number gives every batch that fits one
     # shape, and one that does not pack_rows x 2^k rows) in `pack_blocks` per-device blocks; the examples'
     # rows (response space) padded to `batch_size`
     pack: bool = False
     pack_length: int | None = None
+    # how a batch's row length is chosen when `pack_length` is None: "one_row", the smallest bucket that holds a
+    # block's tokens in one row, else the largest (few shapes); "fewest_slots", the bucket whose rows hold the
+    # batch in the fewest token slots (higher fill, more shapes)
+    pack_length_rule: str = "one_row"
     pack_rows: int | None = None
     pack_blocks: int = 1
     # > 0: every vision layout (each block's) holds exactly this many images, the distinct screenshots padded with
@@ -482,9 +486,7 @@ class Collate:
                              "blocks must be the packing blocks")
         if size % blocks:
             raise ValueError(f"batch size {size} does not divide into {blocks} packing blocks")
-        per_block = size // blocks
-        length = config.pack_length or self._pack_length(
-            [sum(lengths[k * per_block:(k + 1) * per_block]) for k in range(blocks)], max(lengths))
+        length = config.pack_length or self._pack_length(lengths, size, blocks)
         try:
             layout = plan_rows(lengths, size, length, config.pack_rows, blocks, grow=True)
         except PackingError as err:
@@ -521,13 +523,29 @@ class Collate:
         out.update(vision=vision, **row_flags(examples, size), meta=dict(meta, packed_rows=np.int32(len(layout.rows))))
         return out
 
-    def _pack_length(self, block_tokens: Sequence[int], longest: int) -> int:
-        """The smallest length bucket that holds the fullest block's tokens (one row per block), else the
-        largest bucket (several rows)."""
+    def _pack_length(self, lengths: Sequence[int], size: int, blocks: int) -> int:
+        """The batch's row length under `pack_length_rule` (see PipelineConfig); the largest bucket when an example
+        is longer than every one (plan_rows then names it)."""
         buckets = sorted(self.config.length_buckets)
-        if longest > buckets[-1]:
-            return buckets[-1]  # plan_rows names the example that does not fit
-        return next((b for b in buckets if b >= max(block_tokens)), buckets[-1])
+        fitting = [b for b in buckets if b >= max(lengths)]
+        if not fitting:
+            return buckets[-1]
+        if self.config.pack_length_rule == "one_row":
+            per_block = size // blocks
+            fullest = max(sum(lengths[k * per_block:(k + 1) * per_block]) for k in range(blocks))
+            return next((b for b in fitting if b >= fullest), buckets[-1])
+        if self.config.pack_length_rule != "fewest_slots":
+            raise ValueError(f"pack_length_rule={self.config.pack_length_rule!r}: choose 'one_row' or 'fewest_slots'")
+        # Why: first-fit leaves the end of every row empty, and a row several examples long wastes less of it when
+        # its length fits their sum. Ties go to the shorter rows, whose attention tiles are fewer; with
+        # `pack_rows`, the buckets that need no more rows than that come first (more rows is another shape).
+        fixed = self.config.pack_rows
+
+        def cost(length: int) -> tuple[bool, int, int]:
+            rows = len(plan_rows(lengths, size, length, fixed, blocks, grow=True).rows)
+            return fixed is not None and rows > fixed, rows * length, length
+
+        return min(fitting, key=cost)
 
     def response_positions(self, loss_mask: np.ndarray, examples: Sequence[dict[str, Any]]) -> np.ndarray:
         try:

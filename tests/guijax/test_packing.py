@@ -59,6 +59,25 @@ def test_rows_are_packed_first_fit_decreasing_within_their_blocks():
     assert len(plan_rows([60, 50, 40, 30, 20, 10], batch_size=8, length=100, rows=2, blocks=2, grow=True).rows) == 4
 
 
+def test_pack_length_rules(cfg):
+    one_row = Collate(cfg, dataclasses.replace(CONFIG, pack=True))._pack_length  # buckets 128, 256, 512, 1024
+    assert one_row([100] * 3, 8, 1) == 512 and one_row([300] * 8, 8, 1) == 1024  # one row, else the largest
+    assert one_row([100] * 8, 8, 2) == 512  # the fullest block's 400 tokens in one row
+    choose = Collate(cfg, dataclasses.replace(CONFIG, pack=True, pack_length_rule="fewest_slots"))._pack_length
+    assert choose([200] * 5, 8, 1) == 1024  # one row of five: 1,024 slots against 1,280 (256) and 1,536 (512)
+    assert choose([130] * 3, 8, 1) == 512  # 130 + 130 > 256: three rows of 256 hold 768 slots, one of 512 holds 512
+    assert choose([100, 100], 8, 1) == 128  # 2 x 128 and 1 x 256 tie: the shorter rows
+    # each block gets as many rows as its fullest: one block needs 3 rows of 512 (the other 1), so 2 blocks x 3 x 512
+    # slots against 2 x 1 x 1,024; as one block, 3 rows of 512 hold all eight
+    lengths = [300, 300, 300, 100, 100, 100, 100, 100]
+    assert choose(lengths, 8, 2) == 1024 and choose(lengths, 8, 1) == 512
+    assert choose([2000], 8, 1) == 1024  # longer than every bucket: plan_rows names it
+    fixed = Collate(cfg, dataclasses.replace(CONFIG, pack=True, pack_rows=2, pack_length_rule="fewest_slots"))
+    assert fixed._pack_length([100] * 4, 8, 1) == 256  # two rows of 256 hold four; two of 128 would double to four
+    with pytest.raises(ValueError, match="pack_length_rule='fullest'"):
+        Collate(cfg, dataclasses.replace(CONFIG, pack=True, pack_length_rule="fullest"))._pack_length([100], 8, 1)
+
+
 def _per_example(padded: dict, values: np.ndarray) -> list[np.ndarray]:
     """Each padded row's values at its loss positions, in order."""
     return [values[i][padded["loss_mask"][i] > 0] for i in range(len(padded["loss_mask"]))]
@@ -77,6 +96,9 @@ def test_packed_batch_gives_each_example_its_padded_log_probs(proc, cfg, one_siz
         packed["meta"]["token_fill"], padded["meta"]["token_fill"])
     auto = Collate(cfg, dataclasses.replace(CONFIG, pack=True))(examples)
     assert auto["input_ids"].shape == (2, 1024)  # the largest bucket, as many rows as first-fit needs
+    fewest = Collate(cfg, dataclasses.replace(CONFIG, pack=True, pack_length_rule="fewest_slots"))(examples)
+    # the bucket with the fewest token slots: 6 rows of 256 (1,536) against 2 of 1,024 or 3 of 512
+    assert fewest["input_ids"].shape == (6, 256) and fewest["meta"]["token_fill"] > 0.83
     fn = train_step.make_logprob_fn(module, temperature=0.7)
     strip = lambda b: {k: v for k, v in b.items() if k != "meta"}  # noqa: E731
     logp, entropy = (np.asarray(x) for x in fn(params, strip(packed)))
