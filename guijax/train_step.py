@@ -263,8 +263,8 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
             return optax.apply_updates(params, updates), new_opt
 
         # A branch rather than a select per leaf: the update's fusions write the new state once, where
-        # `where(finite, new, old)` over every parameter and moment read both again (3-5% of the small
-        # preset's CPU step, same-process A/B).
+        # `where(finite, new, old)` over every parameter and moment read both again (147 select_n, 5.1% of the
+        # small preset's CPU step in benchmarks/profile_step.py, before this branch).
         new_trained, new_opt = lax.cond(finite, update, lambda args: args, (trained, state.opt_state))
         metrics = dict(metrics, grad_norm=grad_norm, skipped=(~finite).astype(jnp.int32))
         return TrainState(new_trained, new_opt, state.step + 1), metrics

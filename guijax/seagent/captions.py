@@ -201,9 +201,3 @@ def desk_episode_record(task: Task, trajectory: Trajectory, screen_hw: tuple[int
         changes.append(StepChange(r.index, r.before.screenshot, r.after.screenshot, change))
         final = r.after.screenshot
     return EpisodeRecord(captions, changes, final)
-
-
-def desk_step_captions(task: Task, trajectory: Trajectory, screen_hw: tuple[int, int], popups: bool = False,
-                       coordinate_model: str = "uitars-1.5", grammar: str = "uitars") -> list[str]:
-    """One caption per replayed step, "Step k: <action>. <what changed>" (`desk_episode_record`)."""
-    return desk_episode_record(task, trajectory, screen_hw, popups, coordinate_model, grammar).captions

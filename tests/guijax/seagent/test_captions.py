@@ -9,7 +9,7 @@ from envs.actions.model import Action, ActionType
 from envs.desk.a11y import parse_tree
 from envs.desk.env import DeskEnv
 from envs.tasks import generate_desk_tasks
-from guijax.seagent.captions import change_caption, desk_step_captions
+from guijax.seagent.captions import change_caption, desk_episode_record
 
 BEFORE = '''window "Notes" [0,0,100,100]
   field "Title" [5,5,95,20] text="draft"
@@ -76,11 +76,11 @@ def test_every_replayed_step_of_an_episode_gets_a_caption(task):
     with scripted_episodes(task) as run:
         detour = run([click(task, wrong), click(task, target), DONE])
         broken = run([WAIT, "no action here"])
-    assert desk_step_captions(task, detour, SCREEN) == [
+    assert desk_episode_record(task, detour, SCREEN).captions == [
         f'Step 1: clicked the "{wrong}" button in the "Dialog" window. The "{wrong}" button in the "Dialog" window '
         'registered a click.',
         f'Step 2: clicked the "{target}" button in the "Dialog" window. The "{target}" button in the "Dialog" '
         'window registered a click.',
         "Step 3: reported the task done. The screen did not change."]
-    assert desk_step_captions(task, broken, SCREEN) == [
+    assert desk_episode_record(task, broken, SCREEN).captions == [
         "Step 1: waited. The screen did not change.", "Step 2: the answer did not parse; the episode ended."]

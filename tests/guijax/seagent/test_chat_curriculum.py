@@ -10,7 +10,7 @@ from desk_policies import DONE, SCREEN, WAIT, buttons, click, click_task, script
 from envs.desk.env import DeskEnv
 from fake_chat import fake_chat_server
 from guijax.chat import ChatClient, ChatError
-from guijax.seagent.captions import desk_step_captions, screen_captions
+from guijax.seagent.captions import desk_episode_record, screen_captions
 from guijax.seagent.chat_curriculum import (TASK_BUFFER_PROMPT, ChatCurriculumGenerator, CurriculumAnswerError,
                                             TaskBuffer, parse_task_buffer, phase_feedback)
 from guijax.seagent.world_state import DeskOracleJudge
@@ -55,7 +55,7 @@ def judged_phase():
     judge = DeskOracleJudge(SCREEN)
     with scripted_episodes(task) as run:
         episodes = [run([click(task, target), DONE]), run([WAIT, click(task, wrong), DONE])]
-    return task, wrong, [(task, judge.judge(task, t), desk_step_captions(task, t, SCREEN)) for t in episodes]
+    return task, wrong, [(task, judge.judge(task, t), desk_episode_record(task, t, SCREEN).captions) for t in episodes]
 
 
 def test_a_phases_judged_episodes_become_the_prompts_three_inputs(judged_phase):
