@@ -44,7 +44,8 @@ class SEAgentOptions:
     # LoRA-tuned in guijax before phase 1 (desk only: its training labels are the ground truth's)
     judge: Literal["oracle", "chat", "trained"] = "oracle"
     judge_retries: int = ranged(2, low=0)  # chat, trained: unreadable answers asked again
-    judge_lora_rank: int = ranged(128, low=1)  # A.2: LoRA rank 128
+    # A.2: LoRA rank 128; 0: every parameter trains (a small model whose tied embeddings never wrote judgments)
+    judge_lora_rank: int = ranged(128, low=0)
     judge_lora_alpha: float = ranged(256.0, low=0, low_open=True)  # LLaMA-Factory's default, 2 x rank
     judge_steps: int = ranged(2000, low=1)  # A.2: 2,000 iterations
     judge_learning_rate: float = ranged(2e-5, low=0, low_open=True)  # A.2

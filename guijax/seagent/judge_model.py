@@ -25,6 +25,7 @@ import numpy as np
 
 from envs.api import Task
 from guijax.data.chat_examples import ChatExample, chat_prompt
+from guijax.progress import Progress
 from guijax.rollout.engine import response_text
 from guijax.rollout.trajectory import Trajectory
 from guijax.sampling import Sampler, SamplingConfig
@@ -69,7 +70,7 @@ def judge_examples(episodes: Sequence[tuple[Task, Trajectory, Judgment, EpisodeR
 class TrainedWorldStateJudge:
     """Fig. 8 answered by a guijax model (`module` with `params`, sampled with `sampling`'s settings but its
     temperature): greedy first, then `retries` answers sampled at temperature 1 for an unreadable one, then an
-    unreadable judgment. `max_rows` episodes per sampler call."""
+    unreadable judgment whose error type quotes the greedy answer. `max_rows` episodes per sampler call."""
 
     def __init__(self, module: Any, params: Any, processor: Any, sampling: SamplingConfig, *, mesh: Any = None,
                  retries: int = 2, seed: int = 0, max_rows: int = 32):
@@ -90,14 +91,22 @@ class TrainedWorldStateJudge:
         errors: list[str] = [""] * len(prompts)
         for attempt in range(self.retries + 1):
             todo = [i for i, j in enumerate(out) if j is None]
-            for first in range(0, len(todo), self.max_rows):
-                rows = todo[first:first + self.max_rows]
-                for i, text in zip(rows, self._answers([prompts[i] for i in rows], greedy=attempt == 0)):
-                    try:
-                        out[i] = parse_judgment(text)
-                    except JudgmentError as err:
-                        errors[i] = f"{err}: {text[-200:]!r}"
-        return [j if j is not None else Judgment(False, optimized=False, error_type=f"unreadable judgment ({errors[i]})",
+            if not todo:
+                break
+            desc = "world state model: judging" + (f" (sampled retry {attempt})" if attempt else "")
+            with Progress(len(todo), desc, "episode") as bar:
+                for first in range(0, len(todo), self.max_rows):
+                    rows = todo[first:first + self.max_rows]
+                    for i, text in zip(rows, self._answers([prompts[i] for i in rows], greedy=attempt == 0)):
+                        try:
+                            out[i] = parse_judgment(text)
+                        except JudgmentError as err:
+                            if not attempt:  # the greedy answer, the paper's decoding, says most
+                                errors[i] = f"{err}; greedy answer: {text[:600]!r}"
+                    bar.update(len(rows), readable=sum(out[i] is not None for i in todo))
+        again = f", and {self.retries} sampled retries" if self.retries else ""
+        return [j if j is not None else Judgment(False, optimized=False,
+                                                 error_type=f"unreadable judgment{again} ({errors[i]})",
                                                  readable=False)
                 for i, j in enumerate(out)]
 

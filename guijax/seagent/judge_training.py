@@ -1,11 +1,12 @@
 """The World State Model's stage of a SEAgent run on the synthetic desk: collect episodes, judge them from ground
-truth, LoRA-tune a judge on them (A.2), and score it against the verifier on episodes it never saw (Table 1's
+truth, LoRA-tune a judge on them (A.2; or tune every parameter), and score it against the verifier on episodes it never saw (Table 1's
 precision and NPV) beside the untrained model it started from.
 
 The training episodes are the base policy's rollouts on fresh desk tasks of the run's families (none of the
 run's own tasks), the evaluation episodes its rollouts on another fresh set. Everything lands in the method's
-`world_state_model/` folder: the tuned judge as a plain checkpoint (`model/`, adapters merged), its losses, and
-`judge_eval.json` / `judge_eval.md`; a rerun that finds them loads the judge instead of training it again.
+`world_state_model/` folder: the tuned judge as a plain checkpoint (`model/`, adapters merged), `training.json`
+(its losses and data), and `judge_eval.json` / `judge_eval.md`; a rerun that finds them all loads the judge, one
+that finds the model and `training.json` without the evaluation evaluates it, neither trains it again.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ FOLDER = "world_state_model"
 
 
 def judge_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The run's config for the judge: LoRA of `seagent.judge_lora_rank` on the decoder, nothing else frozen,
-    and the judge's own answer length and length buckets."""
+    """The run's config for the judge: LoRA of `seagent.judge_lora_rank` on the decoder (rank 0: every parameter
+    trains), nothing else frozen, and the judge's own answer length and length buckets."""
     o = config.seagent
     c = ml_collections.ConfigDict(config.to_dict())
     c.lora.rank, c.lora.alpha = int(o.judge_lora_rank), float(o.judge_lora_alpha)
@@ -84,7 +85,9 @@ def eval_markdown(rows: Sequence[dict[str, Any]], episodes: int, successes: int)
 
 def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> TrainedWorldStateJudge:
     """The run's trained judge: loaded from `world_state_model/` when an earlier run finished it, else trained
-    and evaluated there (see the module docstring)."""
+    and evaluated there (see the module docstring). The tuned model and `training.json` (its losses and data)
+    are written before the evaluation, so a run stopped during the evaluation evaluates again without
+    retraining."""
     from envs.tasks import generate_desk_tasks
     from guijax.models.policy import save_pretrained
     from guijax.sft import sft_steps
@@ -92,50 +95,56 @@ def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> 
 
     config, o = ctx.config, ctx.config.seagent
     folder = pathlib.Path(ctx.workdir) / FOLDER
-    model_dir, report = folder / "model", folder / "judge_eval.json"
+    model_dir, report, training = folder / "model", folder / "judge_eval.json", folder / "training.json"
     cfg = judge_config(config)
     make = lambda p, retries=o.judge_retries: TrainedWorldStateJudge(  # noqa: E731
         p.module, p.params, p.processor, sampling_config(cfg, p.processor, 0.0, p.mesh), mesh=p.mesh,
         retries=retries, seed=ctx.streams.seed_for("judge_samples"), max_rows=o.sampler_rows)
-    if (model_dir / "config.json").exists() and report.exists():
+    tuned = (model_dir / "config.json").exists() and training.exists()
+    if tuned and report.exists():
         return make(ctx.load_policy(model_dir, None))
     families = tuple(config.env.families) or None
-    train_tasks = generate_desk_tasks(o.judge_tasks, seed=ctx.streams.seed_for("judge_tasks"), families=families,
-                                      screen_hw=tuple(config.env.screen))
     eval_tasks = generate_desk_tasks(o.judge_eval_tasks, seed=ctx.streams.seed_for("judge_eval_tasks"),
                                      families=families, screen_hw=tuple(config.env.screen))
-    train_eps = collect(ctx, policy, train_tasks, o.judge_episodes_per_task, ctx.streams.seed_for("judge_rollouts"),
-                        "world state model: training episodes")
+    if tuned:
+        print(f"  world state model: tuned in an earlier run ({model_dir}); evaluating it", flush=True)
+        trained, facts = make(ctx.load_policy(model_dir, None)), json.loads(training.read_text())
+    else:
+        train_tasks = generate_desk_tasks(o.judge_tasks, seed=ctx.streams.seed_for("judge_tasks"),
+                                          families=families, screen_hw=tuple(config.env.screen))
+        train_eps = collect(ctx, policy, train_tasks, o.judge_episodes_per_task,
+                            ctx.streams.seed_for("judge_rollouts"), "world state model: training episodes")
+        examples = judge_examples(train_eps, o.judge_change_descriptions)
+        judge_policy = ctx.load_policy(policy.path, cfg)
+        judge_pipeline = dataclasses.replace(pipeline, length_buckets=tuple(o.judge_length_buckets), pack=False)
+        params, losses = sft_steps(
+            judge_policy, [], judge_policy.processor, cfg, judge_pipeline, o.judge_steps, o.judge_batch_size,
+            ctx.streams.seed_for("judge_batches"), log=log, checkpoint_dir=folder / "checkpoints",
+            desc="world state model", learning_rate=o.judge_learning_rate,
+            refs=[StepRef(i, 0, 1.0) for i in range(len(examples))],
+            encode=EncodeChat(examples, judge_policy.processor, max(o.judge_length_buckets)))
+        judge_policy.params = params
+        save_pretrained(judge_policy, model_dir)
+        facts = {"training_examples": len(examples), "training_episodes": len(train_eps),
+                 "training_successes": sum(t.success for _, t, _, _ in train_eps), "losses": losses}
+        write_text_atomic(training, json.dumps(facts, indent=1))
+        trained = make(judge_policy)
     eval_eps = collect(ctx, policy, eval_tasks, o.judge_episodes_per_task, ctx.streams.seed_for("judge_eval_rollouts"),
                        "world state model: evaluation episodes")
-    examples = judge_examples(train_eps, o.judge_change_descriptions)
-    judge_policy = ctx.load_policy(policy.path, cfg)
     # an untrained model rarely writes a res_dict; one greedy answer says so
-    base_row, _ = evaluate(make(judge_policy, retries=0), eval_eps)
-    judge_pipeline = dataclasses.replace(pipeline, length_buckets=tuple(o.judge_length_buckets), pack=False)
-    params, losses = sft_steps(
-        judge_policy, [], judge_policy.processor, cfg, judge_pipeline, o.judge_steps, o.judge_batch_size,
-        ctx.streams.seed_for("judge_batches"), log=log, checkpoint_dir=folder / "checkpoints",
-        desc="world state model", learning_rate=o.judge_learning_rate,
-        refs=[StepRef(i, 0, 1.0) for i in range(len(examples))],
-        encode=EncodeChat(examples, judge_policy.processor, max(o.judge_length_buckets)))
-    judge_policy.params = params
-    trained = make(judge_policy)
+    base_row, _ = evaluate(make(ctx.load_policy(policy.path, None), retries=0), eval_eps)
     trained_row, judgments = evaluate(trained, eval_eps)
     oracle_row = score_row([j for _, _, j, _ in eval_eps], eval_eps)
     cd = "w/ CD" if o.judge_change_descriptions else "w/o CD"
+    tuning = f"LoRA r{o.judge_lora_rank}" if o.judge_lora_rank else "full fine-tuning"
     rows = [{"judge": "base model, untrained (one greedy answer)", **base_row},
-            {"judge": f"World State Model ({cd}, LoRA r{o.judge_lora_rank}, {o.judge_steps} steps)", **trained_row},
+            {"judge": f"World State Model ({cd}, {tuning}, {o.judge_steps} steps)", **trained_row},
             {"judge": "desk oracle (ground truth)", **oracle_row}]
     successes = sum(t.success for _, t, _, _ in eval_eps)
-    save_pretrained(judge_policy, model_dir)
     write_text_atomic(folder / "judge_eval.md", eval_markdown(rows, len(eval_eps), successes))
     write_text_atomic(report, json.dumps({
-        "rows": rows, "training_examples": len(examples),
-        "training_episodes": len(train_eps), "training_successes": sum(t.success for _, t, _, _ in train_eps),
-        "evaluation_episodes": len(eval_eps), "evaluation_successes": successes,
-        "losses": losses, "judgments": [{"task": t.task_id, "verified": t.success, **j.as_dict(),
-                                         "readable": j.readable} for (_, t, _, _), j in zip(eval_eps, judgments)]},
-        indent=1))
+        "rows": rows, **{k: v for k, v in facts.items() if k != "losses"},
+        "evaluation_episodes": len(eval_eps), "evaluation_successes": successes, "losses": facts["losses"],
+        "judgments": [{"task": t.task_id, "verified": t.success, **j.as_dict(), "readable": j.readable}
+                      for (_, t, _, _), j in zip(eval_eps, judgments)]}, indent=1))
     return trained
-

@@ -332,9 +332,20 @@ def test_seagent_trains_its_world_state_model_then_judges_with_it(prepared, caps
     two.seagent.phases = 2
     capsys.readouterr()
     base_stages.train_with(run, get_method("seagent", two), workdir, "seagent")
-    assert "world state model" not in capsys.readouterr().out  # loaded, not trained again
+    out = capsys.readouterr().out  # loaded, not trained (nor evaluated) again
+    assert "world state model: training" not in out and "world state model: 2/2 steps" not in out
     assert (folder / "judge_eval.json").stat().st_mtime_ns == written
     assert json.loads((workdir / "phase_2" / "phase.json").read_text())["judge_unreadable"] > 0
+    # stopped during its evaluation: the next run evaluates the tuned model again, without retraining it
+    (folder / "judge_eval.json").unlink()
+    tuned = (folder / "model" / "model.safetensors").stat().st_mtime_ns
+    base_stages.train_with(run, get_method("seagent", two), workdir, "seagent")
+    out = capsys.readouterr().out
+    assert "tuned in an earlier run" in out and "world state model: judging" in out
+    assert "world state model: training" not in out and "world state model: 2/2 steps" not in out
+    assert (folder / "model" / "model.safetensors").stat().st_mtime_ns == tuned
+    again = json.loads((folder / "judge_eval.json").read_text())
+    assert again["losses"] == report["losses"] and again["rows"] == report["rows"]
 
 
 def test_seagent_runs_the_llm_curriculums_tasks(prepared):

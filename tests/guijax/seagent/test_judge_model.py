@@ -85,7 +85,8 @@ class ScriptedJudge(TrainedWorldStateJudge):
         return [self.answers.pop(0) for _ in prompts]
 
 
-def test_unreadable_answers_are_asked_again_with_sampling_then_counted(episodes, proc):
+def test_unreadable_answers_are_asked_again_with_sampling_then_counted(episodes, proc, monkeypatch, capsys):
+    monkeypatch.setenv("GUIJAX_PROGRESS", "lines")
     good = judgment_answer(Judgment(True, reasoning="fine"))
     eps = [(task, t, r.final_screenshot) for task, t, _, r in episodes] * 2  # four episodes
     # greedy: rows 0 and 2 readable; first retry: row 1 readable; second retry: row 3 still garbage
@@ -93,9 +94,16 @@ def test_unreadable_answers_are_asked_again_with_sampling_then_counted(episodes,
     judge.processor = proc
     out = judge.judge_all(eps)
     assert judge.calls == [(True, 2), (True, 2), (False, 2), (False, 1)]
+    lines = capsys.readouterr().out.splitlines()  # each attempt's closing line, with how many it has read
+    assert [line.split(",")[0].strip() for line in lines] == [
+        "world state model: judging: 4/4 episodes (100%)", "world state model: judging (sampled retry 1): 2/2 "
+        "episodes (100%)", "world state model: judging (sampled retry 2): 1/1 episodes (100%)"]
+    assert [line.rsplit("readable=", 1)[1] for line in lines] == ["2", "1", "0"]
     assert [j.readable for j in out] == [True, True, True, False]
     assert out[3] == dataclasses.replace(out[3], correct=False, first_error_step=None)
     assert "unreadable judgment" in out[3].error_type and step_labels(out[3], 2) == [None, None]
+    # its error quotes the greedy answer (the paper's decoding), not the last sampled one
+    assert out[3].error_type.endswith("greedy answer: 'garbage')") and "2 sampled retries" in out[3].error_type
 
 
 @pytest.mark.slow  # ~1.5 min: tunes the tiny model on one judgment until it writes it back
