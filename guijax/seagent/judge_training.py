@@ -103,6 +103,9 @@ def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> 
     tuned = (model_dir / "config.json").exists() and training.exists()
     if tuned and report.exists():
         return make(ctx.load_policy(model_dir, None))
+    cd = "w/ CD" if o.judge_change_descriptions else "w/o CD"
+    tuning = f"LoRA r{o.judge_lora_rank}" if o.judge_lora_rank else "full fine-tuning"
+    name = f"World State Model ({cd}, {tuning}, {o.judge_steps} steps)"
     families = tuple(config.env.families) or None
     eval_tasks = generate_desk_tasks(o.judge_eval_tasks, seed=ctx.streams.seed_for("judge_eval_tasks"),
                                      families=families, screen_hw=tuple(config.env.screen))
@@ -125,7 +128,7 @@ def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> 
             encode=EncodeChat(examples, judge_policy.processor, max(o.judge_length_buckets)))
         judge_policy.params = params
         save_pretrained(judge_policy, model_dir)
-        facts = {"training_examples": len(examples), "training_episodes": len(train_eps),
+        facts = {"judge": name, "training_examples": len(examples), "training_episodes": len(train_eps),
                  "training_successes": sum(t.success for _, t, _, _ in train_eps), "losses": losses}
         write_text_atomic(training, json.dumps(facts, indent=1))
         trained = make(judge_policy)
@@ -135,15 +138,13 @@ def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> 
     base_row, _ = evaluate(make(ctx.load_policy(policy.path, None), retries=0), eval_eps)
     trained_row, judgments = evaluate(trained, eval_eps)
     oracle_row = score_row([j for _, _, j, _ in eval_eps], eval_eps)
-    cd = "w/ CD" if o.judge_change_descriptions else "w/o CD"
-    tuning = f"LoRA r{o.judge_lora_rank}" if o.judge_lora_rank else "full fine-tuning"
     rows = [{"judge": "base model, untrained (one greedy answer)", **base_row},
-            {"judge": f"World State Model ({cd}, {tuning}, {o.judge_steps} steps)", **trained_row},
+            {"judge": facts.get("judge", name), **trained_row},  # as tuned, when a rerun only evaluates
             {"judge": "desk oracle (ground truth)", **oracle_row}]
     successes = sum(t.success for _, t, _, _ in eval_eps)
     write_text_atomic(folder / "judge_eval.md", eval_markdown(rows, len(eval_eps), successes))
     write_text_atomic(report, json.dumps({
-        "rows": rows, **{k: v for k, v in facts.items() if k != "losses"},
+        "rows": rows, **{k: v for k, v in facts.items() if k not in ("judge", "losses")},
         "evaluation_episodes": len(eval_eps), "evaluation_successes": successes, "losses": facts["losses"],
         "judgments": [{"task": t.task_id, "verified": t.success, **j.as_dict(), "readable": j.readable}
                       for (_, t, _, _), j in zip(eval_eps, judgments)]}, indent=1))

@@ -339,7 +339,9 @@ def test_seagent_trains_its_world_state_model_then_judges_with_it(prepared, caps
     # stopped during its evaluation: the next run evaluates the tuned model again, without retraining it
     (folder / "judge_eval.json").unlink()
     tuned = (folder / "model" / "model.safetensors").stat().st_mtime_ns
-    base_stages.train_with(run, get_method("seagent", two), workdir, "seagent")
+    longer = copy.deepcopy(two)  # a changed setting neither retrains nor renames the judge it tuned
+    longer.seagent.judge_steps = 7
+    base_stages.train_with(run, get_method("seagent", longer), workdir, "seagent")
     out = capsys.readouterr().out
     assert "tuned in an earlier run" in out and "world state model: judging" in out
     assert "world state model: training" not in out and "world state model: 2/2 steps" not in out
