@@ -41,7 +41,7 @@ class SEAgentOptions:
     group_size: int = ranged(8, low=2)  # G responses sampled at each a_T state (Eq. 3)
     max_states: int = ranged(0, low=0)  # a_T states sampled per phase (0: all), the first in rollout order
     # oracle: the desk's ground truth; chat: an OpenAI-compatible vision model; trained: a World State Model
-    # LoRA-tuned in guijax before phase 1 (desk only: its training labels are the ground truth's)
+    # tuned in guijax (LoRA, or every parameter) before phase 1 (desk only: its training labels are the ground truth's)
     judge: Literal["oracle", "chat", "trained"] = "oracle"
     judge_retries: int = ranged(2, low=0)  # chat, trained: unreadable answers asked again
     # A.2: LoRA rank 128; 0: every parameter trains (a small model whose tied embeddings never wrote judgments)
