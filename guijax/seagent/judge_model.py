@@ -1,5 +1,5 @@
 """SEAgent's World State Model trained in guijax (App. A.2): a vision-language model of any supported family,
-LoRA-tuned to write Fig. 8 judgments of whole episodes, co-trained on state-change descriptions.
+LoRA-tuned (or tuned whole) to write Fig. 8 judgments of whole episodes, co-trained on state-change descriptions.
 
 Training data, as the paper builds it with GPT-4o annotations kept only where they match the verifier, comes
 here from ground truth (`judge_examples`):

@@ -1,6 +1,6 @@
 """The World State Model's stage of a SEAgent run on the synthetic desk: collect episodes, judge them from ground
-truth, LoRA-tune a judge on them (A.2; or tune every parameter), and score it against the verifier on episodes it never saw (Table 1's
-precision and NPV) beside the untrained model it started from.
+truth, LoRA-tune a judge on them (A.2; or tune every parameter), and score it against the verifier on episodes
+it never saw (Table 1's precision and NPV) beside the untrained model it started from.
 
 The training episodes are the base policy's rollouts on fresh desk tasks of the run's families (none of the
 run's own tasks), the evaluation episodes its rollouts on another fresh set. Everything lands in the method's
@@ -100,9 +100,9 @@ def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> 
     make = lambda p, retries=o.judge_retries: TrainedWorldStateJudge(  # noqa: E731
         p.module, p.params, p.processor, sampling_config(cfg, p.processor, 0.0, p.mesh), mesh=p.mesh,
         retries=retries, seed=ctx.streams.seed_for("judge_samples"), max_rows=o.sampler_rows)
-    tuned = (model_dir / "config.json").exists() and training.exists()
-    if tuned and report.exists():
+    if (model_dir / "config.json").exists() and report.exists():
         return make(ctx.load_policy(model_dir, None))
+    tuned = (model_dir / "config.json").exists() and training.exists()
     cd = "w/ CD" if o.judge_change_descriptions else "w/o CD"
     tuning = f"LoRA r{o.judge_lora_rank}" if o.judge_lora_rank else "full fine-tuning"
     name = f"World State Model ({cd}, {tuning}, {o.judge_steps} steps)"

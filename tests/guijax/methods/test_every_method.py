@@ -333,7 +333,7 @@ def test_seagent_trains_its_world_state_model_then_judges_with_it(prepared, caps
     capsys.readouterr()
     base_stages.train_with(run, get_method("seagent", two), workdir, "seagent")
     out = capsys.readouterr().out  # loaded, not trained (nor evaluated) again
-    assert "world state model: training" not in out and "world state model: 2/2 steps" not in out
+    assert "world state model: 2/2 steps" not in out  # (phase 2 judges with it)
     assert (folder / "judge_eval.json").stat().st_mtime_ns == written
     assert json.loads((workdir / "phase_2" / "phase.json").read_text())["judge_unreadable"] > 0
     # stopped during its evaluation: the next run evaluates the tuned model again, without retraining it
@@ -344,10 +344,16 @@ def test_seagent_trains_its_world_state_model_then_judges_with_it(prepared, caps
     base_stages.train_with(run, get_method("seagent", longer), workdir, "seagent")
     out = capsys.readouterr().out
     assert "tuned in an earlier run" in out and "world state model: judging" in out
-    assert "world state model: training" not in out and "world state model: 2/2 steps" not in out
+    assert "world state model: 7/7 steps" not in out
     assert (folder / "model" / "model.safetensors").stat().st_mtime_ns == tuned
     again = json.loads((folder / "judge_eval.json").read_text())
     assert again["losses"] == report["losses"] and again["rows"] == report["rows"]
+    # a folder from before training.json was written: its model and evaluation are loaded as they are
+    (folder / "training.json").unlink()
+    evaluated = (folder / "judge_eval.json").stat().st_mtime_ns
+    base_stages.train_with(run, get_method("seagent", longer), workdir, "seagent")
+    out = capsys.readouterr().out
+    assert "world state model" not in out and (folder / "judge_eval.json").stat().st_mtime_ns == evaluated
 
 
 def test_seagent_runs_the_llm_curriculums_tasks(prepared):
