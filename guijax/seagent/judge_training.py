@@ -100,9 +100,10 @@ def world_state_model(ctx: Any, policy: Any, pipeline: Any, log: Any = None) -> 
     make = lambda p, retries=o.judge_retries: TrainedWorldStateJudge(  # noqa: E731
         p.module, p.params, p.processor, sampling_config(cfg, p.processor, 0.0, p.mesh), mesh=p.mesh,
         retries=retries, seed=ctx.streams.seed_for("judge_samples"), max_rows=o.sampler_rows)
-    if (model_dir / "config.json").exists() and report.exists():
+    saved = (model_dir / "config.json").exists()
+    if saved and report.exists():
         return make(ctx.load_policy(model_dir, None))
-    tuned = (model_dir / "config.json").exists() and training.exists()
+    tuned = saved and training.exists()
     cd = "w/ CD" if o.judge_change_descriptions else "w/o CD"
     tuning = f"LoRA r{o.judge_lora_rank}" if o.judge_lora_rank else "full fine-tuning"
     name = f"World State Model ({cd}, {tuning}, {o.judge_steps} steps)"
