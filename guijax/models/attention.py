@@ -202,6 +202,11 @@ def _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float
         x = jnp.pad(x, pad, constant_values=fill)
         return jnp.moveaxis(x.reshape(x.shape[0], n, size, *x.shape[2:]), 1, 0)
 
+    # Tie the ids to the queries: under a scan over layers the ids are loop-invariant, and JAX's scan partial
+    # evaluation hoists everything computed from them alone out of the loop, so every tile's mask (and the
+    # masked fill of its scores) would be materialised at once, [nq, nk, b, h, bq, bk]: 10.7 GiB at 14k
+    # tokens instead of one tile. After the barrier they count as depending on the layer's input.
+    q, q_seg, kv_seg, q_pos, kv_pos = lax.optimization_barrier((q, q_seg, kv_seg, q_pos, kv_pos))
     qb = blocks(_group(q, kvh), nq, bq)
     kb, vb = blocks(k, nk, bk), blocks(v, nk, bk)
     out = _flash(causal, scale, qb, kb, vb, blocks(q_seg, nq, bq, PAD_SEGMENT), blocks(q_pos, nq, bq),
