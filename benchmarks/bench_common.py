@@ -32,6 +32,16 @@ SPEC_PEAK_BF16 = {
     "tpu v5e": 197e12,
     "tpu v4": 275e12,
 }
+# HBM bandwidth from the spec sheets, bytes/s: the roofline of memory-bound work such as a KV-cache decode.
+SPEC_HBM_BYTES_PER_S = {
+    "h200": 4.8e12,
+    "h100": 3.35e12,
+    "a100": 2.039e12,
+    "tpu v6e": 1.64e12,
+    "tpu v5p": 2.765e12,
+    "tpu v5e": 0.819e12,
+    "tpu v4": 1.2e12,
+}
 # jax's device_kind spellings -> keys above (checked in order; lower-cased substring match).
 _KIND_ALIASES = (
     ("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
@@ -98,12 +108,21 @@ def measure_matmul_peak(n: int = 2048, repeats: int = 5, dtype: Any = jnp.float3
             "flops_per_s": flops / min(times)}
 
 
-def spec_peak(device_kind: str) -> float | None:
+def _spec(device_kind: str, table: dict[str, float]) -> float | None:
     kind = device_kind.lower()
     for alias, key in _KIND_ALIASES:
         if alias in kind:
-            return SPEC_PEAK_BF16[key]
+            return table[key]
     return None
+
+
+def spec_peak(device_kind: str) -> float | None:
+    return _spec(device_kind, SPEC_PEAK_BF16)
+
+
+def spec_bandwidth(device_kind: str) -> float | None:
+    """The spec sheet's HBM bytes/s of a known GPU/TPU (None elsewhere: a CPU's has no single figure)."""
+    return _spec(device_kind, SPEC_HBM_BYTES_PER_S)
 
 
 def peak_flops(matmul_n: int = 2048, repeats: int = 5) -> dict[str, Any]:

@@ -7,7 +7,10 @@
 #
 #   bash benchmarks/gpu_checks.sh OUTDIR [SECONDS [PARTS]]
 # SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default
-# machine,gpu_tests,grpo_gpu_step,vs_torch_0_5b).
+# machine,gpu_tests,grpo_gpu_step,vs_torch_0_5b; also grpo_gpu_frozen_tower and grpo_gpu_lora, the 7B step
+# with the vision tower frozen or as LoRA r128; train_step_gui_0_5b, the 0.5B update at 5 full-HD screenshots,
+# vs_torch_gui_0_5b, the same rows against PyTorch; profile_gui_0_5b, a kernel-level profile of that step;
+# sampler_7b, the 7B sampler's decode at batch 8 and 64 with screenshot-length prompts against its roofline).
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS [PARTS]]}
 budget=${2:-560}
@@ -37,10 +40,29 @@ run_part() {
       -m gpu tests/guijax/test_attention.py tests/guijax/test_kernels.py ;;
     grpo_gpu_step) part grpo_gpu_step 330 python3 benchmarks/recipe_step.py --config=grpo_gpu --steps=3 \
       --json="$out/recipe_step_grpo_gpu.json" --markdown="$out/recipe_step_grpo_gpu.md" ;;
+    grpo_gpu_frozen_tower) part grpo_gpu_frozen_tower 220 python3 benchmarks/recipe_step.py --config=grpo_gpu \
+      --config.model.frozen='("visual",)' --steps=3 --json="$out/recipe_step_grpo_gpu_frozen_tower.json" \
+      --markdown="$out/recipe_step_grpo_gpu_frozen_tower.md" ;;
+    grpo_gpu_lora) part grpo_gpu_lora 220 python3 benchmarks/recipe_step.py --config=grpo_gpu --config.lora.rank=128 \
+      --steps=3 --json="$out/recipe_step_grpo_gpu_lora.json" --markdown="$out/recipe_step_grpo_gpu_lora.md" ;;
+    train_step_gui_0_5b) part train_step_gui_0_5b 75 python3 benchmarks/train_step.py --presets qwen2_5_0_5b \
+      --batch 1 --screenshots 5 --remat full --repeats 3 --json="$out/train_step_gui_0_5b.json" \
+      --markdown="$out/train_step_gui_0_5b.md" ;;
+    vs_torch_gui_0_5b) part vs_torch_gui_0_5b 160 python3 benchmarks/vs_torch.py --device cuda --dtype bfloat16 \
+      --preset qwen2_5_0_5b --batch 1 --screenshots 5 --remat full --repeats 5 \
+      --json="$out/vs_torch_gui_qwen2_5_0_5b.json" \
+      --markdown="$out/vs_torch_gui_qwen2_5_0_5b.md" ;;
+    profile_gui_0_5b) part profile_gui_0_5b 120 python3 benchmarks/profile_step.py --preset qwen2_5_0_5b --batch 1 \
+      --screenshots 5 --seq 0 --remat full --steps 2 --top 25 --dtype bfloat16 \
+      --json "$out/profile_step_gui_0_5b.json" --md "$out/profile_step_gui_0_5b.md" ;;
+    sampler_7b) part sampler_7b 300 python3 benchmarks/rollout.py --parts sampler --sampler-preset qwen2_5_vl_7b \
+      --sampler-dtype bfloat16 --batches 8,64 --prompt-len 13952 --new-tokens 64 --repeats 3 \
+      --json "$out/rollout_sampler_7b.json" --markdown "$out/rollout_sampler_7b.md" ;;
     vs_torch_0_5b) part vs_torch_0_5b 120 python3 benchmarks/vs_torch.py --device cuda --dtype bfloat16 \
       --preset qwen2_5_0_5b --batch 8 --seq 1024 --repeats 7 --json="$out/vs_torch_qwen2_5_0_5b.json" \
       --markdown="$out/vs_torch_qwen2_5_0_5b.md" ;;
-    *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
+    *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, grpo_gpu_frozen_tower, grpo_gpu_lora," \
+            "train_step_gui_0_5b, vs_torch_gui_0_5b, profile_gui_0_5b, sampler_7b, vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
   esac
 }
 for name in ${parts//,/ }; do run_part "$name"; done

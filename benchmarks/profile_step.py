@@ -33,6 +33,12 @@ import tempfile
 import time
 from typing import Any
 
+# XLA:GPU runs loop and branch bodies as command buffers (CUDA graphs), which the trace shows as one event
+# named after the while/conditional: a GPU profile then says "the layer loop took 29%" and nothing inside it.
+# Without them each kernel is its own event (at some launch overhead); --gpu-command-buffers keeps them.
+COMMAND_BUFFERS = "--gpu-command-buffers" in sys.argv
+if not COMMAND_BUFFERS:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
@@ -144,7 +150,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": bc.command_line("profile_step.py", args.argv), "machine": bc.machine_info(),
             "preset": args.preset, "batch": args.batch, "seq": seq, "screenshots": args.screenshots,
             "dtype": args.dtype, "remat": args.remat, "layers": "unrolled" if args.unrolled else "scan",
-            "steps": args.steps, "compile_s": round(compile_s, 2),
+            "gpu_command_buffers": COMMAND_BUFFERS, "steps": args.steps, "compile_s": round(compile_s, 2),
             "wall_ms_per_step": 1e3 * bc.median(walls), "traced_op_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "trace_dir": trace_dir, "operations_traced": len(rows), "operations": rows[:max(100, args.top)],
             "primitives": by_primitive(rows), "top": args.top}
@@ -182,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--unrolled", action="store_true", help="one module per layer instead of the layers under scan")
     p.add_argument("--steps", type=int, default=3, help="traced steps (after one untraced warm-up)")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--gpu-command-buffers", action="store_true",
+                   help="GPU: keep XLA's command buffers (faster, but loop bodies show as one event)")
     p.add_argument("--trace_dir", default="", help="where the raw trace stays (default: a temporary folder)")
     p.add_argument("--json")
     p.add_argument("--markdown", "--md", dest="md")

@@ -25,6 +25,7 @@ the vision tower per patch. The compiler's own count (`cost_analysis`, recomputa
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -37,12 +38,16 @@ import train_step as step_bench  # noqa: E402  (benchmarks/train_step.py: the GU
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import flax.linen as nn  # noqa: E402
+from flax import traverse_util  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from guijax import aot, launch, sharding  # noqa: E402
 from guijax import train_step as guijax_step  # noqa: E402
 from guijax.data.pipeline import response_positions  # noqa: E402
 from guijax.models import weights  # noqa: E402
+from guijax.models.lora import is_adapter  # noqa: E402
+from guijax.models.trained import TrainedPart  # noqa: E402
 from guijax.models.vision_blocks import stack_blocks  # noqa: E402
 
 GIB = 2 ** 30
@@ -63,8 +68,6 @@ def random_params(module, shards: Any, seed: int = 0) -> Any:
     sharding, kind) makes the first leaf of its kind, and later leaves of that kind are device copies of it
     (layers of an unrolled model share values; timing does not care). Neither the model's own init nor one
     program with a random op per leaf is compiled: on XLA:GPU either costs minutes for a 7B model."""
-    import flax.linen as nn
-
     abstract = nn.unbox(weights.abstract_params(module))
     leaves, tree = jax.tree_util.tree_flatten_with_path(abstract)
     made: dict[tuple, jax.Array] = {}
@@ -114,15 +117,28 @@ def step_batch(config, model_cfg, shape: aot.BatchShape, blocks: int, seed: int 
     return batch, parts[0][1]
 
 
-def model_flops(model_cfg, params: Any, rows: int, seq: int, loss_tokens: int, gui: dict) -> dict[str, float]:
+def model_flops(model_cfg, params: Any, rows: int, seq: int, loss_tokens: int, gui: dict,
+                part: TrainedPart | None = None) -> dict[str, float]:
+    """Model FLOPs of one step. A weight that trains costs 6 FLOPs per token (forward, input gradient,
+    weight gradient); a frozen one with something trained below it 4 (no weight gradient); a frozen part with
+    nothing trained below it 2 (forward only). So under LoRA the base decoder and head count 4 and the
+    adapters 6, and a frozen vision tower (frozen under LoRA too) counts its forward alone."""
+    part = part or TrainedPart()
+    params = nn.unbox(params)
     counts = step_bench.param_counts(params, model_cfg)
-    per_token = step_bench.flops_per_token(model_cfg, counts["non_embedding"], seq)
-    text = rows * seq * (per_token["dense"] + per_token["attention"])
-    head = loss_tokens * per_token["lm_head"]
+    flat = traverse_util.flatten_dict(params)
+    adapters = sum(math.prod(v.shape) for k, v in flat.items() if is_adapter(k))
+    per_token = step_bench.flops_per_token(model_cfg, counts["non_embedding"] - adapters, seq)
+    base = 1.0 if part.lora is None else 4.0 / 6.0
+    head_trained = part.lora is None and not {"lm_head", "embed_tokens"} & set(part.frozen)
+    text = rows * seq * (base * per_token["dense"] + 6.0 * adapters + per_token["attention"])
+    head = loss_tokens * per_token["lm_head"] * (1.0 if head_trained else 4.0 / 6.0)
     images = rows * gui["screenshots"]
     vision = step_bench.vision_flops(model_cfg, counts["vision"], gui["patches"] // max(images, 1), images)
+    vision_trained = part.lora is None and "visual" not in part.frozen
+    vision *= 1.0 if vision_trained else 1.0 / 3.0
     return {"text": text, "lm_head": head, "vision": vision, "total": text + head + vision,
-            "params": counts}
+            "params": {**counts, "adapters": adapters}}
 
 
 def run(config, steps: int, seed: int = 0) -> dict[str, Any]:
@@ -141,7 +157,8 @@ def run(config, steps: int, seed: int = 0) -> dict[str, Any]:
     gui["screenshots"] = shape.screenshots_per_row
     gui["patches"] *= blocks
     loss_tokens = int(host["loss_mask"].sum())
-    flops = model_flops(model_cfg, params, shape.rows, shape.tokens_per_row, loss_tokens, gui)
+    part = TrainedPart.of(built.module)
+    flops = model_flops(model_cfg, params, shape.rows, shape.tokens_per_row, loss_tokens, gui, part)
     del params  # the state holds them; the step donates its state
     t0 = time.perf_counter()
     compiled = built.step.compile(state, host)
@@ -173,7 +190,7 @@ def run(config, steps: int, seed: int = 0) -> dict[str, Any]:
         "vision_blocks": blocks, "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
         "moment_dtype": config.optim.get("state_dtype", ""), "remat": config.model.remat,
         "scan_layers": bool(config.model.scan_layers), "attention": config.model.attention,
-        "logprob_impl": built.step_cfg.impl, "params": flops.pop("params"),
+        "logprob_impl": built.step_cfg.impl, "params": flops.pop("params"), "trains": trains_label(part),
         "init_s": round(init_s, 3), "compile_s": round(compile_s, 3), "times_s": [round(x, 4) for x in times],
         "step_s": round(step_s, 4), "tokens_per_s": tokens / step_s,
         "model_flops": flops, "model_flops_per_s": flops["total"] / step_s,
@@ -185,15 +202,21 @@ def run(config, steps: int, seed: int = 0) -> dict[str, Any]:
     }
 
 
+def trains_label(part: TrainedPart) -> str:
+    """What the step trains, in words: every parameter, LoRA adapters, and which groups are frozen."""
+    what = "every parameter" if part.lora is None else f"LoRA r{part.lora.rank} adapters"
+    return what + (f" but {', '.join(part.frozen)}" if part.frozen else "")
+
+
 def markdown(r: dict[str, Any], machine: dict[str, Any], command: str) -> str:
     gib = lambda x: "n/a" if x is None else f"{x / GIB:.2f}"  # noqa: E731
     b = r["batch"]
     return "\n".join([
         f"Machine: {bc.machine_line(machine)}.", f"Command: `{command}`.", "",
-        "| recipe | model | rows x tokens | screenshots per row | dtype / moments | remat, scan | compile (s) | "
+        "| recipe | model | trains | rows x tokens | screenshots per row | dtype / moments | remat, scan | compile (s) | "
         "step (s) | tokens/s | MFU | compiled peak (GiB) | device peak in use (GiB) |",
-        "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
-        f"| {r['config']} | {r['model']} ({r['params']['total'] / 1e9:.2f}B) | {b['rows']} x {b['tokens_per_row']} | "
+        "|---|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+        f"| {r['config']} | {r['model']} ({r['params']['total'] / 1e9:.2f}B) | {r.get('trains', 'every parameter')} | {b['rows']} x {b['tokens_per_row']} | "
         f"{b['screenshots_per_row']} x {b['screenshot_hw'][1]}x{b['screenshot_hw'][0]} | {r['dtype']} / "
         f"{r['moment_dtype'] or 'float32'} | {r['remat']}, {'scan' if r['scan_layers'] else 'unrolled'} | "
         f"{r['compile_s']:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "

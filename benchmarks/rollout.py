@@ -6,11 +6,19 @@ an hour a trainer turns over and how much of that time it sits waiting on enviro
 (a) env: synthetic-desk environment steps/s on ONE core (benchmarks/desk_speed.py's loop: a random click /
     type / scroll / key per step, screenshot rendering + a11y tree included), with this process pinned to
     one CPU for the measurement and its affinity restored afterwards.
-(b) sampler: guijax.sampling.Sampler tokens/s at each --batches size with the tiny preset, text-only
-    prompts of --prompt-len random tokens, --new-tokens sampled per row (temperature 1, no stop token, so
-    every row generates them all). tokens/s = batch * new_tokens / generate() time (prefill included); a
-    second sampler with max_new_tokens=1 times the prefill, so decode tokens/s = batch * (new - 1) /
-    (t_generate - t_prefill). One untimed call compiles; median of --repeats.
+(b) sampler: guijax.sampling.Sampler tokens/s at each --batches size with --sampler-preset (weights and
+    compute in --sampler-dtype), text-only prompts of --prompt-len random tokens, --new-tokens sampled per
+    row (temperature 1, no stop token, so every row generates them all). tokens/s = batch * new_tokens /
+    generate() time (prefill included); a second sampler with max_new_tokens=1 times the prefill, so decode
+    tokens/s = batch * (new - 1) / (t_generate - t_prefill). One untimed call compiles; median of --repeats.
+    On a GPU/TPU whose spec-sheet HBM bandwidth is known, decode is set against its roofline: a decode step
+    reads every decoder and LM-head weight once and each row's KV cache (prompt + half the new tokens on
+    average), so batch / (those bytes / bandwidth) tokens/s is the most any sampler can reach. Decode cost
+    depends on the KV length, not on what the prompt holds, so a text prompt as long as a screenshot prompt
+    (5 full-HD screenshots: about 13,900 tokens) measures a GUI decode; its prefill skips the vision tower.
+
+  python benchmarks/rollout.py --parts sampler --sampler-preset qwen2_5_vl_7b --sampler-dtype bfloat16 \
+      --batches 8,64 --prompt-len 13952 --new-tokens 64 --repeats 3
 (c) e2e: a fresh tiny checkpoint, desk tasks and (optionally, --sft-steps) a scripted-expert SFT warm start
     via guijax.pipeline, then guijax.trainer.Trainer.iterate() --warmup-iterations times untimed and once
     timed. Figures come from the metrics the trainer already logs: episodes/hour = episodes * 3600 /
@@ -42,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 _COMPILE = {"seconds": 0.0, "count": 0}
@@ -82,15 +91,35 @@ def bench_env(steps: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- (b) sampler
-def bench_sampler(preset: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int
-                  ) -> list[dict[str, Any]]:
+def decode_bytes_per_step(cfg, params: Any, batch: int, kv_tokens: float, cache_itemsize: int) -> dict[str, float]:
+    """Bytes one decode step must read from memory at least: every decoder and LM-head weight once (the vision
+    tower and the embedding table's lookup rows aside; a tied head reads the table once, as the head), and
+    each row's KV cache of `kv_tokens` positions. A decode step at batch b can be no faster than that over
+    the memory bandwidth: its roofline."""
+    from flax import traverse_util
+    import flax.linen as nn
+
+    flat = traverse_util.flatten_dict(nn.unbox(params))
+    weights = sum(v.size * v.dtype.itemsize for k, v in flat.items()
+                  if k[0] != "visual" and not (k[0] == "embed_tokens" and not cfg.tie_word_embeddings))
+    kv = batch * kv_tokens * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * cache_itemsize
+    return {"weights": float(weights), "kv_cache": float(kv), "total": float(weights + kv)}
+
+
+def bench_sampler(preset: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int,
+                  dtype: str = "float32") -> list[dict[str, Any]]:
+    """Sampler speed per batch size; on a GPU/TPU with a known spec bandwidth, decode against its roofline."""
     from guijax.models import weights
     from guijax.models.config import get_preset
     from guijax.sampling import Sampler, SamplingConfig
 
     cfg = get_preset(preset)
-    module = weights.build_module(cfg)
-    params = weights.init_params(module, jax.random.PRNGKey(0))
+    jdtype = jnp.dtype(dtype)
+    module = weights.build_module(cfg, dtype=jdtype, param_dtype=jdtype)
+    with jax.default_device(jax.devices("cpu")[0]):  # XLA:GPU compiles a 7B jitted init for minutes
+        params = weights.init_params(module, jax.random.PRNGKey(0))
+    params = jax.device_put(params, jax.devices()[0])
+    bandwidth = bc.spec_bandwidth(jax.devices()[0].device_kind) if jax.default_backend() != "cpu" else None
     common = dict(temperature=1.0, stop_token_ids=(-1,), prompt_buckets=(prompt_len,))
     full = Sampler(module, SamplingConfig(max_new_tokens=new_tokens, **common))
     prefill = Sampler(module, SamplingConfig(max_new_tokens=1, **common))
@@ -105,14 +134,27 @@ def bench_sampler(preset: str, batches: list[int], prompt_len: int, new_tokens: 
             out_holder["out"] = s.generate(params, key, ids)
             return out_holder["out"].tokens
 
-        t_full = bc.time_calls(gen, repeats)
-        generated = int(out_holder["out"].lengths.sum())
-        t_pre = bc.time_calls(lambda: gen(prefill), repeats)
+        try:
+            t_full = bc.time_calls(gen, repeats)
+            generated = int(out_holder["out"].lengths.sum())
+            t_pre = bc.time_calls(lambda: gen(prefill), repeats)
+        except jax.errors.JaxRuntimeError as err:  # a batch too large for the device: say so, keep the others
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            rows.append({"batch": b, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
+                         "error": str(err).splitlines()[0]})
+            out_holder.clear()
+            continue
         tf, tp = bc.median(t_full), bc.median(t_pre)
+        decode = b * (new_tokens - 1) / (tf - tp) if tf > tp and new_tokens > 1 else None
+        need = decode_bytes_per_step(cfg, params, b, prompt_len + new_tokens / 2, jnp.dtype(full.cache_dtype).itemsize)
+        roofline = b * bandwidth / need["total"] if bandwidth else None
         rows.append({"batch": b, "prompt_len": prompt_len, "new_tokens": new_tokens, "generated": generated,
-                     "generate_s": tf, "prefill_s": tp, "times_s": [round(x, 5) for x in t_full],
-                     "tokens_per_s": generated / tf,
-                     "decode_tokens_per_s": b * (new_tokens - 1) / (tf - tp) if tf > tp and new_tokens > 1 else None})
+                     "dtype": dtype, "generate_s": tf, "prefill_s": tp, "times_s": [round(x, 5) for x in t_full],
+                     "tokens_per_s": generated / tf, "decode_tokens_per_s": decode,
+                     "decode_bytes_per_step": need, "hbm_bytes_per_s": bandwidth,
+                     "roofline_decode_tokens_per_s": roofline,
+                     "roofline_fraction": decode / roofline if decode and roofline else None})
     return rows
 
 
@@ -224,10 +266,17 @@ def markdown(res: dict[str, Any]) -> str:
         s = res["sampler"]
         out += [f"**(b) sampler**, {res['sampler_preset']} preset, prompt {s[0]['prompt_len']} tokens, "
                 f"{s[0]['new_tokens']} new tokens per row:", "",
-                "| batch | generate (s) | tokens/s | prefill (s) | decode tokens/s |", "|---:|---:|---:|---:|---:|"]
+                "| batch | generate (s) | tokens/s | prefill (s) | decode tokens/s | decode roofline (HBM) | of roofline |",
+                "|---:|---:|---:|---:|---:|---:|---:|"]
         for r in s:
+            if "error" in r:
+                out.append(f"| {r['batch']} | {r['error'][:120]} | | | | | |")
+                continue
             dec = "–" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:,.0f}"
-            out.append(f"| {r['batch']} | {r['generate_s']:.4f} | {r['tokens_per_s']:,.0f} | {r['prefill_s']:.4f} | {dec} |")
+            roof = r.get("roofline_decode_tokens_per_s")
+            frac = r.get("roofline_fraction")
+            out.append(f"| {r['batch']} | {r['generate_s']:.4f} | {r['tokens_per_s']:,.0f} | {r['prefill_s']:.4f} | {dec} | "
+                       f"{'–' if roof is None else f'{roof:,.0f}'} | {'–' if frac is None else f'{100 * frac:.0f}%'} |")
         out.append("")
     if res.get("e2e"):
         e = res["e2e"]
@@ -256,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="env,sampler,e2e", help="any of env, sampler, e2e")
     p.add_argument("--env-steps", type=int, default=3000)
     p.add_argument("--sampler-preset", default="tiny")
+    p.add_argument("--sampler-dtype", default="float32", help="the sampler's weights and compute: float32 | bfloat16")
     p.add_argument("--batches", default="8,32,128")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -285,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"env: {res['env']['steps_per_second_per_core']:,.0f} steps/s/core", file=sys.stderr, flush=True)
     if "sampler" in parts:
         res["sampler"] = bench_sampler(a.sampler_preset, [int(b) for b in a.batches.split(",") if b],
-                                       a.prompt_len, a.new_tokens, a.repeats)
+                                       a.prompt_len, a.new_tokens, a.repeats, a.sampler_dtype)
         for r in res["sampler"]:
-            print(f"sampler batch {r['batch']}: {r['tokens_per_s']:,.0f} tokens/s", file=sys.stderr, flush=True)
+            print(f"sampler batch {r['batch']}: " + (r["error"] if "error" in r else f"{r['tokens_per_s']:,.0f} tokens/s"),
+                  file=sys.stderr, flush=True)
     if "e2e" in parts:
         if a.workdir:
             res["e2e"] = bench_e2e(a, pathlib.Path(a.workdir))

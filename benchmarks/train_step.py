@@ -30,7 +30,8 @@ a one-block vision tower, since the batch is text-only.
 With `--screenshots K --screenshot-hw H,W` every row is a GUI step instead: K screenshots of HxW (random
 pixels, resized as UI-TARS-1.5's processor does: a 1920x1080 screen is 10,764 patches and 2,691 image tokens),
 64 text tokens around each, and a `--response`-token response that alone carries the loss, padded to the
-smallest multiple of 1024 that holds it (or `--seq`). The vision tower runs on every screenshot, and its
+smallest multiple of 1024 that holds it (or `--seq`). As in the recipes, the LM head runs at the response
+positions alone (`response_positions`), and only those count its FLOPs. The vision tower runs on every screenshot, and its
 FLOPs are counted too, in the same convention: 6 x its parameters per patch (the merger per merged token),
 plus 12 x hidden x (attended patches) per patch and block, windows for windowed blocks, the whole image for
 full-attention blocks.
@@ -111,10 +112,15 @@ TEXT_TOKENS_PER_SCREENSHOT = 64
 
 
 def screenshot_batch(cfg: ModelConfig, batch: int, screenshots: int, hw: tuple[int, int], response: int,
-                     seq: int | None = None, seed: int = 0) -> tuple[dict[str, Any], dict[str, int]]:
-    """A GUI-step GRPO batch: each row holds `screenshots` images of `hw` with their image-pad tokens, text,
-    and a `response`-token response (the only loss positions); vision inputs from the real layout code."""
+                     seq: int | None = None, seed: int = 0, hf_inputs: dict | None = None,
+                     ) -> tuple[dict[str, Any], dict[str, int]]:
+    """A GUI-step GRPO batch: each row holds `screenshots` images of `hw` (image-pad tokens between a vision
+    start and end token, as the chat template writes them), text, and a `response`-token response (the only
+    loss positions, listed in `response_positions` so the LM head runs there alone, as in the recipes); vision
+    inputs from the real layout code. `hf_inputs`, if given, receives transformers' `pixel_values` (patches in
+    the Qwen2-VL processor's order) and `image_grid_thw` for the same screenshots."""
     from guijax.aot import UITARS_MAX_PIXELS
+    from guijax.data.pipeline import response_positions
     from guijax.models.positions import mrope_positions, vision_layout
     from guijax.models.processor import smart_resize
 
@@ -138,6 +144,7 @@ def screenshot_batch(cfg: ModelConfig, batch: int, screenshots: int, hw: tuple[i
         for k in range(screenshots):
             start = k * (image_tokens + TEXT_TOKENS_PER_SCREENSHOT) + TEXT_TOKENS_PER_SCREENSHOT // 2
             ids[row, start:start + image_tokens] = cfg.image_token_id
+            ids[row, start - 1], ids[row, start + image_tokens] = cfg.vision_start_token_id, cfg.vision_end_token_id
     ids[mask == 0] = 0
     grids = np.tile(np.asarray([[1, *grid]], np.int64), (batch * screenshots, 1))
     positions, _ = mrope_positions(ids, mask, grids, cfg)
@@ -150,7 +157,9 @@ def screenshot_batch(cfg: ModelConfig, batch: int, screenshots: int, hw: tuple[i
     advantages = rs.randn(batch, 1).astype(np.float32) * loss_mask
     data = {"input_ids": ids, "positions": np.asarray(positions, np.int32), "attention_mask": mask,
             "vision": layout.inputs(pixels), "targets": targets, "loss_mask": loss_mask, "old_logp": old_logp,
-            "advantages": advantages}
+            "advantages": advantages, "response_positions": response_positions(loss_mask, budget=response)}
+    if hf_inputs is not None:
+        hf_inputs.update(pixel_values=pixels, image_grid_thw=grids)
     return data, {"seq": seq, "used_tokens": used, "image_tokens_per_screenshot": image_tokens,
                   "patches": int(layout.num_patches), "patch_grid": list(grid)}
 
@@ -222,7 +231,8 @@ def measure(name: str, batch: int, seq: int, dtype: str, repeats: int, peak: flo
     tokens = batch * seq
     fpt = flops_per_token(cfg, counts["non_embedding"], seq)
     step_flops = tokens * fpt["total"]
-    if screenshots:
+    if screenshots:  # the LM head runs at the response positions alone
+        step_flops -= (tokens - batch * response) * fpt["lm_head"]
         gui["vision_flops"] = vision_flops(cfg, counts["vision"], gui["patches"] // (batch * screenshots),
                                            batch * screenshots)
         step_flops += gui["vision_flops"]
@@ -289,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
     meta = {"machine": info, "peak": peak, "command": bc.command_line("train_step.py", argv),
             "optimizer": "clip_by_global_norm(1.0) + guijax.optim.adamw, float32 moments",
-            "flops_formula": "6*N_nonembed + 6*hidden*vocab + 12*layers*hidden*seq per token"}
+            "flops_formula": "6*N_nonembed + 6*hidden*vocab + 12*layers*hidden*seq per token (with screenshots: "
+                             "the 6*hidden*vocab head term at the response tokens alone, plus the vision tower)"}
     table = markdown(rows, meta)
     print(table)
     bc.write_outputs(a.json, a.markdown, {"meta": meta, "rows": rows}, table)

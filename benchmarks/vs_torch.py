@@ -74,9 +74,18 @@ def params_from_torch(model, module) -> Any:
 
 
 def torch_grpo_loss(model, batch: dict):
+    """Text rows: logits at every position, the loss where `loss_mask` says. GUI rows (`pixel_values` in the
+    batch) carry only their real tokens (no padding) and the head runs on the response alone
+    (`logits_to_keep`), the strongest way transformers offers to do the same work."""
     import torch
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    if "pixel_values" in batch:
+        extra = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in batch}
+        width = batch["targets"].shape[1]  # the response, at the end of each row
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra,
+                       logits_to_keep=width + 1).logits[:, :width]
+    else:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
     mask, adv = batch["loss_mask"], batch["advantages"]
     ratio = torch.exp((logp - batch["old_logp"]) * mask)
@@ -84,12 +93,35 @@ def torch_grpo_loss(model, batch: dict):
     return -(surrogate * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def torch_gui_batch(model, np_batch: dict, hf: dict, used: int, response: int) -> dict[str, np.ndarray]:
+    """The GUI rows as transformers takes them: the `used` real tokens of each row, the screenshots' patches
+    and grids, and the loss inputs of the `response` positions that end each row."""
+    import inspect
+
+    loss = slice(used - response - 1, used - 1)  # where screenshot_batch puts the loss mask
+    out = {"input_ids": np_batch["input_ids"][:, :used], "attention_mask": np_batch["attention_mask"][:, :used],
+           "pixel_values": hf["pixel_values"], "image_grid_thw": hf["image_grid_thw"],
+           **{k: np_batch[k][:, loss] for k in ("targets", "loss_mask", "old_logp", "advantages")}}
+    if not (out["loss_mask"] == 1).all() or np_batch["loss_mask"].sum() != out["loss_mask"].size:
+        raise AssertionError("the GUI batch's loss positions are not the last response tokens of each row")
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # transformers >= 5.2x asks for it
+        out["mm_token_type_ids"] = (out["input_ids"] == model.config.image_token_id).astype(np.int64)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", help="a guijax preset or qwen2_5_0_5b")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--seq", type=int, default=0, help="tokens per row (default: 256, or with --screenshots the "
+                                                      "smallest multiple of 1024 that holds the row)")
+    p.add_argument("--screenshots", type=int, default=0, help="screenshots per row (0: the text-only batch)")
+    p.add_argument("--screenshot-hw", default="1080,1920", help="height,width of each screenshot")
+    p.add_argument("--response", type=int, default=100, help="with --screenshots: response tokens per row")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--remat", default="none", help="guijax's remat policy: none | full | dots_saveable | ...")
+    p.add_argument("--torch-checkpointing", action="store_true",
+                   help="torch recomputes each decoder layer in the backward (transformers' gradient checkpointing)")
     p.add_argument("--attn", default="sdpa", help="transformers attention implementation: sdpa | eager")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: os.cpu_count())")
     p.add_argument("--device", default="cpu", help="torch device: cpu | cuda (guijax uses jax's default backend)")
@@ -108,8 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     info = bc.machine_info()
     cfg = ts_bench.model_config(a.preset)
     optim_cfg = ts_bench.optim_config()
-    np_batch = ts_bench.make_batch(cfg, a.batch, a.seq)
-    tokens = a.batch * a.seq
+    hf: dict[str, np.ndarray] = {}
+    if a.screenshots:
+        hw = tuple(int(x) for x in a.screenshot_hw.split(","))
+        np_batch, gui = ts_bench.screenshot_batch(cfg, a.batch, a.screenshots, hw, a.response, a.seq or None,
+                                                  hf_inputs=hf)
+        seq, used = gui["seq"], gui["used_tokens"]
+    else:
+        seq, gui = a.seq or 256, {}
+        np_batch = ts_bench.make_batch(cfg, a.batch, seq)
+        used = seq
+    tokens = a.batch * used  # real tokens: guijax's rows are padded to `seq`, torch's are not
 
     # ---------------------------------------------------------------- models with the same weights
     model = torch_model(cfg, a.attn)
@@ -121,13 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     autocast = (torch.autocast(a.device, dtype=torch.bfloat16) if a.dtype == "bfloat16"
                 else contextlib.nullcontext())
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    if a.torch_checkpointing:
+        model.gradient_checkpointing_enable()
     module = weights.build_module(cfg, dtype=jnp.dtype(a.dtype), param_dtype=jnp.float32,
-                                  scan_layers=a.layers == "scan")
+                                  scan_layers=a.layers == "scan", remat_policy=a.remat)
     params = params_from_torch(model, module)
     step_cfg = train_step.StepConfig()
     loss0_jax = float(jax.jit(lambda p, b: train_step.loss_fn(p, b, module, step_cfg)[0])(params, np_batch))
+    torch_np = (torch_gui_batch(model, np_batch, hf, used, a.response) if a.screenshots
+                else {k: v for k, v in np_batch.items() if k != "positions"})
     t_batch = {k: torch.from_numpy(v.astype(np.int64) if v.dtype == np.int32 else v).to(a.device)
-               for k, v in np_batch.items() if k != "positions"}
+               for k, v in torch_np.items()}
+    del torch_np, hf
     with torch.no_grad(), autocast:
         loss0_torch = float(torch_grpo_loss(model, t_batch))
 
@@ -180,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         "guijax_tokens_per_s": tokens / jt, "torch_tokens_per_s": tokens / tt, "ratio": ratio,
         "target": f">= {TARGET_RATIO}x torch on CPU, small preset",
         "target_met": (ratio >= TARGET_RATIO) if target_applies else None,
-        "preset": a.preset, "batch": a.batch, "seq": a.seq, "tokens_per_step": tokens, "dtype": a.dtype,
-        "layers": a.layers,
+        "preset": a.preset, "batch": a.batch, "seq": seq, "tokens_per_step": tokens, "dtype": a.dtype,
+        **({"screenshots": a.screenshots, "screenshot_hw": list(hw), "response": a.response,
+            "used_tokens_per_row": used, "patches": gui["patches"], "image_tokens_per_screenshot":
+            gui["image_tokens_per_screenshot"]} if a.screenshots else {}),
+        "layers": a.layers, "remat": a.remat, "torch_checkpointing": a.torch_checkpointing,
         "torch_device": a.device,
         "model": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
                   "kv_heads": cfg.num_key_value_heads, "intermediate": cfg.intermediate_size,
@@ -202,13 +251,18 @@ def main(argv: list[str] | None = None) -> int:
                else "MET" if result["target_met"] else "NOT met")
     table = "\n".join([
         f"Machine: {bc.machine_line(info)}; torch {torch.__version__} ({threads} threads, attn {a.attn}).",
-        f"Preset {a.preset}, batch {a.batch} x seq {a.seq}, {a.dtype} compute, torch on {a.device}, "
-        f"GRPO update incl. AdamW; median of {a.repeats}.",
+        f"Preset {a.preset}, batch {a.batch} x seq {seq}, {a.dtype} compute, torch on {a.device}, "
+        f"GRPO update incl. AdamW; median of {a.repeats}." + (
+            f" Each row a GUI step: {a.screenshots} screenshots of {hw[1]}x{hw[0]} ({gui['patches']} patches, "
+            f"{gui['image_tokens_per_screenshot']} image tokens each), {used} real tokens, a {a.response}-token "
+            f"response; guijax pads rows to {seq}, torch takes the {used} real tokens; tokens/s counts real tokens; "
+            f"both run the LM head on the response alone." if a.screenshots else ""),
         "",
         "| trainer | step (s) | tokens/s | CPU s per step |",
         "|---|---:|---:|---:|",
-        f"| guijax (JAX {jax.__version__}, layers {a.layers}) | {jt:.4f} | {tokens / jt:,.0f} | {bc.median(jax_cpu):.3f} |",
-        f"| PyTorch {torch.__version__} + transformers {transformers.__version__} | {tt:.4f} | {tokens / tt:,.0f} | "
+        f"| guijax (JAX {jax.__version__}, layers {a.layers}, remat {a.remat}) | {jt:.4f} | {tokens / jt:,.0f} | {bc.median(jax_cpu):.3f} |",
+        f"| PyTorch {torch.__version__} + transformers {transformers.__version__}"
+        f"{', gradient checkpointing' if a.torch_checkpointing else ''} | {tt:.4f} | {tokens / tt:,.0f} | "
         f"{bc.median(torch_cpu):.3f} |",
         "",
         f"guijax / torch = {ratio:.2f}x; target >= {TARGET_RATIO}x: {verdict}. "

@@ -2,6 +2,7 @@
 JSON + markdown with the keys the published tables are built from. Speed figures themselves are not checked."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from benchmark_scripts import load as load_script, outputs, read as read_outputs
@@ -42,6 +43,16 @@ def test_screenshot_batch_places_one_pad_token_per_merged_patch():
     assert (data["input_ids"] == cfg.image_token_id).sum() == 2 * 3 * info["image_tokens_per_screenshot"]
     assert data["vision"]["pixel_values"].shape[0] == info["patches"] == 2 * 3 * 24
     assert data["loss_mask"].sum() == 2 * 5 and data["attention_mask"].sum() == 2 * info["used_tokens"]
+    ids = data["input_ids"]
+    for token in (cfg.vision_start_token_id, cfg.vision_end_token_id):  # each image span bracketed, as chats are
+        assert (ids == token).sum() == 2 * 3
+    starts = np.flatnonzero(ids[0] == cfg.vision_start_token_id)
+    assert (ids[0, starts + 1] == cfg.image_token_id).all() and (ids[0, starts - 1] != cfg.image_token_id).all()
+    rows, cols = np.nonzero(data["loss_mask"])  # the head's positions are exactly the loss positions
+    np.testing.assert_array_equal(data["response_positions"], cols.reshape(2, 5))
+    hf = {}
+    mod.screenshot_batch(cfg, 2, 3, (56, 84), response=5, hf_inputs=hf)
+    assert hf["pixel_values"].shape == (2 * 3 * 24, cfg.vision.patch_dim) and hf["image_grid_thw"].tolist() == [[1, 4, 6]] * 6
     with pytest.raises(ValueError, match="too short"):
         mod.screenshot_batch(cfg, 1, 3, (56, 84), response=5, seq=64)
 
@@ -68,6 +79,45 @@ def test_vs_torch_benchmark(tmp_path):
     assert out["target_met"] is None  # the target is for the small preset
 
 
+@pytest.mark.slow
+def test_vs_torch_benchmark_with_screenshots(tmp_path):
+    """GUI rows: both sides see the same screenshots, image tokens and M-RoPE positions (transformers computes
+    its own), so the initial losses agree; torch takes the real tokens alone and tokens/s counts those."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    mod = load_script("vs_torch")
+    assert mod.main(["--preset", "tiny", "--batch", "2", "--screenshots", "2", "--screenshot-hw", "56,84",
+                     "--response", "8", "--repeats", "1"] + outputs(tmp_path, "gui")) == 0
+    out = read_outputs(tmp_path, "gui")
+    assert (out["screenshots"], out["patches"], out["used_tokens_per_row"], out["seq"]) == (2, 96, 148, 1024)
+    assert out["tokens_per_step"] == 2 * 148
+    assert out["initial_loss_abs_diff"] < 1e-4 and abs(out["initial_loss_guijax"]) > 0
+
+
+def test_decode_roofline_bytes_and_bandwidths():
+    """A decode step reads each decoder/head weight once (a tied head: the table once) and the KV cache."""
+    import jax
+    import jax.numpy as jnp
+    from guijax.models import weights
+    from guijax.models.config import get_preset
+
+    mod = load_script("rollout")
+    bc = load_script("bench_common")
+    cfg = get_preset("tiny")
+    module = weights.build_module(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    params = jax.eval_shape(lambda: weights.init_params(module, jax.random.PRNGKey(0)))
+    got = mod.decode_bytes_per_step(cfg, params, batch=4, kv_tokens=100.0, cache_itemsize=2)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    expected = sum(2 * leaf.size for path, leaf in flat if "visual" not in jax.tree_util.keystr(path))
+    if not cfg.tie_word_embeddings:
+        expected -= 2 * cfg.vocab_size * cfg.hidden_size  # the lookup reads a row, not the table
+    assert got["weights"] == expected
+    assert got["kv_cache"] == 4 * 100 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert got["total"] == got["weights"] + got["kv_cache"]
+    assert bc.spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12 and bc.spec_bandwidth("NVIDIA H200") == 4.8e12
+    assert bc.spec_bandwidth("TPU v5 lite") == 0.819e12 and bc.spec_bandwidth("cpu") is None
+
+
 @pytest.mark.slow  # 21 s, to keep CI within its budget; the engine and sampler are tested in tests/guijax
 def test_rollout_benchmark_env_and_sampler(tmp_path):
     mod = load_script("rollout")
@@ -77,6 +127,7 @@ def test_rollout_benchmark_env_and_sampler(tmp_path):
     assert out["env"]["steps_per_second_per_core"] > 0
     (row,) = out["sampler"]
     assert row["batch"] == 2 and row["generated"] == 8 and row["tokens_per_s"] > 0
+    assert row["decode_bytes_per_step"]["total"] > 0 and row["roofline_fraction"] is None  # no spec bandwidth on CPU
 
 
 @pytest.mark.slow
@@ -223,6 +274,35 @@ def test_recipe_step_random_params_are_distinct_buffers_with_unit_norms():
     assert norms and all(np.all(np.asarray(x) == 1) for x in norms)
     weights_2d = [np.asarray(leaf) for _, leaf in flat if leaf.ndim == 2]
     assert all(0.01 < x.std() < 0.03 for x in weights_2d if x.size > 1000)
+
+
+def test_recipe_step_model_flops_count_what_trains():
+    """A frozen tower costs its forward alone; under LoRA the base weights cost forward and input gradient
+    (4 of 6 FLOPs per weight per token) and the adapters all 6."""
+    from guijax.models import weights
+    from guijax.models.config import get_preset
+    from guijax.models.lora import LoraConfig
+    from guijax.models.trained import TrainedPart
+
+    mod = load_script("recipe_step")
+    cfg = get_preset("tiny")
+    gui = {"screenshots": 1, "patches": 24}
+
+    def flops(lora=None, frozen=()):
+        module = weights.build_module(cfg, lora=lora, frozen=frozen)
+        params = weights.abstract_params(module)
+        return mod.model_flops(cfg, params, 2, 96, 16, gui, TrainedPart.of(module))
+
+    full, tower, lora = flops(), flops(frozen=("visual",)), flops(lora=LoraConfig(rank=4, alpha=8.0))
+    assert tower["vision"] == pytest.approx(full["vision"] / 3) and tower["text"] == full["text"]
+    assert tower["lm_head"] == full["lm_head"] and lora["vision"] == pytest.approx(full["vision"] / 3)
+    adapters = lora["params"]["adapters"]
+    assert adapters > 0 and full["params"]["adapters"] == 0
+    attention = 2 * 96 * 12.0 * cfg.num_hidden_layers * cfg.hidden_size * 96
+    base_dense = full["text"] - attention
+    assert lora["text"] == pytest.approx(base_dense * 4 / 6 + 2 * 96 * 6.0 * adapters + attention)
+    assert lora["lm_head"] == pytest.approx(full["lm_head"] * 4 / 6)
+    assert mod.trains_label(TrainedPart(LoraConfig(rank=4, alpha=8.0), ("visual",))) == "LoRA r4 adapters but visual"
 
 
 def test_recompile_summary_leaves_out_the_first_iteration_and_reads_idle_ones():
