@@ -9,7 +9,8 @@
 # SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default
 # machine,gpu_tests,grpo_gpu_step,vs_torch_0_5b; also grpo_gpu_frozen_tower and grpo_gpu_lora, the 7B step
 # with the vision tower frozen or as LoRA r128; train_step_gui_0_5b, the 0.5B update at 5 full-HD screenshots,
-# vs_torch_gui_0_5b, the same rows against PyTorch; profile_gui_0_5b, a kernel-level profile of that step;
+# vs_torch_gui_0_5b, the same rows against PyTorch (vs_torch_gui_3b: the 3B in bf16, one side after the
+# other); profile_gui_0_5b, a kernel-level profile of that step;
 # sampler_7b, the 7B sampler's decode at batch 8 and 64 with screenshot-length prompts against its roofline).
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS [PARTS]]}
@@ -52,6 +53,10 @@ run_part() {
       --preset qwen2_5_0_5b --batch 1 --screenshots 5 --remat full --repeats 5 \
       --json="$out/vs_torch_gui_qwen2_5_0_5b.json" \
       --markdown="$out/vs_torch_gui_qwen2_5_0_5b.md" ;;
+    vs_torch_gui_3b) part vs_torch_gui_3b 300 python3 benchmarks/vs_torch.py --device cuda --dtype bfloat16 \
+      --param-dtype bfloat16 --sequential --preset qwen2_5_vl_3b --batch 1 --screenshots 5 --remat full \
+      --torch-checkpointing --repeats 3 --json="$out/vs_torch_gui_qwen2_5_vl_3b.json" \
+      --markdown="$out/vs_torch_gui_qwen2_5_vl_3b.md" ;;
     profile_gui_0_5b) part profile_gui_0_5b 120 python3 benchmarks/profile_step.py --preset qwen2_5_0_5b --batch 1 \
       --screenshots 5 --seq 0 --remat full --steps 2 --top 25 --dtype bfloat16 \
       --json "$out/profile_step_gui_0_5b.json" --md "$out/profile_step_gui_0_5b.md" ;;
@@ -62,7 +67,7 @@ run_part() {
       --preset qwen2_5_0_5b --batch 8 --seq 1024 --repeats 7 --json="$out/vs_torch_qwen2_5_0_5b.json" \
       --markdown="$out/vs_torch_qwen2_5_0_5b.md" ;;
     *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, grpo_gpu_frozen_tower, grpo_gpu_lora," \
-            "train_step_gui_0_5b, vs_torch_gui_0_5b, profile_gui_0_5b, sampler_7b, vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
+            "train_step_gui_0_5b, vs_torch_gui_0_5b, vs_torch_gui_3b, profile_gui_0_5b, sampler_7b, vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
   esac
 }
 for name in ${parts//,/ }; do run_part "$name"; done

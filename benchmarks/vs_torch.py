@@ -26,11 +26,25 @@ the ratio means nothing; `--threads 1` under `taskset -c 0` gives a per-core com
 On a GPU both run there (`--device cuda`), normally with `--dtype bfloat16`: guijax computes in bf16 with
 fp32 parameters and moments, torch runs its forward under `torch.autocast(bfloat16)` with fp32 parameters;
 each timed torch step ends with `torch.cuda.synchronize()`.
+
+GUI rows (`--screenshots K`): each row holds K screenshots with their image tokens, text and a response that
+alone carries the loss (benchmarks/train_step.py's GUI batch); transformers gets the screenshots' patches and
+grids and computes its own M-RoPE positions, so the initial losses agreeing checks both sides see the same
+rows. Torch takes each row's real tokens only and runs its head on the response (`logits_to_keep`); guijax
+pads rows to its length bucket and runs its head at the response positions. Models of 3B and more do not fit
+one GPU twice in fp32: `--param-dtype bfloat16` keeps parameters and AdamW moments in bf16 on both sides and
+`--sequential` times torch first, gives its memory back, then guijax.
+
+  python benchmarks/vs_torch.py --device cuda --dtype bfloat16 --preset qwen2_5_0_5b --batch 1 \
+      --screenshots 3 --remat full --repeats 4
+  python benchmarks/vs_torch.py --device cuda --dtype bfloat16 --param-dtype bfloat16 --sequential \
+      --preset qwen2_5_vl_3b --batch 1 --screenshots 5 --remat full --torch-checkpointing --repeats 3
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -126,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: os.cpu_count())")
     p.add_argument("--device", default="cpu", help="torch device: cpu | cuda (guijax uses jax's default backend)")
     p.add_argument("--dtype", default="float32", help="compute dtype of both sides: float32 | bfloat16")
+    p.add_argument("--param-dtype", default="float32",
+                   help="parameters and AdamW moments on both sides: float32 | bfloat16 (what a 3B/7B needs on one GPU)")
+    p.add_argument("--sequential", action="store_true",
+                   help="torch's timed steps first, its device memory freed, then guijax's (models too large to "
+                        "share one GPU); default: the two alternate step by step")
     p.add_argument("--layers", default="scan", choices=("scan", "unrolled"),
                    help="guijax's decoder layers under scan or unrolled (the recipes' model.scan_layers)")
     p.add_argument("--json", default=str(bc.RESULTS / f"vs_torch_{bc.jax.default_backend()}.json"))
@@ -139,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     info = bc.machine_info()
     cfg = ts_bench.model_config(a.preset)
-    optim_cfg = ts_bench.optim_config()
     hf: dict[str, np.ndarray] = {}
     if a.screenshots:
         hw = tuple(int(x) for x in a.screenshot_hw.split(","))
@@ -153,22 +171,24 @@ def main(argv: list[str] | None = None) -> int:
     tokens = a.batch * used  # real tokens: guijax's rows are padded to `seq`, torch's are not
 
     # ---------------------------------------------------------------- models with the same weights
-    model = torch_model(cfg, a.attn)
-    if a.dtype not in ("float32", "bfloat16"):
-        raise SystemExit(f"--dtype must be float32 or bfloat16, got {a.dtype!r}")
+    if a.dtype not in ("float32", "bfloat16") or a.param_dtype not in ("float32", "bfloat16"):
+        raise SystemExit(f"--dtype and --param-dtype take float32 or bfloat16, got {a.dtype!r}, {a.param_dtype!r}")
     if a.device == "cuda" and info["backend"] != "gpu":
         raise SystemExit(f"--device cuda needs jax on a GPU too (jax backend: {info['backend']})")
+    optim_cfg = ts_bench.optim_config(state_dtype=a.param_dtype)
+    model = torch_model(cfg, a.attn)
+    torch_params = sum(q.numel() for q in model.parameters())
+    module = weights.build_module(cfg, dtype=jnp.dtype(a.dtype), param_dtype=jnp.dtype(a.param_dtype),
+                                  scan_layers=a.layers == "scan", remat_policy=a.remat)
+    host_params = params_from_torch(model, module)  # on the host: the torch model may leave the device first
+    if a.param_dtype == "bfloat16":  # torch's AdamW keeps its moments in the parameters' dtype, as guijax does here
+        model = model.to(torch.bfloat16)
     model = model.to(a.device)
     autocast = (torch.autocast(a.device, dtype=torch.bfloat16) if a.dtype == "bfloat16"
                 else contextlib.nullcontext())
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     if a.torch_checkpointing:
         model.gradient_checkpointing_enable()
-    module = weights.build_module(cfg, dtype=jnp.dtype(a.dtype), param_dtype=jnp.float32,
-                                  scan_layers=a.layers == "scan", remat_policy=a.remat)
-    params = params_from_torch(model, module)
-    step_cfg = train_step.StepConfig()
-    loss0_jax = float(jax.jit(lambda p, b: train_step.loss_fn(p, b, module, step_cfg)[0])(params, np_batch))
     torch_np = (torch_gui_batch(model, np_batch, hf, used, a.response) if a.screenshots
                 else {k: v for k, v in np_batch.items() if k != "positions"})
     t_batch = {k: torch.from_numpy(v.astype(np.int64) if v.dtype == np.int32 else v).to(a.device)
@@ -176,17 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     del torch_np, hf
     with torch.no_grad(), autocast:
         loss0_torch = float(torch_grpo_loss(model, t_batch))
-
-    # ---------------------------------------------------------------- guijax step
-    tx, _ = optim.make_optimizer(optim_cfg)
-    step = train_step.make_train_step(module, tx, step_cfg)
-    holder = {"state": train_step.init_state(module, params, tx)}
-    del params
-    j_batch = jax.device_put(np_batch)
-
-    def jax_step():
-        holder["state"], m = step(holder["state"], j_batch)
-        return m
 
     # ---------------------------------------------------------------- torch step
     opt = torch.optim.AdamW(model.parameters(), lr=optim_cfg.learning_rate, betas=(optim_cfg.b1, optim_cfg.b2),
@@ -203,21 +212,51 @@ def main(argv: list[str] | None = None) -> int:
         sync()
         return loss
 
-    t0 = time.perf_counter()
-    jax.block_until_ready(jax_step())
-    jax_first = time.perf_counter() - t0
+    def torch_timed(times: list, cpu: list) -> None:
+        t0, c0 = time.perf_counter(), time.process_time()
+        torch_step()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+
+    jax_times, torch_times, jax_cpu, torch_cpu = [], [], [], []
     t0 = time.perf_counter()
     torch_step()
     torch_first = time.perf_counter() - t0
-    jax_times, torch_times, jax_cpu, torch_cpu = [], [], [], []
-    for _ in range(a.repeats):  # alternate, so load changes on a shared machine hit both sides alike
+    if a.sequential:  # torch's steps first, then its memory goes back to the device for guijax's
+        for _ in range(a.repeats):
+            torch_timed(torch_times, torch_cpu)
+        del model, opt, trainable, t_batch
+        gc.collect()
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---------------------------------------------------------------- guijax step
+    step_cfg = train_step.StepConfig()
+    params = jax.device_put(host_params, jax.devices()[0])
+    del host_params
+    loss0_jax = float(jax.jit(lambda p, b: train_step.loss_fn(p, b, module, step_cfg)[0])(params, np_batch))
+    tx, _ = optim.make_optimizer(optim_cfg)
+    step = train_step.make_train_step(module, tx, step_cfg)
+    holder = {"state": train_step.init_state(module, params, tx)}
+    del params
+    j_batch = jax.device_put(np_batch)
+
+    def jax_step():
+        holder["state"], m = step(holder["state"], j_batch)
+        return m
+
+    def jax_timed(times: list, cpu: list) -> None:
         c0 = time.process_time()
-        jax_times += bc.time_calls(jax_step, 1, warmup=0)
-        jax_cpu.append(time.process_time() - c0)
-        t0, c0 = time.perf_counter(), time.process_time()
-        torch_step()
-        torch_times.append(time.perf_counter() - t0)
-        torch_cpu.append(time.process_time() - c0)
+        times += bc.time_calls(jax_step, 1, warmup=0)
+        cpu.append(time.process_time() - c0)
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax_step())
+    jax_first = time.perf_counter() - t0
+    for _ in range(a.repeats):
+        jax_timed(jax_times, jax_cpu)
+        if not a.sequential:  # alternate, so load changes on a shared machine hit both sides alike
+            torch_timed(torch_times, torch_cpu)
 
     jt, tt = bc.median(jax_times), bc.median(torch_times)
     ratio = tt / jt
@@ -231,11 +270,12 @@ def main(argv: list[str] | None = None) -> int:
             "used_tokens_per_row": used, "patches": gui["patches"], "image_tokens_per_screenshot":
             gui["image_tokens_per_screenshot"]} if a.screenshots else {}),
         "layers": a.layers, "remat": a.remat, "torch_checkpointing": a.torch_checkpointing,
+        "param_dtype": a.param_dtype, "sequential": a.sequential,
         "torch_device": a.device,
         "model": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
                   "kv_heads": cfg.num_key_value_heads, "intermediate": cfg.intermediate_size,
                   "vocab": cfg.vocab_size, "tied": cfg.tie_word_embeddings,
-                  "torch_params": sum(q.numel() for q in model.parameters())},
+                  "torch_params": torch_params},
         "guijax_step_s": jt, "torch_step_s": tt, "guijax_times_s": [round(x, 5) for x in jax_times],
         "torch_times_s": [round(x, 5) for x in torch_times],
         # process CPU seconds per step (all threads): less sensitive to other load than wall time, but
@@ -251,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                else "MET" if result["target_met"] else "NOT met")
     table = "\n".join([
         f"Machine: {bc.machine_line(info)}; torch {torch.__version__} ({threads} threads, attn {a.attn}).",
-        f"Preset {a.preset}, batch {a.batch} x seq {seq}, {a.dtype} compute, torch on {a.device}, "
-        f"GRPO update incl. AdamW; median of {a.repeats}." + (
+        f"Preset {a.preset}, batch {a.batch} x seq {seq}, {a.dtype} compute, {a.param_dtype} parameters and "
+        f"moments, torch on {a.device}, GRPO update incl. AdamW; median of {a.repeats}"
+        f"{', torch first then guijax' if a.sequential else ', the two alternating'}." + (
             f" Each row a GUI step: {a.screenshots} screenshots of {hw[1]}x{hw[0]} ({gui['patches']} patches, "
             f"{gui['image_tokens_per_screenshot']} image tokens each), {used} real tokens, a {a.response}-token "
             f"response; guijax pads rows to {seq}, torch takes the {used} real tokens; tokens/s counts real tokens; "

@@ -118,6 +118,19 @@ def test_decode_roofline_bytes_and_bandwidths():
     assert bc.spec_bandwidth("TPU v5 lite") == 0.819e12 and bc.spec_bandwidth("cpu") is None
 
 
+@pytest.mark.slow
+def test_vs_torch_benchmark_sequential_in_bf16(tmp_path):
+    """bf16 parameters and moments on both sides, torch timed first and freed: the losses still agree."""
+    pytest.importorskip("torch")
+    mod = load_script("vs_torch")
+    assert mod.main(["--preset", "tiny", "--batch", "1", "--seq", "16", "--repeats", "2", "--dtype", "bfloat16",
+                     "--param-dtype", "bfloat16", "--sequential"] + outputs(tmp_path, "seq")) == 0
+    out = read_outputs(tmp_path, "seq")
+    assert out["sequential"] and out["param_dtype"] == "bfloat16"
+    assert len(out["torch_times_s"]) == len(out["guijax_times_s"]) == 2
+    assert out["initial_loss_abs_diff"] < 1e-3 and abs(out["initial_loss_guijax"]) > 0
+
+
 @pytest.mark.slow  # 21 s, to keep CI within its budget; the engine and sampler are tested in tests/guijax
 def test_rollout_benchmark_env_and_sampler(tmp_path):
     mod = load_script("rollout")
