@@ -107,6 +107,20 @@ class BehaviourCorrected:
         return loss, metrics
 
 
+def behaviour_mismatch(old_logp: jax.Array, behaviour_logprobs: jax.Array, loss_mask: jax.Array,
+                       sampled: jax.Array) -> dict[str, jax.Array]:
+    """How far the log-probs the sampler recorded are from the learner's θ_old log-probs of the same tokens,
+    over the loss tokens of `sampled` rows ([b] bool: on-policy rows whose ids a sampler produced, not
+    injected or text rows): the sums of |Δ log p| and of the k3 estimate of KL(π_behaviour ‖ π_old)
+    (r − 1 − log r with r = π_old/π_behaviour: never negative, unbiased for tokens the behaviour policy
+    sampled), and the token count. Sums, so a run's batches add up. A sampler in another precision or
+    another engine shows here; so does staleness, in asynchronous runs."""
+    on = loss_mask * jnp.asarray(sampled, jnp.float32)[:, None]
+    delta = jnp.where(on > 0, old_logp - behaviour_logprobs, 0.0)
+    return {"abs_sum": jnp.sum(jnp.abs(delta) * on), "kl_sum": jnp.sum((jnp.expm1(delta) - delta) * on),
+            "tokens": jnp.sum(on)}
+
+
 FAILURE_FORMS = ("log_ratio", "bounded")
 
 

@@ -243,6 +243,9 @@ class Train:
     max_nonfinite_in_row: int = ranged(3, low=1)
     # rollout.mode=async: truncation of each token's importance weight π_old / π_behaviour
     behaviour_weight_cap: float = ranged(5.0, low=1)
+    # that weighting in synchronous runs too (asynchronous ones always have it): corrects the gap between the
+    # sampler's log-probs and the learner's (`behaviour_kl` in the metrics), e.g. a sampler in lower precision
+    behaviour_correction: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,8 @@ class Trainer:
         self.objective = parts.objective
         self.asynchronous = config.rollout.get("mode", "sync") == "async"
         loss = parts.objective.loss
-        if self.asynchronous:  # rows sampled by older parameters: weigh each token by π_old / π_behaviour
+        if self.asynchronous or config.train.behaviour_correction:  # weigh each token by π_old / π_behaviour:
+            # rows sampled by older parameters, or by a sampler whose log-probs differ from the learner's
             loss = objectives.BehaviourCorrected(loss, config.train.behaviour_weight_cap)
         step_cfg = train_step.StepConfig(loss, config.rollout.temperature, config.train.logprob_impl,
                                          config.train.router_aux_loss_coef, parts.streams.seed_for("lora_dropout"))
@@ -311,7 +312,7 @@ class Trainer:
         data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
                             dataclasses.replace(self.pipeline, seed=self.streams.seed_for("batches", self.iteration)))
         t0 = time.perf_counter()
-        prepared, injected_logp, screenshots, rows, fills = [], [], np.zeros(2), [], []
+        prepared, injected_logp, screenshots, rows, fills, mismatch = [], [], np.zeros(2), [], [], []
         for batch in data:  # old log-probs under θ_old, fixed for every epoch
             screenshots += [batch["meta"].get("unique_screenshots", 0), batch["meta"].get("screenshots", 0)]
             fills.append(float(batch["meta"]["token_fill"]))
@@ -319,6 +320,8 @@ class Trainer:
             batch = self._place(device_batch(batch))
             old, _ = self.logprob_fn(self.state.params, batch)
             extra = {"old_logp": old}
+            sampled = ~jnp.asarray(batch["off_policy"], bool) & (jnp.asarray(batch["expert"]) == 0)
+            mismatch.append(objectives.behaviour_mismatch(old, batch["behaviour_logprobs"], batch["loss_mask"], sampled))
             if self.ref_params is not None:  # the KL term's reference policy, frozen at the start
                 extra["ref_logp"], _ = self.logprob_fn(self.ref_params, batch)
             # injected traces (replay, cache, expert) as the current θ_old sees them; sums over the global batch
@@ -351,6 +354,11 @@ class Trainer:
             out["screenshot_dedupe_ratio"] = float(screenshots[0] / screenshots[1])
         if fills:  # real tokens / token slots of the model's input rows: what padding (or packing) leaves
             out["token_fill"] = float(np.mean(fills))
+        sampled = jax.device_get(mismatch)
+        tokens = sum(float(m["tokens"]) for m in sampled)
+        if tokens:  # the sampler's log-probs against the learner's, per on-policy token
+            out["behaviour_logp_abs_diff"] = sum(float(m["abs_sum"]) for m in sampled) / tokens
+            out["behaviour_kl"] = sum(float(m["kl_sum"]) for m in sampled) / tokens
         if injected_logp:
             out["logp_injected"] = sum(a for a, _ in injected_logp) / max(sum(n for _, n in injected_logp), 1.0)
         out.update(time_old_logprobs_s=t_old, time_update_s=time.perf_counter() - t0, trained_tokens=total_tokens,

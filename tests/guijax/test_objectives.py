@@ -129,3 +129,22 @@ def test_step0_rows_share_each_advantage_and_batches_split_the_trajectories():
     assert sum(len(b) / 6 * lb for b, lb in zip(batches, per_batch)) == pytest.approx(-sum(advantages.values()) / 5)
     with pytest.raises(ValueError, match="steps must be one of"):
         objectives.Objective(loss, steps="every")
+
+
+def test_behaviour_mismatch_sums_the_loss_tokens_of_sampled_rows_only():
+    """|Δ log p| and the k3 KL estimate r − 1 − log r (r = π_old/π_behaviour) over on-policy loss tokens."""
+    rng = np.random.default_rng(5)
+    old = rng.normal(-1.2, 0.5, (3, 6)).astype(np.float32)
+    behaviour = (old + rng.normal(0, 0.2, (3, 6))).astype(np.float32)
+    mask = (rng.random((3, 6)) > 0.3).astype(np.float32)
+    sampled = np.array([True, False, True])  # the middle row: injected, or text with no sampled ids
+    got = objectives.behaviour_mismatch(jnp.asarray(old), jnp.asarray(behaviour), jnp.asarray(mask),
+                                        jnp.asarray(sampled))
+    on = mask * sampled[:, None]
+    delta = old - behaviour
+    np.testing.assert_allclose(float(got["tokens"]), on.sum())
+    np.testing.assert_allclose(float(got["abs_sum"]), (np.abs(delta) * on).sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(got["kl_sum"]), ((np.exp(delta) - 1 - delta) * on).sum(), rtol=1e-5)
+    assert float(got["kl_sum"]) > 0
+    same = objectives.behaviour_mismatch(jnp.asarray(old), jnp.asarray(old), jnp.asarray(mask), jnp.asarray(sampled))
+    assert float(same["abs_sum"]) == 0 and float(same["kl_sum"]) == 0

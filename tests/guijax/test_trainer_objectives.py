@@ -170,3 +170,32 @@ def test_final_step_grpo_trains_one_row_per_trajectory(prepared):
     trainer.close()
     assert m["loss"] == pytest.approx(-advantages.mean(), rel=1e-4, abs=1e-5)  # one row of −Â_i per trajectory
     assert abs(-_row_advantages(trajectories, advantages).mean() - m["loss"]) > 1e-2
+
+
+@pytest.mark.slow  # 40 s; the mismatch arithmetic is checked in tests/guijax/test_objectives.py
+def test_sampler_mismatch_is_logged_and_its_correction_can_be_switched_on(prepared):
+    """Rows whose ids a sampler produced report how far its log-probs are from the learner's; text rows do
+    not count. `train.behaviour_correction` weighs synchronous runs' tokens by π_old/π_behaviour too."""
+    from guijax.data.pipeline import text_response
+    from guijax.rollout.trajectory import Source
+
+    workdir, trajectories, make_config = prepared
+    advantages = np.asarray([1.0, -1.0] * len(trajectories), np.float32)[:len(trajectories)]
+    keep = list(range(len(trajectories)))
+    out = {}
+    for correction in (False, True):
+        trainer = _trainer(workdir, make_config, [f"train.behaviour_correction={correction}",
+                                                  "optim.learning_rate=1e-9"])
+        tokenizer = trainer.parts.processor.tokenizer
+        sampled = [dataclasses.replace(t, source=Source.ON_POLICY, steps=[dataclasses.replace(
+            s, response_tokens=(ids := text_response(tokenizer, s.response)),
+            behaviour_logprobs=np.full(len(ids), -0.05, np.float32)) for s in t.steps]) for t in trajectories]
+        out[correction] = trainer._update(sampled, advantages, keep)
+        text_rows = [dataclasses.replace(t, source=Source.ON_POLICY) for t in trajectories]  # no sampled ids
+        text_only = trainer._update(text_rows, advantages, keep)
+        trainer.close()
+        assert "behaviour_logp_abs_diff" not in text_only  # no sampled rows, nothing to compare
+    for m in out.values():  # a random policy's log-probs are far from -0.05 per token
+        assert m["behaviour_logp_abs_diff"] > 0.5 and m["behaviour_kl"] > 0
+    assert out[False]["behaviour_logp_abs_diff"] == pytest.approx(out[True]["behaviour_logp_abs_diff"], rel=1e-4)
+    assert "behaviour_weight_mean" not in out[False] and 0 < out[True]["behaviour_weight_mean"] <= 5.0
