@@ -7,11 +7,13 @@
 #
 #   bash benchmarks/gpu_checks.sh OUTDIR [SECONDS [PARTS]]
 # SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default
-# machine,gpu_tests,grpo_gpu_step,vs_torch_0_5b; also grpo_gpu_frozen_tower and grpo_gpu_lora, the 7B step
-# with the vision tower frozen or as LoRA r128; train_step_gui_0_5b, the 0.5B update at 5 full-HD screenshots,
-# vs_torch_gui_0_5b, the same rows against PyTorch (vs_torch_gui_3b: the 3B in bf16, one side after the
-# other); profile_gui_0_5b, a kernel-level profile of that step;
-# sampler_7b, the 7B sampler's decode at batch 8 and 64 with screenshot-length prompts against its roofline).
+# machine,gpu_tests,grpo_gpu_step,vs_torch_0_5b). Also:
+#   grpo_gpu_frozen_tower, grpo_gpu_frozen_tower_scan, grpo_gpu_lora: the 7B step with the vision tower frozen
+#     (unrolled, or its layers under scan) or as LoRA r128;
+#   train_step_gui_0_5b: the 0.5B update on a row of 5 full-HD screenshots;
+#   vs_torch_gui_0_5b, vs_torch_gui_3b: GUI rows against PyTorch (the 3B in bf16, one side after the other);
+#   profile_gui_0_5b: a kernel-level profile of the 0.5B GUI step;
+#   sampler_7b: the 7B sampler's decode at batch 8 and 64 with screenshot-length prompts against its roofline.
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS [PARTS]]}
 budget=${2:-560}
@@ -44,6 +46,10 @@ run_part() {
     grpo_gpu_frozen_tower) part grpo_gpu_frozen_tower 220 python3 benchmarks/recipe_step.py --config=grpo_gpu \
       --config.model.frozen='("visual",)' --steps=3 --json="$out/recipe_step_grpo_gpu_frozen_tower.json" \
       --markdown="$out/recipe_step_grpo_gpu_frozen_tower.md" ;;
+    grpo_gpu_frozen_tower_scan) part grpo_gpu_frozen_tower_scan 220 python3 benchmarks/recipe_step.py --config=grpo_gpu \
+      --config.model.frozen='("visual",)' --config.model.scan_layers=True --steps=3 \
+      --json="$out/recipe_step_grpo_gpu_frozen_tower_scan.json" \
+      --markdown="$out/recipe_step_grpo_gpu_frozen_tower_scan.md" ;;
     grpo_gpu_lora) part grpo_gpu_lora 220 python3 benchmarks/recipe_step.py --config=grpo_gpu --config.lora.rank=128 \
       --steps=3 --json="$out/recipe_step_grpo_gpu_lora.json" --markdown="$out/recipe_step_grpo_gpu_lora.md" ;;
     train_step_gui_0_5b) part train_step_gui_0_5b 75 python3 benchmarks/train_step.py --presets qwen2_5_0_5b \
@@ -66,7 +72,7 @@ run_part() {
     vs_torch_0_5b) part vs_torch_0_5b 120 python3 benchmarks/vs_torch.py --device cuda --dtype bfloat16 \
       --preset qwen2_5_0_5b --batch 8 --seq 1024 --repeats 7 --json="$out/vs_torch_qwen2_5_0_5b.json" \
       --markdown="$out/vs_torch_qwen2_5_0_5b.md" ;;
-    *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, grpo_gpu_frozen_tower, grpo_gpu_lora," \
+    *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, grpo_gpu_frozen_tower, grpo_gpu_frozen_tower_scan, grpo_gpu_lora," \
             "train_step_gui_0_5b, vs_torch_gui_0_5b, vs_torch_gui_3b, profile_gui_0_5b, sampler_7b, vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
   esac
 }
