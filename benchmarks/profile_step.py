@@ -7,7 +7,9 @@ more under `jax.profiler.trace(create_perfetto_trace=True)` and reads the trace 
 name is an instruction of the compiled program (or, on GPU, whose `hlo_op` is one) is an operation the
 device ran. Operations are ranked by their time summed over the trace's threads (XLA:CPU splits one
 operation over its thread pool, so that sum can exceed the wall-clock time, which is reported beside it),
-each with its opcode, fusion kind and the JAX operation it came from (the program's `op_name` metadata).
+each with its opcode, fusion kind and the JAX operation it came from (the program's `op_name` metadata). On a
+GPU a `while` or `conditional` event spans the kernels inside it, so the summed time counts nested events at
+each level and shares are of that sum, not of the step.
 A second table sums the same time by that JAX operation's primitive (`dot_general`, `exp`, ...), which is
 what to read when many small fusions share one cause. The JSON keeps the top 100 operations and every
 primitive.
@@ -36,9 +38,11 @@ from typing import Any
 # XLA:GPU runs loop and branch bodies as command buffers (CUDA graphs), which the trace shows as one event
 # named after the while/conditional: a GPU profile then says "the layer loop took 29%" and nothing inside it.
 # Without them each kernel is its own event (at some launch overhead); --gpu-command-buffers keeps them.
-COMMAND_BUFFERS = "--gpu-command-buffers" in sys.argv
-if not COMMAND_BUFFERS:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+# The flag must be set before JAX starts, so it acts when this file runs as a script (imported, it leaves the
+# process's XLA_FLAGS alone); the report says which way the profiled program ran.
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+if __name__ == "__main__" and "--gpu-command-buffers" not in sys.argv:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + NO_COMMAND_BUFFERS).strip()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
@@ -150,7 +154,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": bc.command_line("profile_step.py", args.argv), "machine": bc.machine_info(),
             "preset": args.preset, "batch": args.batch, "seq": seq, "screenshots": args.screenshots,
             "dtype": args.dtype, "remat": args.remat, "layers": "unrolled" if args.unrolled else "scan",
-            "gpu_command_buffers": COMMAND_BUFFERS, "steps": args.steps, "compile_s": round(compile_s, 2),
+            "gpu_command_buffers": NO_COMMAND_BUFFERS not in os.environ.get("XLA_FLAGS", ""), "steps": args.steps, "compile_s": round(compile_s, 2),
             "wall_ms_per_step": 1e3 * bc.median(walls), "traced_op_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "trace_dir": trace_dir, "operations_traced": len(rows), "operations": rows[:max(100, args.top)],
             "primitives": by_primitive(rows), "top": args.top}

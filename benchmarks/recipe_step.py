@@ -17,7 +17,8 @@ first. On a GPU the device's own peak bytes in use (`memory_stats`) after the st
 Model FLOPs (the convention of `train_step.py`: matmuls only, forward + backward = 3 x forward,
 attention over the full square, recomputation not counted): 6 x non-embedding parameters and the attention
 term per token of every row, the LM head only at loss positions (the step computes it nowhere else), and
-the vision tower per patch. The compiler's own count (`cost_analysis`, recomputation included) is beside it.
+the vision tower per patch; a weight that does not train costs 4 per token instead of 6 when something
+trained lies below it (LoRA's base, a frozen head) and 2 when nothing does (a frozen vision tower). The compiler's own count (`cost_analysis`, recomputation included) is beside it.
 
   python benchmarks/recipe_step.py --config=grpo_gpu --steps=3
   python benchmarks/recipe_step.py --config=grpo_cpu --config.dry_run.screenshot_hw=112,112 --steps=2
@@ -130,7 +131,8 @@ def model_flops(model_cfg, params: Any, rows: int, seq: int, loss_tokens: int, g
     adapters = sum(math.prod(v.shape) for k, v in flat.items() if is_adapter(k))
     per_token = step_bench.flops_per_token(model_cfg, counts["non_embedding"] - adapters, seq)
     base = 1.0 if part.lora is None else 4.0 / 6.0
-    head_trained = part.lora is None and not {"lm_head", "embed_tokens"} & set(part.frozen)
+    head_weight = "embed_tokens" if model_cfg.tie_word_embeddings else "lm_head"  # the matrix the head reads
+    head_trained = part.lora is None and head_weight not in part.frozen
     text = rows * seq * (base * per_token["dense"] + 6.0 * adapters + per_token["attention"])
     head = loss_tokens * per_token["lm_head"] * (1.0 if head_trained else 4.0 / 6.0)
     images = rows * gui["screenshots"]

@@ -24,7 +24,7 @@ the ratio means nothing; `--threads 1` under `taskset -c 0` gives a per-core com
   python benchmarks/vs_torch.py --preset small --batch 4 --seq 256 --repeats 7
 
 On a GPU both run there (`--device cuda`), normally with `--dtype bfloat16`: guijax computes in bf16 with
-fp32 parameters and moments, torch runs its forward under `torch.autocast(bfloat16)` with fp32 parameters;
+(by default) fp32 parameters and moments, torch runs its forward under `torch.autocast(bfloat16)` with the same;
 each timed torch step ends with `torch.cuda.synchronize()`.
 
 GUI rows (`--screenshots K`): each row holds K screenshots with their image tokens, text and a response that

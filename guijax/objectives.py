@@ -79,13 +79,24 @@ class WithCrossEntropy:
         return loss + self.coef * ce, dict(metrics, sft_ce=ce)
 
 
+def sampled_rows(batch: Batch) -> jax.Array:
+    """[b] bool: the rows whose ids a sampler produced, so that their `behaviour_logprobs` mean something: not
+    injected (`off_policy`: replay, cache, expert) and not text written without sampled ids (`expert`)."""
+    sampled = ~jnp.asarray(batch["off_policy"], bool)
+    if "expert" in batch:
+        sampled &= jnp.asarray(batch["expert"]) == 0
+    return sampled
+
+
 @dataclasses.dataclass(frozen=True)
 class BehaviourCorrected:
-    """`inner` on rows sampled by older parameters than θ_old (asynchronous rollouts): the decoupled PPO
-    objective, whose clipped ratio is π_θ/π_old (the trust region around the parameters the update starts
-    from, old_logp recomputed by the learner) and whose every on-policy token is weighted by the importance
-    weight π_old/π_behaviour of the policy that actually sampled it (the batch's `behaviour_logprobs`),
-    detached and truncated at `cap`. Injected rows (`off_policy`: replay, cache, expert text) keep weight 1.
+    """`inner` on rows sampled by another policy than θ_old's exact copy (older parameters in asynchronous
+    rollouts; a sampler whose log-probs differ from the learner's, with `train.behaviour_correction`): the
+    decoupled PPO objective, whose clipped ratio is π_θ/π_old (the trust region around the parameters the
+    update starts from, old_logp recomputed by the learner) and whose every sampled token is weighted by the
+    importance weight π_old/π_behaviour of the policy that actually sampled it (the batch's
+    `behaviour_logprobs`), detached and truncated at `cap`. Other rows (`sampled_rows`: injected replay, cache
+    and expert rows, text rows with no sampled ids) keep weight 1.
 
     The weight multiplies the token's advantage: for a positive weight w, w·(−min(r·A, clip(r)·A)) equals
     −min(r·wA, clip(r)·wA), dual clip included, so `inner` needs no change."""
@@ -95,7 +106,7 @@ class BehaviourCorrected:
 
     def __call__(self, logp: jax.Array, entropy: jax.Array, batch: Batch) -> tuple[jax.Array, dict]:
         mask = batch["loss_mask"]
-        valid = (mask > 0) & ~jnp.asarray(batch["off_policy"], bool)[:, None]
+        valid = (mask > 0) & sampled_rows(batch)[:, None]
         log_w = jnp.where(valid, batch["old_logp"] - batch["behaviour_logprobs"], 0.0)
         raw = jnp.exp(log_w)
         weight = jax.lax.stop_gradient(jnp.minimum(raw, self.cap))
@@ -110,14 +121,14 @@ class BehaviourCorrected:
 def behaviour_mismatch(old_logp: jax.Array, behaviour_logprobs: jax.Array, loss_mask: jax.Array,
                        sampled: jax.Array) -> dict[str, jax.Array]:
     """How far the log-probs the sampler recorded are from the learner's θ_old log-probs of the same tokens,
-    over the loss tokens of `sampled` rows ([b] bool: on-policy rows whose ids a sampler produced, not
-    injected or text rows): the sums of |Δ log p| and of the k3 estimate of KL(π_behaviour ‖ π_old)
-    (r − 1 − log r with r = π_old/π_behaviour: never negative, unbiased for tokens the behaviour policy
-    sampled), and the token count. Sums, so a run's batches add up. A sampler in another precision or
+    over the loss tokens of `sampled` rows ([b] bool, `sampled_rows`): the sums of |Δ log p| and of the k3
+    estimate of KL(π_behaviour ‖ π_old) (r − 1 − log r with r = π_old/π_behaviour: never negative, unbiased for
+    tokens the behaviour policy sampled), and the token count. Sums, so a run's batches add up. A sampler in another precision or
     another engine shows here; so does staleness, in asynchronous runs."""
     on = loss_mask * jnp.asarray(sampled, jnp.float32)[:, None]
     delta = jnp.where(on > 0, old_logp - behaviour_logprobs, 0.0)
-    return {"abs_sum": jnp.sum(jnp.abs(delta) * on), "kl_sum": jnp.sum((jnp.expm1(delta) - delta) * on),
+    r_log = jnp.minimum(delta, 30.0)  # a broken sampler stays a loud finite number, not an inf in the metrics
+    return {"abs_sum": jnp.sum(jnp.abs(delta) * on), "kl_sum": jnp.sum((jnp.expm1(r_log) - r_log) * on),
             "tokens": jnp.sum(on)}
 
 

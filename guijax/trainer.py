@@ -320,8 +320,8 @@ class Trainer:
             batch = self._place(device_batch(batch))
             old, _ = self.logprob_fn(self.state.params, batch)
             extra = {"old_logp": old}
-            sampled = ~jnp.asarray(batch["off_policy"], bool) & (jnp.asarray(batch["expert"]) == 0)
-            mismatch.append(objectives.behaviour_mismatch(old, batch["behaviour_logprobs"], batch["loss_mask"], sampled))
+            mismatch.append(objectives.behaviour_mismatch(old, batch["behaviour_logprobs"], batch["loss_mask"],
+                                                          objectives.sampled_rows(batch)))
             if self.ref_params is not None:  # the KL term's reference policy, frozen at the start
                 extra["ref_logp"], _ = self.logprob_fn(self.ref_params, batch)
             # injected traces (replay, cache, expert) as the current θ_old sees them; sums over the global batch

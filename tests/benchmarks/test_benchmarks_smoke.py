@@ -316,6 +316,10 @@ def test_recipe_step_model_flops_count_what_trains():
     assert lora["text"] == pytest.approx(base_dense * 4 / 6 + 2 * 96 * 6.0 * adapters + attention)
     assert lora["lm_head"] == pytest.approx(full["lm_head"] * 4 / 6)
     assert mod.trains_label(TrainedPart(LoraConfig(rank=4, alpha=8.0), ("visual",))) == "LoRA r4 adapters but visual"
+    head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"  # frozen: its input gradient alone
+    assert flops(frozen=(head,))["lm_head"] == pytest.approx(full["lm_head"] * 4 / 6)
+    if not cfg.tie_word_embeddings:  # an untied head still trains when the embedding table is frozen
+        assert flops(frozen=("embed_tokens",))["lm_head"] == pytest.approx(full["lm_head"])
 
 
 def test_recompile_summary_leaves_out_the_first_iteration_and_reads_idle_ones():

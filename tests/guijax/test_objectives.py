@@ -148,3 +148,14 @@ def test_behaviour_mismatch_sums_the_loss_tokens_of_sampled_rows_only():
     assert float(got["kl_sum"]) > 0
     same = objectives.behaviour_mismatch(jnp.asarray(old), jnp.asarray(old), jnp.asarray(mask), jnp.asarray(sampled))
     assert float(same["abs_sum"]) == 0 and float(same["kl_sum"]) == 0
+
+
+def test_rows_without_sampled_ids_keep_weight_one():
+    """A text row (`expert`: no sampled ids, behaviour log-probs 0) is not weighted by π_old/0-log-prob."""
+    logp = jnp.full((2, 3), -2.0)
+    batch = {"old_logp": logp, "behaviour_logprobs": jnp.zeros((2, 3)), "loss_mask": jnp.ones((2, 3)),
+             "advantages": jnp.asarray([1.0, 1.0]), "off_policy": jnp.zeros(2, bool), "expert": jnp.asarray([1.0, 0.0])}
+    _, metrics = objectives.BehaviourCorrected(objectives.ClippedPolicyLoss(), 5.0)(logp, jnp.zeros_like(logp), batch)
+    np.testing.assert_allclose(float(metrics["behaviour_weight_mean"]), np.exp(-2.0), rtol=1e-6)  # row 1 alone
+    np.testing.assert_array_equal(np.asarray(objectives.sampled_rows(batch)), [False, True])
+    assert not np.asarray(objectives.sampled_rows({"off_policy": jnp.asarray([True, False])}))[0]

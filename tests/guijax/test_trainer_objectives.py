@@ -195,7 +195,10 @@ def test_sampler_mismatch_is_logged_and_its_correction_can_be_switched_on(prepar
         text_only = trainer._update(text_rows, advantages, keep)
         trainer.close()
         assert "behaviour_logp_abs_diff" not in text_only  # no sampled rows, nothing to compare
+        if correction:  # and nothing to weigh: text rows keep weight 1, outside the weight's mean
+            assert text_only["behaviour_weight_mean"] == 0
     for m in out.values():  # a random policy's log-probs are far from -0.05 per token
         assert m["behaviour_logp_abs_diff"] > 0.5 and m["behaviour_kl"] > 0
     assert out[False]["behaviour_logp_abs_diff"] == pytest.approx(out[True]["behaviour_logp_abs_diff"], rel=1e-4)
-    assert "behaviour_weight_mean" not in out[False] and 0 < out[True]["behaviour_weight_mean"] <= 5.0
+    # the weight is π_old/π_behaviour = exp(log π_old + 0.05): a random 1,024-token policy's tokens, ~1e-3
+    assert "behaviour_weight_mean" not in out[False] and 0 < out[True]["behaviour_weight_mean"] < 0.01
