@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The checks a lent GPU is for, as one script within one time budget: the GPU-only tests (cuDNN attention in
-# the model, Pallas kernels on the device), one real train step of `grpo_gpu` at its full shape, and the
-# GRPO update against PyTorch at the 0.5B shape. Each part gets its own time limit and a part that fails or
+# the model, Pallas kernels on the device), real train steps of `grpo_gpu` at its full shape, the GRPO update
+# against PyTorch, profiles and the sampler's decode. Each part gets its own time limit and a part that fails or
 # runs out of time does not stop the next; everything is logged to OUTDIR/log.txt and each benchmark writes
 # its JSON and markdown to OUTDIR.
 #
 #   bash benchmarks/gpu_checks.sh OUTDIR [SECONDS [PARTS]]
-# SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default
-# machine,gpu_tests,grpo_gpu_step,vs_torch_0_5b). Also:
+# A machine whose Python lacks some of guijax's dependencies (a GPU box's stock image had no grain,
+# array_record, ml_collections or portpicker) needs them first, e.g. as wheels: pip install --target DIR
+# *.whl and PYTHONPATH=DIR; the script adds the repository itself to PYTHONPATH.
+# SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default: what has not run on
+# a GPU yet, machine,gpu_tests,grpo_gpu_frozen_tower_scan,vs_torch_gui_0_5b,profile_gui_0_5b). Also:
+#   grpo_gpu_step: the 7B step training every parameter (84.43 GiB: an H200, not an H100);
+#   vs_torch_0_5b: the 0.5B update against PyTorch on text rows;
 #   grpo_gpu_frozen_tower, grpo_gpu_frozen_tower_scan, grpo_gpu_lora: the 7B step with the vision tower frozen
 #     (unrolled, or its layers under scan) or as LoRA r128;
 #   train_step_gui_0_5b: the 0.5B update on a row of 5 full-HD screenshots;
@@ -17,7 +22,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS [PARTS]]}
 budget=${2:-560}
-parts=${3:-machine,gpu_tests,grpo_gpu_step,vs_torch_0_5b}
+parts=${3:-machine,gpu_tests,grpo_gpu_frozen_tower_scan,vs_torch_gui_0_5b,profile_gui_0_5b}
 mkdir -p "$out"
 log="$out/log.txt"
 start=$(date +%s)
