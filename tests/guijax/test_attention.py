@@ -334,32 +334,46 @@ def test_blockwise_forward_backward_memory_is_linear_in_sequence_length():
     assert blockwise_2x < 2.5 * blockwise, (blockwise, blockwise_2x)  # doubling s doubles memory, not x4
 
 
-def test_blockwise_memory_stays_linear_inside_a_scan_over_layers():
-    """Under a scan over layers the segment ids are loop-invariant; nothing computed from them alone may be
-    hoisted out of the loop as every tile's mask at once ([nq, nk, b, h, bq, bk]): the scanned layers must
-    need about what the unrolled ones do."""
+def _scanned_and_unrolled_temp(implementation: str, dtype) -> tuple[int, int, int]:
+    """Compiled temp bytes of forward + backward of two attention layers under `lax.scan` and unrolled, and
+    the bytes of one dense [h, s, s] float32 score matrix."""
     s, h, kvh, d, layers = 4096, 8, 2, 64, 2
-    dense_scores = h * s * s * 4  # 512 MiB
 
     def layer(x, w, seg):
         q = (x @ w).reshape(1, s, h, d)
         kv = q[:, :, :kvh]
         return attention(q, kv, kv, causal=True, q_segment_ids=seg, kv_segment_ids=seg,
-                         implementation="xla").reshape(1, s, h * d)
+                         implementation=implementation).reshape(1, s, h * d)
 
     def scanned(w, x, seg):
-        return jnp.sum(jax.lax.scan(lambda c, wl: (layer(c, wl, seg), None), x, w)[0])
+        return jnp.sum(jax.lax.scan(lambda c, wl: (layer(c, wl, seg), None), x, w)[0].astype(jnp.float32))
 
     def unrolled(w, x, seg):
         for i in range(layers):
             x = layer(x, w[i], seg)
-        return jnp.sum(x)
+        return jnp.sum(x.astype(jnp.float32))
 
-    args = (jax.ShapeDtypeStruct((layers, h * d, h * d), jnp.float32),
-            jax.ShapeDtypeStruct((1, s, h * d), jnp.float32), jax.ShapeDtypeStruct((1, s), jnp.int32))
-    scan_temp, unrolled_temp = _temp_bytes(jax.grad(scanned), *args), _temp_bytes(jax.grad(unrolled), *args)
+    args = (jax.ShapeDtypeStruct((layers, h * d, h * d), dtype),
+            jax.ShapeDtypeStruct((1, s, h * d), dtype), jax.ShapeDtypeStruct((1, s), jnp.int32))
+    return _temp_bytes(jax.grad(scanned), *args), _temp_bytes(jax.grad(unrolled), *args), h * s * s * 4
+
+
+def test_blockwise_memory_stays_linear_inside_a_scan_over_layers():
+    """Under a scan over layers the segment ids are loop-invariant; nothing computed from them alone may be
+    hoisted out of the loop as every tile's mask at once ([nq, nk, b, h, bq, bk]): the scanned layers must
+    need about what the unrolled ones do."""
+    scan_temp, unrolled_temp, dense_scores = _scanned_and_unrolled_temp("xla", jnp.float32)
     assert scan_temp < dense_scores / 2, (scan_temp, unrolled_temp, dense_scores)  # hoisted: 3.1x dense
     assert scan_temp < 2 * unrolled_temp, (scan_temp, unrolled_temp)
+
+
+@pytest.mark.gpu
+def test_auto_attention_on_a_gpu_stays_linear_inside_a_scan_over_layers():
+    """On a GPU `auto` is cuDNN with the blockwise path as the fallback branch of a `cond`: a branch the
+    program must hold memory for, so the fallback's hoisted masks cost memory even when cuDNN runs."""
+    scan_temp, unrolled_temp, dense_scores = _scanned_and_unrolled_temp("auto", jnp.bfloat16)
+    assert scan_temp < dense_scores / 2, (scan_temp, unrolled_temp, dense_scores)
+    assert scan_temp < 2 * unrolled_temp + (64 << 20), (scan_temp, unrolled_temp)
 
 
 def test_vision_forward_memory_for_one_1080p_screenshot_is_far_below_dense():
