@@ -154,7 +154,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": bc.command_line("profile_step.py", args.argv), "machine": bc.machine_info(),
             "preset": args.preset, "batch": args.batch, "seq": seq, "screenshots": args.screenshots,
             "dtype": args.dtype, "remat": args.remat, "layers": "unrolled" if args.unrolled else "scan",
-            "gpu_command_buffers": NO_COMMAND_BUFFERS not in os.environ.get("XLA_FLAGS", ""), "steps": args.steps, "compile_s": round(compile_s, 2),
+            "gpu_command_buffers": NO_COMMAND_BUFFERS not in os.environ.get("XLA_FLAGS", ""),
+            "steps": args.steps, "compile_s": round(compile_s, 2),
             "wall_ms_per_step": 1e3 * bc.median(walls), "traced_op_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "trace_dir": trace_dir, "operations_traced": len(rows), "operations": rows[:max(100, args.top)],
             "primitives": by_primitive(rows), "top": args.top}

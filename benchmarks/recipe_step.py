@@ -18,7 +18,8 @@ Model FLOPs (the convention of `train_step.py`: matmuls only, forward + backward
 attention over the full square, recomputation not counted): 6 x non-embedding parameters and the attention
 term per token of every row, the LM head only at loss positions (the step computes it nowhere else), and
 the vision tower per patch; a weight that does not train costs 4 per token instead of 6 when something
-trained lies below it (LoRA's base, a frozen head) and 2 when nothing does (a frozen vision tower). The compiler's own count (`cost_analysis`, recomputation included) is beside it.
+trained lies below it (LoRA's base, a frozen head) and 2 when nothing does (a frozen vision tower). The
+compiler's own count (`cost_analysis`, recomputation included) is beside it.
 
   python benchmarks/recipe_step.py --config=grpo_gpu --steps=3
   python benchmarks/recipe_step.py --config=grpo_cpu --config.dry_run.screenshot_hw=112,112 --steps=2
@@ -26,7 +27,6 @@ trained lies below it (LoRA's base, a frozen head) and 2 when nothing does (a fr
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -40,14 +40,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import flax.linen as nn  # noqa: E402
-from flax import traverse_util  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from guijax import aot, launch, sharding  # noqa: E402
 from guijax import train_step as guijax_step  # noqa: E402
 from guijax.data.pipeline import response_positions  # noqa: E402
 from guijax.models import weights  # noqa: E402
-from guijax.models.lora import is_adapter  # noqa: E402
 from guijax.models.trained import TrainedPart  # noqa: E402
 from guijax.models.vision_blocks import stack_blocks  # noqa: E402
 
@@ -125,10 +123,8 @@ def model_flops(model_cfg, params: Any, rows: int, seq: int, loss_tokens: int, g
     nothing trained below it 2 (forward only). So under LoRA the base decoder and head count 4 and the
     adapters 6, and a frozen vision tower (frozen under LoRA too) counts its forward alone."""
     part = part or TrainedPart()
-    params = nn.unbox(params)
-    counts = step_bench.param_counts(params, model_cfg)
-    flat = traverse_util.flatten_dict(params)
-    adapters = sum(math.prod(v.shape) for k, v in flat.items() if is_adapter(k))
+    counts = step_bench.param_counts(nn.unbox(params), model_cfg)
+    adapters = counts["adapters"]
     per_token = step_bench.flops_per_token(model_cfg, counts["non_embedding"] - adapters, seq)
     base = 1.0 if part.lora is None else 4.0 / 6.0
     head_weight = "embed_tokens" if model_cfg.tie_word_embeddings else "lm_head"  # the matrix the head reads
@@ -140,7 +136,7 @@ def model_flops(model_cfg, params: Any, rows: int, seq: int, loss_tokens: int, g
     vision_trained = part.lora is None and "visual" not in part.frozen
     vision *= 1.0 if vision_trained else 1.0 / 3.0
     return {"text": text, "lm_head": head, "vision": vision, "total": text + head + vision,
-            "params": {**counts, "adapters": adapters}}
+            "params": counts}
 
 
 def run(config, steps: int, seed: int = 0) -> dict[str, Any]:

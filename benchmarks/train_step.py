@@ -60,6 +60,7 @@ from configs._common import base  # noqa: E402
 from guijax import optim, train_step  # noqa: E402
 from guijax.models import weights  # noqa: E402
 from guijax.models.config import PRESETS, ModelConfig, VisionConfig, get_preset  # noqa: E402
+from guijax.models.lora import is_adapter  # noqa: E402
 
 QWEN_0_5B = "qwen2_5_0_5b"
 
@@ -84,7 +85,7 @@ def param_counts(params: Any, cfg: ModelConfig) -> dict[str, int]:
     head = size(lambda k: k[0] == "lm_head")
     vision = size(lambda k: k[0] == "visual")
     return {"total": total, "embedding": embed, "lm_head_untied": head, "vision": vision,
-            "non_embedding": total - embed - head - vision}
+            "non_embedding": total - embed - head - vision, "adapters": size(is_adapter)}
 
 
 def flops_per_token(cfg: ModelConfig, non_embedding: int, seq: int) -> dict[str, float]:

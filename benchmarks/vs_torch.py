@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "| trainer | step (s) | tokens/s | CPU s per step |",
         "|---|---:|---:|---:|",
-        f"| guijax (JAX {jax.__version__}, layers {a.layers}, remat {a.remat}) | {jt:.4f} | {tokens / jt:,.0f} | {bc.median(jax_cpu):.3f} |",
+        f"| guijax (JAX {jax.__version__}, layers {a.layers}, remat {a.remat}) | {jt:.4f} | {tokens / jt:,.0f} | "
+        f"{bc.median(jax_cpu):.3f} |",
         f"| PyTorch {torch.__version__} + transformers {transformers.__version__}"
         f"{', gradient checkpointing' if a.torch_checkpointing else ''} | {tt:.4f} | {tokens / tt:,.0f} | "
         f"{bc.median(torch_cpu):.3f} |",

@@ -5,9 +5,9 @@ One optimizer step is one 16k-token row with five full-HD screenshots. Run for r
 (`python benchmarks/recipe_step.py --config=grpo_gpu`), it held 84.43 GiB at its peak: one H200 (141 GB),
 or the FSDP axis over two or more H100s; a single H100 80GB is too small for the full fine-tune. Measured on
 one H100: LoRA (`--config.lora.rank=128`) held 26.45 GiB at 1.80 s per step, and the full fine-tune with the
-vision tower frozen (`--config.model.frozen='("visual",)'`) 61.60 GiB at 2.00 s. Edit (or override) model.path, env.osworld_dir and
-env.server_urls for your machines; check the sizes first with `python -m guijax.launch --config=grpo_gpu
---dry_run`.
+vision tower frozen (`--config.model.frozen='("visual",)'`) 61.60 GiB at 2.00 s. Edit (or override)
+model.path, env.osworld_dir and env.server_urls for your machines; check the sizes first with
+`python -m guijax.launch --config=grpo_gpu --dry_run`.
 """
 from configs._common import base, uitars_on_osworld
 

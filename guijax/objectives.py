@@ -123,8 +123,8 @@ def behaviour_mismatch(old_logp: jax.Array, behaviour_logprobs: jax.Array, loss_
     """How far the log-probs the sampler recorded are from the learner's θ_old log-probs of the same tokens,
     over the loss tokens of `sampled` rows ([b] bool, `sampled_rows`): the sums of |Δ log p| and of the k3
     estimate of KL(π_behaviour ‖ π_old) (r − 1 − log r with r = π_old/π_behaviour: never negative, unbiased for
-    tokens the behaviour policy sampled), and the token count. Sums, so a run's batches add up. A sampler in another precision or
-    another engine shows here; so does staleness, in asynchronous runs."""
+    tokens the behaviour policy sampled), and the token count. Sums, so a run's batches add up. A sampler in
+    another precision or another engine shows here; so does staleness, in asynchronous runs."""
     on = loss_mask * jnp.asarray(sampled, jnp.float32)[:, None]
     delta = jnp.where(on > 0, old_logp - behaviour_logprobs, 0.0)
     r_log = jnp.minimum(delta, 30.0)  # a broken sampler stays a loud finite number, not an inf in the metrics

@@ -354,11 +354,11 @@ class Trainer:
             out["screenshot_dedupe_ratio"] = float(screenshots[0] / screenshots[1])
         if fills:  # real tokens / token slots of the model's input rows: what padding (or packing) leaves
             out["token_fill"] = float(np.mean(fills))
-        sampled = jax.device_get(mismatch)
-        tokens = sum(float(m["tokens"]) for m in sampled)
-        if tokens:  # the sampler's log-probs against the learner's, per on-policy token
-            out["behaviour_logp_abs_diff"] = sum(float(m["abs_sum"]) for m in sampled) / tokens
-            out["behaviour_kl"] = sum(float(m["kl_sum"]) for m in sampled) / tokens
+        sums = jax.device_get(mismatch)
+        tokens = sum(float(m["tokens"]) for m in sums)
+        if tokens:  # the sampler's log-probs against the learner's, per sampled token
+            out["behaviour_logp_abs_diff"] = sum(float(m["abs_sum"]) for m in sums) / tokens
+            out["behaviour_kl"] = sum(float(m["kl_sum"]) for m in sums) / tokens
         if injected_logp:
             out["logp_injected"] = sum(a for a, _ in injected_logp) / max(sum(n for _, n in injected_logp), 1.0)
         out.update(time_old_logprobs_s=t_old, time_update_s=time.perf_counter() - t0, trained_tokens=total_tokens,
