@@ -20,7 +20,8 @@ Backends (`implementation`):
   and sum in float32 (online softmax), and tiles whose mask is empty are skipped with `lax.cond`. A
   `custom_vjp` saves only the output and the per-row logsumexp and recomputes each tile's scores in the
   backward pass, so neither direction holds more than one [b, h, block_q, block_k] score tile per step.
-  Runs on every platform and partitions under `jit` like any other JAX code.
+  Lengths that fit one tile run the same arithmetic without the scans and the skip test. Runs on every
+  platform and partitions under `jit` like any other JAX code.
 * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (cuDNN flash attention) with the padding
   given as `query_seq_lengths` / `key_value_seq_lengths`, never as a mask. It applies only when
     - the default backend is a GPU and q/k/v are float16 or bfloat16 with head_dim a multiple of 8, <= 128;
@@ -219,12 +220,29 @@ def _scores(q_blk, k_blk, scale: float) -> jax.Array:
     return jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
 
 
+def _normalise(m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Running (max, sum, weighted values) -> (output, logsumexp); rows that saw no key give 0 and 0."""
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
+    return out, jnp.where(seen, m + jnp.log(l_safe), 0.0)
+
+
 def _flash_forward(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
     """Blocked inputs ([n, b, block, ...]) -> (output like qb, logsumexp [nq, b, kvh, g, bq] float32).
 
     A query row with no visible key has l == 0: its output is 0 and its logsumexp is stored as 0 (its
     probabilities are masked to 0 in the backward pass anyway)."""
     _, b, bq, kvh, g, d = qb.shape
+    if qb.shape[0] == 1 and kb.shape[0] == 1:  # one tile: no loop, no skip test, no running rescale
+        mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)[:, None, None]
+        s = jnp.where(mask, _scores(qb[0], kb[0], scale), M_INIT)
+        m = s.max(-1)
+        p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+        l = p.sum(-1)
+        acc = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb[0], preferred_element_type=jnp.float32)
+        out, lse = _normalise(m, l, acc)
+        return jnp.moveaxis(out, 3, 1).astype(qb.dtype)[None], lse[None]
 
     def q_block(_, xs):
         q_blk, qs, qp = xs
@@ -247,14 +265,22 @@ def _flash_forward(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg,
         init = (jnp.full((b, kvh, g, bq), M_INIT, jnp.float32), jnp.zeros((b, kvh, g, bq), jnp.float32),
                 jnp.zeros((b, kvh, g, bq, d), jnp.float32))
         (m, l, acc), _ = lax.scan(k_block, init, (kb, vb, kv_seg, kv_pos))
-        seen = l > 0
-        l_safe = jnp.where(seen, l, 1.0)
-        out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
-        lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)
+        out, lse = _normalise(m, l, acc)
         return None, (jnp.moveaxis(out, 3, 1).astype(qb.dtype), lse)
 
     _, (out, lse) = lax.scan(q_block, None, (qb, q_seg, q_pos))
     return out, lse
+
+
+def _tile_grads(mask, scale: float, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk):
+    """One tile's float32 shares of dq, dk, dv, its probabilities recomputed from the saved logsumexp."""
+    p = jnp.where(mask, jnp.exp(_scores(q_blk, k_blk, scale) - lse_blk[..., None]), 0.0)
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do_blk.dtype), do_blk, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta_blk[..., None]) * scale
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k_blk.dtype), k_blk, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q_blk.dtype), q_blk, preferred_element_type=jnp.float32)
+    return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -274,6 +300,11 @@ def _flash_bwd(causal: bool, scale: float, res, d_out):
     # delta_i = sum_d dO_i * O_i = sum_j p_ij dP_ij, the softmax Jacobian's row term, as [nq, b, kvh, g, bq]
     delta = jnp.moveaxis(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1), 2, -1)
     d_out = d_out.astype(qb.dtype)
+    if qb.shape[0] == 1 and kb.shape[0] == 1:  # one tile: no loops, no skip test, no zero accumulators
+        mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)[:, None, None]
+        dq, dk, dv = _tile_grads(mask, scale, qb[0], kb[0], vb[0], d_out[0], lse[0], delta[0])
+        return (dq.astype(qb.dtype)[None], dk.astype(kb.dtype)[None], dv.astype(vb.dtype)[None],
+                None, None, None, None)
 
     def k_block(dq, xs):
         k_blk, v_blk, ks, kp = xs
@@ -284,16 +315,8 @@ def _flash_bwd(causal: bool, scale: float, res, d_out):
 
             def update(args):
                 dk, dv, dq_blk = args
-                p = jnp.where(mask, jnp.exp(_scores(q_blk, k_blk, scale) - lse_blk[..., None]), 0.0)
-                dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do_blk.dtype), do_blk,
-                                     preferred_element_type=jnp.float32)
-                dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
-                ds = p * (dp - delta_blk[..., None]) * scale
-                dq_blk = dq_blk + jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k_blk.dtype), k_blk,
-                                             preferred_element_type=jnp.float32)
-                dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q_blk.dtype), q_blk,
-                                     preferred_element_type=jnp.float32)
-                return dk, dv, dq_blk
+                tile_dq, tile_dk, tile_dv = _tile_grads(mask, scale, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk)
+                return dk + tile_dk, dv + tile_dv, dq_blk + tile_dq
 
             dk, dv, dq_blk = lax.cond(jnp.any(mask), update, lambda a: a, (*carry, dq_blk))
             return (dk, dv), dq_blk

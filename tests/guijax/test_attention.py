@@ -114,6 +114,25 @@ def test_padding_queries_and_empty_rows_give_zero_without_nans():
     assert not np.asarray(out[0, 6:]).any() and not np.asarray(out[1]).any()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_tile_runs_without_loops_and_equals_reference(causal):
+    """A sequence no longer than the tile takes the loop-free path: packed segments, padding on either side
+    and an all-padding row still equal the dense reference."""
+    rs = np.random.RandomState(5)
+    b, s = 4, 40
+    seg = _packed_segments(rs, b, s, 3, pad_left=False)
+    seg[1] = _packed_segments(rs, 1, s, 2, pad_left=True)[0]
+    seg[3] = 0
+    seg = jnp.asarray(seg)
+    q, k, v = _qkv(rs, b, s, s, 6, 2, 8)
+    kw = dict(causal=causal, q_segment_ids=seg, kv_segment_ids=seg, block_q=64, block_k=64)
+    out = _assert_matches_reference(q, k, v, **kw)
+    assert not np.asarray(out[3]).any()
+    grad_jaxpr = str(jax.make_jaxpr(jax.grad(
+        lambda q: jnp.sum(attention(q, k, v, implementation="xla", **kw))))(q))
+    assert "scan" not in grad_jaxpr and "cond" not in grad_jaxpr and "while" not in grad_jaxpr
+
+
 @pytest.mark.slow
 def test_defaults_mean_no_padding_and_auto_is_blockwise_off_gpu():
     rs = np.random.RandomState(4)
