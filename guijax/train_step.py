@@ -252,7 +252,12 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
         frozen groups); `frozen`: the rest."""
         trained = state.params
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.dropout_seed), state.step) if use_dropout else None
-        objective = lambda t: loss_fn(part.join(t, frozen), batch, module, cfg, mesh, key)  # noqa: E731
+        scale = batch.get("loss_scale")  # a micro-batch's weight in its accumulation group (metrics unscaled)
+
+        def objective(t: Any) -> tuple[jax.Array, dict]:
+            loss, metrics = loss_fn(part.join(t, frozen), batch, module, cfg, mesh, key)
+            return (loss if scale is None else loss * scale), metrics
+
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trained)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -279,6 +284,38 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
                                               (trained_state, sharding.replicated(mesh)))
     return _SplitStep(BatchFn(sharding.MeshJit(step, mesh, shardings, donate_argnums=(0,)), module.cfg.image_token_id),
                       part)
+
+
+def make_empty_microstep(module: Qwen2_5_VL, tx: optax.GradientTransformation,
+                         mesh: Mesh | None = None) -> Callable[[TrainState], TrainState]:
+    """A gradient-accumulation micro-step that contributes nothing: `tx` (an `optax.MultiSteps`) given zero
+    gradients, with no forward or backward pass. It completes a partial accumulation group, so the group's
+    update is applied where its batches end instead of waiting for the next ones (`guijax.accumulation`)."""
+    part = TrainedPart.of(module)
+
+    def empty(state: TrainState) -> TrainState:
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        updates, new_opt = tx.update(zeros, state.opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), new_opt, state.step)
+
+    if mesh is None:
+        fn = jax.jit(empty, donate_argnums=(0,))
+    else:
+        shards = state_shardings(module, tx, mesh)
+        trained = TrainState(part.partition(shards.params)[0], shards.opt_state, shards.step)
+        fn = sharding.MeshJit(empty, mesh, lambda state: ((trained,), trained), donate_argnums=(0,))
+
+    def call(state: TrainState) -> TrainState:
+        params, frozen = part.partition(state.params)
+        new = fn(TrainState(params, state.opt_state, state.step))
+        return TrainState(part.join(new.params, frozen), new.opt_state, new.step)
+
+    return call
+
+
+def pending_microsteps(opt_state: Any) -> int:
+    """Micro-batches accumulated and not yet applied (0 without `optax.MultiSteps`)."""
+    return int(opt_state.mini_step) if isinstance(opt_state, optax.MultiStepsState) else 0
 
 
 def reference_params(params: Any, part: TrainedPart) -> Any:

@@ -20,7 +20,7 @@ import numpy as np
 from absl import logging
 
 from envs.api import Task
-from guijax import compile_stats, objectives, optim, sharding, train_step
+from guijax import accumulation, compile_stats, objectives, optim, sharding, train_step
 from guijax.checkpoint import Checkpointer
 from guijax.data.pipeline import PipelineConfig, make_dataset, step_refs
 from guijax.data.store import SUFFIX as STORE_SUFFIX, TrajectoryStore
@@ -144,6 +144,9 @@ class Trainer:
         self.mesh = parts.mesh
         self.streams = parts.streams
         self.step_fn = train_step.make_train_step(self.module, self.tx, step_cfg, self.mesh)
+        self.accumulate = int(config.optim.grad_accum_steps)  # micro-batches per update (1: none)
+        self.empty_microstep = (train_step.make_empty_microstep(self.module, self.tx, self.mesh)
+                                if self.accumulate > 1 else None)
         self.logprob_fn = train_step.make_logprob_fn(self.module, config.rollout.temperature, config.train.logprob_impl,
                                                      self.mesh)
         self.state = train_step.init_state(self.module, self.policy.params, self.tx, self.mesh)
@@ -337,8 +340,12 @@ class Trainer:
         collected: dict[str, list[float]] = {}
         t0 = time.perf_counter()
         for _ in range(cfg.train.ppo_epochs):
-            for batch in prepared:  # each loss normalises over its own batch (token or sequence)
+            # each loss normalises over its own batch (token or sequence); with accumulation each epoch's
+            # batches form groups of their own, weighted so a group updates as one batch (guijax.accumulation)
+            for batch, ends_group in accumulation.scaled_groups(prepared, self.accumulate):
                 self.state, m = self.step_fn(self.state, batch)
+                if ends_group and self.empty_microstep is not None:
+                    self.state, _ = accumulation.flush(self.state, self.empty_microstep)
                 for k, v in m.items():
                     collected.setdefault(k, []).append(float(v))
                 if m["skipped"]:

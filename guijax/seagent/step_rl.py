@@ -161,7 +161,7 @@ def update(policy: Any, reference_params: Any, data: StepRows, loss: Any, config
     trainer's update computes them. Returns the new parameters and each step's metrics."""
     import ml_collections
 
-    from guijax import optim, sharding, train_step
+    from guijax import accumulation, optim, sharding, train_step
     from guijax.sft import device_batch
 
     opt_config = ml_collections.ConfigDict(config.optim.to_dict())
@@ -186,9 +186,13 @@ def update(policy: Any, reference_params: Any, data: StepRows, loss: Any, config
         ref, _ = logprob_fn(reference_params, batch)
         prepared.append(dict(batch, old_logp=old, ref_logp=ref))
     history: list[dict[str, float]] = []
+    accumulate = int(opt_config.grad_accum_steps)
+    empty_microstep = (train_step.make_empty_microstep(policy.module, tx, policy.mesh) if accumulate > 1 else None)
     for _ in range(epochs):
-        for batch in prepared:
+        for batch, ends_group in accumulation.scaled_groups(prepared, accumulate):  # groups within each epoch
             state, metrics = step_fn(state, batch)
+            if ends_group and empty_microstep is not None:
+                state, _ = accumulation.flush(state, empty_microstep)
             row = {k: float(v) for k, v in metrics.items()}
             history.append(row)
             if log is not None:
