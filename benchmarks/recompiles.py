@@ -8,7 +8,9 @@ take their shape from the batch (row count of the last minibatch, length bucket,
 tower's window and frame counts, response bucket), so on a short run the compiler, not the step, can take
 most of the update time. Packed minibatches (`pipeline.pack` with `pack_rows`, `pack_length`,
 `max_response_tokens` and `vision_images` fixed) have one shape for the whole run, sized for the fullest
-minibatch, so the others fill it less; with `pack_rows` left free only the row count varies.
+minibatch, so the others fill it less; with `pack_rows` left free only the row count varies. Token-budget
+minibatches (`packed_fill`: `pipeline.pack_fill`) keep the one shape and fill it from the whole update's steps,
+so the number of minibatches follows the tokens.
 
 Each mode runs the recipe's `base_model`, `tasks`, `sft` (the warm start, so groups succeed and fail and
 the update has rows to train on) and `rl` stages in a subprocess of its own, with the
@@ -19,6 +21,8 @@ sampler too, so the summary reports iterations 1 onward.
 
   python benchmarks/recompiles.py --iterations 6 --workdir /tmp/recompiles \\
       --json benchmarks/results/recompiles_cpu.json --markdown benchmarks/results/recompiles_cpu.md
+  python benchmarks/recompiles.py --iterations 5 --modes packed_one_row,packed_fill --workdir /tmp/rcfill \
+      --json benchmarks/results/recompiles_cpu_pack_fill.json --markdown benchmarks/results/recompiles_cpu_pack_fill.md
   python benchmarks/recompiles.py --iterations 8 --modes packed_fixed,packed_fixed_exact_images \
       --workdir /tmp/image_buckets --json benchmarks/results/sampler_image_buckets_cpu.json \
       --markdown benchmarks/results/sampler_image_buckets_cpu.md
@@ -53,6 +57,10 @@ MODES = {
     # the largest ("one_row"), or the one holding it in the fewest token slots: one shape per (rows, bucket)
     "packed_one_row": ("pipeline.pack=True", *FIXED_RESPONSE_AND_VISION),
     "packed_fewest_slots": ("pipeline.pack=True", "pipeline.pack_length_rule=fewest_slots", *FIXED_RESPONSE_AND_VISION),
+    # token-budget minibatches: one shape for the run, 1 row of 1,024 tokens, filled first-fit from the whole
+    # update's steps (at most 8 a minibatch), so the number of minibatches follows the tokens
+    "packed_fill": ("pipeline.pack=True", "pipeline.pack_length=1024", "pipeline.pack_rows=1", "pipeline.pack_fill=True",
+                    *FIXED_RESPONSE_AND_VISION),
 }
 # the packed modes with 128-token attention tiles (512 above): tiles that hold only other examples' pairs
 # are skipped, so smaller tiles skip more of a packed row

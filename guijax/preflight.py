@@ -51,6 +51,11 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
         prompt_template(config.rollout.prompt)
     except ValueError as e:
         out.append(str(e))
+    pipe = config.pipeline
+    if pipe.get("pack_fill", False):
+        missing = [f"pipeline.{key}" for key in ("pack", "pack_length", "pack_rows") if not pipe.get(key)]
+        if missing:
+            out.append(f"pipeline.pack_fill fills one packed shape: set {', '.join(missing)}")
     stages = set(config.stages)
     if config.env.kind == "osworld":
         if not _has_module("requests"):

@@ -48,7 +48,8 @@ def sft_steps(policy: Policy, trajectories: Sequence[Trajectory] | Any, processo
     state = train_step.init_state(policy.module, policy.params, tx, policy.mesh)
     data = make_dataset(trajectories, step_refs(trajectories) if refs is None else list(refs), processor,
                         policy.module.cfg,
-                        dataclasses.replace(pipeline, batch_size=batch_size, seed=seed, num_epochs=None), encode)
+                        dataclasses.replace(pipeline, batch_size=batch_size, seed=seed, num_epochs=None,
+                                            pack_fill=False), encode)
     it = iter(data)
     losses_seen: list[float] = []
     ckpt = Checkpointer(checkpoint_dir, keep=1) if checkpoint_dir else None

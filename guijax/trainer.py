@@ -106,6 +106,7 @@ def pipeline_config(config: ml_collections.ConfigDict, system_prompt: str,
                           pack_length=config.pipeline.get("pack_length", 0) or None,
                           pack_length_rule=config.pipeline.get("pack_length_rule", "one_row"),
                           pack_rows=config.pipeline.get("pack_rows", 0) or None,
+                          pack_fill=config.pipeline.get("pack_fill", False),
                           pack_blocks=blocks, vision_images=config.pipeline.get("vision_images", 0))
 
 

@@ -99,12 +99,49 @@ def plan_rows(lengths: Sequence[int], batch_size: int, length: int, rows: int | 
     return PackedLayout(out, starts, length, blocks)
 
 
-def _first_fit(members: Sequence[int], lengths: Sequence[int], length: int) -> list[list[int]]:
-    """The examples `members`, longest first, each into the first row with room (a new row when none has)."""
+def plan_minibatches(lengths: Sequence[int], rows: int, length: int, max_examples: int,
+                     seed: int = 0) -> list[list[int]]:
+    """Examples into minibatches of one packed shape: `rows` rows of `length` tokens holding at most
+    `max_examples` examples. First the examples are packed into rows over the whole pass, longest first,
+    each into the first row with room (at most `max_examples` to a row), which leaves little of any row
+    empty; then the rows, in a seeded random order (so a minibatch is not all long or all short steps), each
+    join the first minibatch with a free row and room for their examples, whose longest-first packing
+    (`plan_rows`, as the batch is collated) still fits its rows. Only the minibatches still open at the end
+    run short, where cutting the steps into minibatches of a fixed count fills a fixed shape only as far as
+    the longest minibatch needs; the price is that the number of minibatches (optimiser steps) follows the
+    tokens, not the steps. Returns each minibatch's example indices, ascending."""
+    if rows < 1 or length < 1 or max_examples < 1:
+        raise ValueError(f"minibatches need rows, length and max_examples >= 1, got {rows}, {length}, {max_examples}")
+    for i, n in enumerate(lengths):
+        if n > length:
+            raise PackingError(f"example {i} has {n} tokens, more than the packed row length {length}", i)
+    packed = _first_fit(range(len(lengths)), lengths, length, max_examples)
+    batches: list[list[int]] = []
+    used_rows: list[int] = []
+    for r in np.random.default_rng(seed).permutation(len(packed)):
+        row = packed[r]
+        for b, members in enumerate(batches):
+            if used_rows[b] < rows and len(members) + len(row) <= max_examples:
+                trial = [lengths[i] for i in members + row]
+                if len(_first_fit(range(len(trial)), trial, length)) <= rows:
+                    members.extend(row)
+                    used_rows[b] += 1
+                    break
+        else:
+            batches.append(list(row))
+            used_rows.append(1)
+    return [sorted(members) for members in batches]
+
+
+def _first_fit(members: Sequence[int], lengths: Sequence[int], length: int,
+               per_row: int | None = None) -> list[list[int]]:
+    """The examples `members`, longest first, each into the first row with room (and fewer than `per_row`
+    examples, when given); a new row when none has."""
     filled: list[int] = []
     placed: list[list[int]] = []
     for i in sorted(members, key=lambda j: (-lengths[j], j)):
-        spot = next((r for r, used in enumerate(filled) if used + lengths[i] <= length), None)
+        spot = next((r for r, used in enumerate(filled)
+                     if used + lengths[i] <= length and (per_row is None or len(placed[r]) < per_row)), None)
         if spot is None:
             filled.append(0)
             placed.append([])

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Sequence
 import grain
 import numpy as np
 
-from guijax.data.packing import PackingError, doubled, pack_tokens, plan_rows
+from guijax.data.packing import PackingError, doubled, pack_tokens, plan_minibatches, plan_rows
 from guijax.models.config import ModelConfig
 from guijax.models.positions import mrope_positions, vision_layout
 from guijax.models.vision_blocks import stack_blocks
@@ -87,6 +87,11 @@ class PipelineConfig:
     # batch in the fewest token slots (higher fill, more shapes)
     pack_length_rule: str = "one_row"
     pack_rows: int | None = None
+    # token-budget minibatches: instead of `batch_size` steps each, a pass's steps (in their shuffled order) go
+    # first-fit into minibatches of the one packed shape `pack_rows` x `pack_length` (at most `batch_size`
+    # steps each), so the minibatches' count follows the tokens and nearly every token slot is filled
+    # (guijax.data.packing.plan_minibatches); one pass (`num_epochs` 1), one packing block
+    pack_fill: bool = False
     pack_blocks: int = 1
     # > 0: every vision layout (each block's) holds exactly this many images, the distinct screenshots padded with
     # blank ones of their size, so the vision inputs have one shape whatever the batch (screenshots of one
@@ -176,7 +181,8 @@ class EncodeStep(grain.transforms.Map):
             state["_processor"] = None
         return state
 
-    def map(self, ref: StepRef) -> dict[str, Any]:
+    def _prompt(self, ref: StepRef) -> tuple[Any, Any, str, str, list[Any]]:
+        """(trajectory, step, how errors name it, the prompt text with one placeholder per image, the images)."""
         traj = self.trajectories[ref.trajectory]
         step = traj.steps[ref.step]
         where = f"task {traj.task_id} (trajectory {ref.trajectory}) step {ref.step}"
@@ -185,8 +191,20 @@ class EncodeStep(grain.transforms.Map):
         messages, images = build_messages(instruction, turns, step.screenshot, max_images=self.config.max_images,
                                           plan=traj.plan, system_prompt=self.config.system_prompt,
                                           grammar=self.config.grammar)
+        return traj, step, where, self.processor.apply_chat_template(messages, add_generation_prompt=True), images
+
+    def length(self, ref: StepRef) -> int:
+        """The example's token count, prompt and response, without processing its screenshots: what
+        token-budget minibatches are planned by (`PipelineConfig.pack_fill`)."""
+        _, step, _, text, images = self._prompt(ref)
+        response = (len(step.response_tokens) if len(step.response_tokens)
+                    else len(text_response(self.processor.tokenizer, step.response)))
+        return self.processor.prompt_length(text, images) + response
+
+    def map(self, ref: StepRef) -> dict[str, Any]:
+        traj, step, where, text, images = self._prompt(ref)
         proc = self.processor
-        prompt = proc(text=[proc.apply_chat_template(messages, add_generation_prompt=True)], images=[images])
+        prompt = proc(text=[text], images=[images])
         prompt_ids = np.asarray(prompt["input_ids"][0], np.int32)
         sampled = len(step.response_tokens) > 0
         if sampled:
@@ -556,6 +574,43 @@ class Collate:
                              "None") from None
 
 
+class EncodeBatch(grain.transforms.Map):
+    """A planned minibatch's step refs -> its batch (token-budget minibatches); picklable for grain workers."""
+
+    def __init__(self, encode: Any, collate: Collate):
+        self.encode, self.collate = encode, collate
+
+    def map(self, refs: Sequence[StepRef]) -> dict[str, Any]:
+        return self.collate([self.encode.map(r) for r in refs])
+
+
+def check_fill(config: PipelineConfig, encode: Any) -> None:
+    """What token-budget minibatches (`PipelineConfig.pack_fill`) need, each missing piece named."""
+    missing = [key for key, value in (("pipeline.pack", config.pack), ("pipeline.pack_length", config.pack_length),
+                                      ("pipeline.pack_rows", config.pack_rows)) if not value]
+    if missing:
+        raise ValueError(f"pipeline.pack_fill fills one packed shape: set {', '.join(missing)}")
+    if config.pack_blocks != 1:
+        raise ValueError(f"pipeline.pack_fill with {config.pack_blocks} data-parallel devices each packing its own "
+                         "steps is not built yet; it plans one packing block per minibatch")
+    if config.num_epochs != 1:
+        raise ValueError(f"pipeline.pack_fill plans one pass over the steps; num_epochs={config.num_epochs}")
+    if not hasattr(encode, "length"):
+        raise ValueError(f"pipeline.pack_fill plans by token counts; {type(encode).__name__} gives none (length)")
+
+
+def filled_minibatches(refs: Sequence[StepRef], encode: Any, config: PipelineConfig) -> list[list[StepRef]]:
+    """`refs` (in their pass order) planned into token-budget minibatches (`PipelineConfig.pack_fill`)."""
+    check_fill(config, encode)
+    lengths = [encode.length(r) for r in refs]
+    try:
+        plan = plan_minibatches(lengths, config.pack_rows, config.pack_length, config.batch_size, config.seed)
+    except PackingError as err:
+        ref = refs[err.example]
+        raise ValueError(f"trajectory {ref.trajectory} step {ref.step}: {err}; raise pipeline.pack_length") from None
+    return [[refs[i] for i in members] for members in plan]
+
+
 class BlockShuffle(grain.MapDataset):
     """Step refs in a seeded random order of blocks: runs of up to `block` consecutive steps of one trajectory,
     reshuffled every epoch (`epochs` None: endless). Consecutive steps share all but one of their `max_images`
@@ -612,8 +667,13 @@ def make_dataset(trajectories: Sequence[Trajectory] | Any, refs: Sequence[StepRe
             ds = ds.shuffle(seed=config.seed)
         if config.num_epochs != 1:
             ds = ds.repeat(config.num_epochs)
-    ds = ds.map(encode).batch(config.batch_size, drop_remainder=config.drop_remainder,
-                              batch_fn=Collate(model_cfg, config, int(pad_id or 0)))
+    collate = Collate(model_cfg, config, int(pad_id or 0))
+    if config.pack_fill:  # the pass's order, planned into minibatches by their tokens
+        check_fill(config, encode)
+        planned = filled_minibatches([ds[i] for i in range(len(ds))], encode, config)
+        ds = grain.MapDataset.source(planned).map(EncodeBatch(encode, collate))
+    else:
+        ds = ds.map(encode).batch(config.batch_size, drop_remainder=config.drop_remainder, batch_fn=collate)
     if config.worker_count > 0:
         _ensure_absl_flags()
         return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)).mp_prefetch(

@@ -122,6 +122,26 @@ class ImageProcessor:
                 "image_grid_thw": np.asarray(grids, dtype=np.int64).reshape(-1, 3)}
 
 
+def _expand_image_pads(texts: Sequence[str], counts: Sequence[int]) -> list[str]:
+    """Each image placeholder repeated as many times as its image has merged tokens; images are consumed in
+    order across all the texts, like the reference processor."""
+    left = iter(counts)
+    expanded = []
+    for i, t in enumerate(texts):
+        pieces = t.split(IMAGE_PAD)
+        rebuilt = [pieces[0]]
+        for piece in pieces[1:]:
+            try:
+                rebuilt.append(IMAGE_PAD * next(left) + piece)
+            except StopIteration:
+                raise ValueError(f"text {i} has more {IMAGE_PAD} placeholders than the {len(counts)} images "
+                                 "given") from None
+        expanded.append("".join(rebuilt))
+    if next(left, None) is not None:
+        raise ValueError(f"{len(counts)} images given but the texts hold fewer {IMAGE_PAD} placeholders")
+    return expanded
+
+
 class Processor:
     """Tokenizer + ImageProcessor with the call signature of transformers' Qwen2.5-VL processor."""
 
@@ -150,6 +170,12 @@ class Processor:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
+    def prompt_length(self, text: str, images: Sequence[Any]) -> int:
+        """The token count of `self(text=[text], images=[images])` without resizing or patchifying the images:
+        each image's placeholder counted by its merged-token grid (what batches are planned by)."""
+        [expanded] = _expand_image_pads([text], [self.num_image_tokens(image) for image in images])
+        return len(self.tokenizer([expanded])["input_ids"][0])
+
     def num_image_tokens(self, image: Any) -> int:
         rgb = _to_rgb(image)
         h, w = self.image_processor.resized_hw(rgb.height, rgb.width)
@@ -167,19 +193,8 @@ class Processor:
         if flat:
             out.update(self.image_processor(flat))
         merge = self.image_processor.merge_size ** 2
-        counts = iter([int(g.prod()) // merge for g in out.get("image_grid_thw", np.zeros((0, 3), np.int64))])
-        expanded = []
-        for i, t in enumerate(texts):  # images are consumed in order across the whole batch, like the reference
-            pieces = t.split(IMAGE_PAD)
-            rebuilt = [pieces[0]]
-            for piece in pieces[1:]:
-                try:
-                    rebuilt.append(IMAGE_PAD * next(counts) + piece)
-                except StopIteration:
-                    raise ValueError(f"text {i} has more {IMAGE_PAD} placeholders than the {len(flat)} images given") from None
-            expanded.append("".join(rebuilt))
-        if next(counts, None) is not None:
-            raise ValueError(f"{len(flat)} images given but the texts hold fewer {IMAGE_PAD} placeholders")
+        expanded = _expand_image_pads(texts, [int(g.prod()) // merge for g in
+                                              out.get("image_grid_thw", np.zeros((0, 3), np.int64))])
         side = padding_side or self.padding_side
         encoded = self.tokenizer(expanded, padding=True, padding_side=side, return_tensors="np")
         out["input_ids"] = encoded["input_ids"].astype(np.int64)

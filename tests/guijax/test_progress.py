@@ -126,6 +126,8 @@ def test_preflight_names_what_to_install_or_set(monkeypatch, tmp_path):
     chat = _config(**{"bepa.plan_extractor": "chat", "bepa.plan_api_key_env": "GUIJAX_TEST_KEY"})
     assert preflight.problems(chat) == ["bepa.plan_extractor='chat' reads its API key from $GUIJAX_TEST_KEY, which "
                                         "is not set (or use --config.bepa.plan_extractor=rule)"]
+    assert preflight.problems(_config(**{"pipeline.pack_fill": True, "pipeline.pack": True})) == [
+        "pipeline.pack_fill fills one packed shape: set pipeline.pack_length, pipeline.pack_rows"]
 
 
 def test_cli_fails_at_start_with_one_line_per_unmet_need(tmp_path):
