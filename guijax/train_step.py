@@ -318,6 +318,11 @@ def pending_microsteps(opt_state: Any) -> int:
     return int(opt_state.mini_step) if isinstance(opt_state, optax.MultiStepsState) else 0
 
 
+def applied_updates(opt_state: Any) -> int | None:
+    """Updates `optax.MultiSteps` has applied so far (None without it: every step is one)."""
+    return int(opt_state.gradient_step) if isinstance(opt_state, optax.MultiStepsState) else None
+
+
 def reference_params(params: Any, part: TrainedPart) -> Any:
     """A frozen copy of `params` that training steps cannot touch: the trained part copied (steps donate its
     buffers), the frozen base under LoRA shared (steps neither donate nor replace it), so a 7B LoRA run's

@@ -340,6 +340,7 @@ class Trainer:
         total_tokens = sum(float(jnp.sum(b["loss_mask"])) for b in prepared)
         collected: dict[str, list[float]] = {}
         t0 = time.perf_counter()
+        applied = train_step.applied_updates(self.state.opt_state)
         for _ in range(cfg.train.ppo_epochs):
             # each loss normalises over its own batch (token or sequence); with accumulation each epoch's
             # batches form groups of their own, weighted so a group updates as one batch (guijax.accumulation)
@@ -358,6 +359,10 @@ class Trainer:
                 else:
                     self.nonfinite_in_row = 0
         out = {k: float(np.mean(v)) for k, v in collected.items()}
+        # optimiser updates this iteration applied (accumulation groups; else one per minibatch and epoch)
+        out.update(minibatches=len(prepared), optimizer_updates=(
+            train_step.applied_updates(self.state.opt_state) - applied if applied is not None
+            else len(prepared) * cfg.train.ppo_epochs))
         if screenshots[1]:  # distinct / all screenshots of the batches: what the vision tower was spared
             out["screenshot_dedupe_ratio"] = float(screenshots[0] / screenshots[1])
         if fills:  # real tokens / token slots of the model's input rows: what padding (or packing) leaves

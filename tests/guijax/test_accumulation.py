@@ -68,6 +68,7 @@ def _accumulated(module, params, batches, k):
             state, n = accumulation.flush(state, empty)
             ran += n
     assert train_step.pending_microsteps(state.opt_state) == 0
+    assert train_step.applied_updates(state.opt_state) == -(-len(batches) // k)
     return state.params, ran
 
 
