@@ -55,7 +55,8 @@ def _steps_batch(trajectories: Sequence[Trajectory], processor: Any, model_cfg: 
         padded = -(-padded // pipeline.pack_blocks) * pipeline.pack_blocks
     refs = refs + [refs[0]] * (padded - rows)
     data = make_dataset(list(trajectories), refs, processor, model_cfg,
-                        dataclasses.replace(pipeline, batch_size=len(refs), shuffle=False, num_epochs=1))
+                        dataclasses.replace(pipeline, batch_size=len(refs), shuffle=False, num_epochs=1,
+                                            pack_fill=False))  # one batch of every step, not token-budget ones
     batch = next(iter(data))
     segments = np.asarray(batch.pop("meta")["trajectory"], np.int32)
     segments[rows:] = len(trajectories)

@@ -232,6 +232,10 @@ def test_preference_batches_pad_their_steps_to_the_packing_blocks(proc, cfg):
     batch, segments = _steps_batch(trajs, proc, cfg, config, last_step_only=True)
     assert batch["loss_mask"].shape[0] == 4 and batch["token_index"].shape[:2] == (4, 1)
     assert list(segments) == [0, 1, 2, 2]  # the padding rows' segment is dropped by the segment sum
+    # a recipe with token-budget minibatches still scores all its steps in one batch
+    filled = dataclasses.replace(CONFIG, pack=True, pack_length=512, pack_rows=1, pack_fill=True)
+    batch, segments = _steps_batch(trajs, proc, cfg, filled)
+    assert batch["loss_mask"].shape[0] == 8 and list(segments) == [0] * 4 + [1] * 4
 
 
 def test_minibatches_are_planned_from_rows_packed_over_the_pass():
