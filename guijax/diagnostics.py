@@ -47,6 +47,8 @@ def mean_trajectory_logps(logprob_fn: Callable[[Any, dict], Any], params: Any, t
         mask = np.asarray(batch["loss_mask"])
         per_row = (logp * mask).sum(axis=1)
         for row, traj in enumerate(batch["meta"]["trajectory"]):
+            if traj < 0:  # a blank example holding a packing block's place
+                continue
             totals[traj] += per_row[row]
             counts[traj] += mask[row].sum()
     return list(totals / np.maximum(counts, 1.0))

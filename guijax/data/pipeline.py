@@ -90,7 +90,7 @@ class PipelineConfig:
     # token-budget minibatches: instead of `batch_size` steps each, a pass's steps (in their shuffled order) go
     # first-fit into minibatches of the one packed shape `pack_rows` x `pack_length` (at most `batch_size`
     # steps each), so the minibatches' count follows the tokens and nearly every token slot is filled
-    # (guijax.data.packing.plan_minibatches); one pass (`num_epochs` 1), one packing block
+    # (guijax.data.packing.plan_minibatches), each packing block planned as one; one pass (`num_epochs` 1)
     pack_fill: bool = False
     pack_blocks: int = 1
     # > 0: every vision layout (each block's) holds exactly this many images, the distinct screenshots padded with
@@ -574,14 +574,33 @@ class Collate:
                              "None") from None
 
 
+def blank_example(model_cfg: ModelConfig) -> dict[str, Any]:
+    """An example of no tokens and no screenshots: it holds a packing block's place when the block has fewer
+    steps than its share of the batch, so the next block's steps keep theirs. Its response row has no loss
+    position and its `meta` entry trajectory and step -1."""
+    empty = np.zeros(0, np.float32)
+    return {"input_ids": np.zeros(0, np.int32), "loss_mask": empty, "advantages": empty,
+            "behaviour_logprobs": empty, "pixel_values": np.zeros((0, model_cfg.vision.patch_dim), np.float32),
+            "image_grid_thw": np.zeros((0, 3), np.int64), "image_keys": np.zeros((0, 2), np.int64),
+            "trajectory": -1, "step": -1, "task_id": "", "source": Source.ON_POLICY.value, "sampled": True}
+
+
 class EncodeBatch(grain.transforms.Map):
-    """A planned minibatch's step refs -> its batch (token-budget minibatches); picklable for grain workers."""
+    """A planned minibatch (the step refs of each packing block) -> its batch (token-budget minibatches); each
+    block but the last filled up to its share of the batch with blank examples. Picklable for grain workers."""
 
     def __init__(self, encode: Any, collate: Collate):
         self.encode, self.collate = encode, collate
 
-    def map(self, refs: Sequence[StepRef]) -> dict[str, Any]:
-        return self.collate([self.encode.map(r) for r in refs])
+    def map(self, parts: Sequence[Sequence[StepRef]]) -> dict[str, Any]:
+        config = self.collate.config
+        per_block = config.batch_size // config.pack_blocks
+        examples: list[dict[str, Any]] = []
+        for k, part in enumerate(parts):
+            examples += [self.encode.map(r) for r in part]
+            if k < len(parts) - 1:
+                examples += [blank_example(self.collate.model_cfg)] * (per_block - len(part))
+        return self.collate(examples)
 
 
 def check_fill(config: PipelineConfig, encode: Any) -> None:
@@ -590,25 +609,32 @@ def check_fill(config: PipelineConfig, encode: Any) -> None:
                                       ("pipeline.pack_rows", config.pack_rows)) if not value]
     if missing:
         raise ValueError(f"pipeline.pack_fill fills one packed shape: set {', '.join(missing)}")
-    if config.pack_blocks != 1:
-        raise ValueError(f"pipeline.pack_fill with {config.pack_blocks} data-parallel devices each packing its own "
-                         "steps is not built yet; it plans one packing block per minibatch")
+    if config.pack_rows % config.pack_blocks or config.batch_size % config.pack_blocks:
+        raise ValueError(f"pipeline.pack_fill: pack_rows={config.pack_rows} and batch size {config.batch_size} "
+                         f"must be multiples of the {config.pack_blocks} packing blocks")
     if config.num_epochs != 1:
         raise ValueError(f"pipeline.pack_fill plans one pass over the steps; num_epochs={config.num_epochs}")
     if not hasattr(encode, "length"):
         raise ValueError(f"pipeline.pack_fill plans by token counts; {type(encode).__name__} gives none (length)")
 
 
-def filled_minibatches(refs: Sequence[StepRef], encode: Any, config: PipelineConfig) -> list[list[StepRef]]:
-    """`refs` (in their pass order) planned into token-budget minibatches (`PipelineConfig.pack_fill`)."""
+def filled_minibatches(refs: Sequence[StepRef], encode: Any,
+                       config: PipelineConfig) -> list[list[list[StepRef]]]:
+    """`refs` (in their pass order) planned into token-budget minibatches (`PipelineConfig.pack_fill`), each as
+    its packing blocks' step refs: every block (a data-parallel device's share, pack_rows / blocks rows and
+    batch_size / blocks steps) is planned as a minibatch of its own, and consecutive blocks make a minibatch
+    (the last one may have fewer)."""
     check_fill(config, encode)
     lengths = [encode.length(r) for r in refs]
+    blocks = config.pack_blocks
     try:
-        plan = plan_minibatches(lengths, config.pack_rows, config.pack_length, config.batch_size, config.seed)
+        plan = plan_minibatches(lengths, config.pack_rows // blocks, config.pack_length, config.batch_size // blocks,
+                                config.seed)
     except PackingError as err:
         ref = refs[err.example]
         raise ValueError(f"trajectory {ref.trajectory} step {ref.step}: {err}; raise pipeline.pack_length") from None
-    return [[refs[i] for i in members] for members in plan]
+    parts = [[refs[i] for i in members] for members in plan]
+    return [parts[k:k + blocks] for k in range(0, len(parts), blocks)]
 
 
 class BlockShuffle(grain.MapDataset):

@@ -11,7 +11,7 @@ import pytest
 
 from guijax import objectives, sharding, train_step
 from guijax.data.packing import PackingError, plan_minibatches, plan_rows
-from guijax.data.pipeline import Collate, EncodeStep, PipelineConfig, make_dataset, step_refs
+from guijax.data.pipeline import Collate, EncodeStep, PipelineConfig, StepRef, make_dataset, step_refs
 from guijax.models import weights
 from step_histories import trajectories
 
@@ -300,7 +300,36 @@ def test_token_budget_minibatches_name_what_they_need(proc, cfg):
         make_dataset(trajs, refs, proc, cfg, dataclasses.replace(base, pack_rows=None))
     with pytest.raises(ValueError, match="one pass over the steps; num_epochs=None"):
         make_dataset(trajs, refs, proc, cfg, dataclasses.replace(base, num_epochs=None))
-    with pytest.raises(ValueError, match="2 data-parallel devices .* not built yet"):
+    with pytest.raises(ValueError, match="pack_rows=1 and batch size 8 must be multiples of the 2 packing blocks"):
         make_dataset(trajs, refs, proc, cfg, dataclasses.replace(base, pack_blocks=2, batch_size=8))
     with pytest.raises(ValueError, match=r"trajectory 0 step \d: example \d has \d+ tokens, more than the packed row"):
         make_dataset(trajs, refs, proc, cfg, dataclasses.replace(base, pack_length=64))
+
+
+def test_token_budget_minibatches_fill_each_devices_block(proc, cfg, module_params):
+    """With 2 packing blocks each block is planned as a minibatch of its own (1 row, up to 3 steps) and a block
+    with fewer steps holds its place with blank examples (rows of 190 tokens hold one step of 96-186 each):
+    every step once, in one shape, with its padded log-probs, the gather from rows to steps inside each block."""
+    module, params = module_params
+    trajs = trajectories(proc, n=3, steps=3, sizes=((56, 84),))
+    refs = step_refs(trajs, [1.0, -0.5, 0.5])
+    config = dataclasses.replace(CONFIG, batch_size=6, pack=True, pack_length=190, pack_rows=2, pack_blocks=2,
+                                 vision_blocks=2, max_response_tokens=32, vision_images=3, pack_fill=True,
+                                 shuffle=True, seed=1)
+    batches = list(make_dataset(trajs, refs, proc, cfg, config))
+    seen = [(int(t), int(s)) for b in batches for t, s in zip(b["meta"]["trajectory"], b["meta"]["step"]) if t >= 0]
+    assert sorted(seen) == sorted((r.trajectory, r.step) for r in refs)
+    assert len({_shapes(b) for b in batches}) == 1 and batches[0]["token_index"].shape[:2] == (2, 3)
+    assert any((b["meta"]["trajectory"] < 0).any() for b in batches)  # a short block held its place
+    encode = EncodeStep(trajs, proc, CONFIG)
+    fn = train_step.make_logprob_fn(module)
+    strip = lambda b: {k: v for k, v in b.items() if k != "meta"}  # noqa: E731
+    for batch in batches:
+        logp = np.asarray(fn(params, strip(batch))[0])
+        for row, (t, s) in enumerate(zip(batch["meta"]["trajectory"], batch["meta"]["step"])):
+            if t < 0:
+                assert not batch["loss_mask"][row].any()
+                continue
+            alone = Collate(cfg, CONFIG)([encode.map(StepRef(int(t), int(s), 1.0))])
+            want = np.asarray(fn(params, strip(alone))[0])[0][alone["loss_mask"][0] > 0]
+            np.testing.assert_allclose(logp[row, :len(want)], want, atol=2e-5)

@@ -196,20 +196,16 @@ def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_f
 
 
 @pytest.mark.slow  # 40 s; the planner, the packed shapes and the accumulation's exactness run in the default suite
-def test_token_budget_minibatches_and_accumulation_run_the_recipe(tiny_flags, tmp_path):
-    """`pipeline.pack_fill` and `optim.grad_accum_steps` through a real update on one device (token-budget
-    minibatches take one packing block): minibatches planned by their tokens into one packed shape, and every
-    accumulation group applied inside the update's epochs (the optimiser's own count of applied updates is
-    one per group of 3 minibatches, rounded up, per epoch)."""
-    overrides = ("method=luffy", "stages=('base_model', 'tasks', 'expert', 'sft', 'rl')", "pipeline.pack=True",
-                 "pipeline.pack_length=384", "pipeline.pack_rows=1", "pipeline.pack_fill=True",
-                 "pipeline.max_response_tokens=48", "pipeline.vision_images=4", "train.minibatch_size=4",
-                 "train.ppo_epochs=2", "optim.grad_accum_steps=3")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-m", "guijax.launch", "--config=grpo_cpu", f"--workdir={tmp_path / 'run'}",
-                          *tiny_flags, *[f"--config.{o}" for o in overrides]],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+def test_token_budget_minibatches_and_accumulation_run_the_recipe(tiny_config, tmp_path):
+    """`pipeline.pack_fill` and `optim.grad_accum_steps` through a real update on the 8-device mesh: each
+    device's block of every minibatch planned by its tokens into one packed shape, and every accumulation
+    group applied inside the update's epochs (the optimiser's own count of applied updates is one per group
+    of 3 minibatches, rounded up, per epoch)."""
+    config = tiny_config("grpo_cpu", "method=luffy", "stages=('base_model', 'tasks', 'expert', 'sft', 'rl')",
+                         "pipeline.pack=True", "pipeline.pack_length=384", "pipeline.pack_rows=8",
+                         "pipeline.pack_fill=True", "pipeline.max_response_tokens=48", "pipeline.vision_images=2",
+                         "train.minibatch_size=16", "train.ppo_epochs=2", "optim.grad_accum_steps=3", "sft.batch_size=8")
+    run_stages(config, tmp_path / "run")
     (record,) = _iteration_records(tmp_path / "run")
     assert record["minibatches"] >= 1 and 0 < record["token_fill"] <= 1
     assert record["optimizer_updates"] == 2 * -(-record["minibatches"] // 3)
