@@ -313,9 +313,9 @@ class Trainer:
         cfg = self.config
         scored = len(keep) if scored is None else scored
         refs = self.objective.step_rows(step_refs(trajectories, {i: float(advantages[i]) for i in keep}))
+        t0 = time.perf_counter()  # batches, token-budget planning included, and their old log-probs
         data = make_dataset(trajectories, refs, self.parts.processor, self.module.cfg,
                             dataclasses.replace(self.pipeline, seed=self.streams.seed_for("batches", self.iteration)))
-        t0 = time.perf_counter()
         prepared, injected_logp, screenshots, rows, fills, mismatch = [], [], np.zeros(2), [], [], []
         for batch in data:  # old log-probs under θ_old, fixed for every epoch
             screenshots += [batch["meta"].get("unique_screenshots", 0), batch["meta"].get("screenshots", 0)]
@@ -344,7 +344,7 @@ class Trainer:
         for _ in range(cfg.train.ppo_epochs):
             # each loss normalises over its own batch (token or sequence); with accumulation each epoch's
             # batches form groups of their own, weighted so a group updates as one batch (guijax.accumulation)
-            for batch, ends_group in accumulation.scaled_groups(prepared, self.accumulate):
+            for batch, ends_group in accumulation.scaled_groups(prepared, self.accumulate, cfg.train.normalization):
                 self.state, m = self.step_fn(self.state, batch)
                 if ends_group and self.empty_microstep is not None:
                     self.state, _ = accumulation.flush(self.state, self.empty_microstep)
@@ -375,8 +375,14 @@ class Trainer:
         if injected_logp:
             out["logp_injected"] = sum(a for a, _ in injected_logp) / max(sum(n for _, n in injected_logp), 1.0)
         out.update(time_old_logprobs_s=t_old, time_update_s=time.perf_counter() - t0, trained_tokens=total_tokens,
-                   learning_rate=float(self.schedule(int(self.state.step))))
+                   learning_rate=float(self.schedule(self._schedule_step())))
         return out
+
+    def _schedule_step(self) -> int:
+        """The step the learning-rate schedule is at: optimiser updates applied (under accumulation the
+        schedule inside `optax.MultiSteps` counts those, not micro-steps)."""
+        applied = train_step.applied_updates(self.state.opt_state)
+        return int(self.state.step) if applied is None else applied
 
     def fit(self, desc: str = "rl") -> list[dict[str, float]]:
         """Iterate up to `train.iterations` from where the run stands (a restored checkpoint's iteration)."""

@@ -87,10 +87,12 @@ class PipelineConfig:
     # batch in the fewest token slots (higher fill, more shapes)
     pack_length_rule: str = "one_row"
     pack_rows: int | None = None
-    # token-budget minibatches: instead of `batch_size` steps each, a pass's steps (in their shuffled order) go
-    # first-fit into minibatches of the one packed shape `pack_rows` x `pack_length` (at most `batch_size`
-    # steps each), so the minibatches' count follows the tokens and nearly every token slot is filled
-    # (guijax.data.packing.plan_minibatches), each packing block planned as one; one pass (`num_epochs` 1)
+    # token-budget minibatches: instead of `batch_size` steps each, a pass's steps are packed into rows longest
+    # first and the rows, in a seeded order, fill minibatches of the one packed shape `pack_rows` x `pack_length`
+    # (at most `batch_size` steps each), so the minibatches' count follows the tokens and nearly every token
+    # slot is filled (guijax.data.packing.plan_minibatches), each packing block planned as one; one pass
+    # (`num_epochs` 1). The pass order (and so `shuffle_block`'s runs of shared screenshots) does not carry
+    # into the minibatches. One shape needs `max_response_tokens` and `vision_images` fixed as well.
     pack_fill: bool = False
     pack_blocks: int = 1
     # > 0: every vision layout (each block's) holds exactly this many images, the distinct screenshots padded with

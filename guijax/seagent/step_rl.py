@@ -164,10 +164,14 @@ def update(policy: Any, reference_params: Any, data: StepRows, loss: Any, config
     from guijax import accumulation, optim, sharding, train_step
     from guijax.sft import device_batch
 
+    batches = list(make_dataset(data.rows, data.refs, policy.processor, policy.module.cfg,
+                                dataclasses.replace(pipeline, batch_size=batch_rows, seed=seed, num_epochs=1)))
     opt_config = ml_collections.ConfigDict(config.optim.to_dict())
     opt_config.learning_rate = learning_rate
-    # a schedule (warmup, cosine) spans this update's own steps, as the SFT runs' do
-    opt_config.total_steps = max(-(-len(data.refs) // batch_rows) * epochs, opt_config.warmup_steps + 1)
+    accumulate = int(opt_config.grad_accum_steps)
+    # a schedule (warmup, cosine) spans this update's own optimiser updates (accumulation groups), as the SFT
+    # runs' do; the minibatches are counted as planned (token-budget minibatches follow the tokens)
+    opt_config.total_steps = max(-(-len(batches) // accumulate) * epochs, opt_config.warmup_steps + 1)
     tx, _ = optim.make_optimizer(opt_config)
     step_cfg = train_step.StepConfig(loss, config.rollout.temperature, impl=config.train.logprob_impl,
                                      router_aux_loss_coef=config.train.router_aux_loss_coef)
@@ -175,8 +179,6 @@ def update(policy: Any, reference_params: Any, data: StepRows, loss: Any, config
     logprob_fn = train_step.make_logprob_fn(policy.module, config.rollout.temperature, config.train.logprob_impl,
                                             policy.mesh)
     state = train_step.init_state(policy.module, policy.params, tx, policy.mesh)
-    batches = make_dataset(data.rows, data.refs, policy.processor, policy.module.cfg,
-                           dataclasses.replace(pipeline, batch_size=batch_rows, seed=seed, num_epochs=1))
     prepared = []
     for batch in batches:
         batch = device_batch(batch)
@@ -186,10 +188,10 @@ def update(policy: Any, reference_params: Any, data: StepRows, loss: Any, config
         ref, _ = logprob_fn(reference_params, batch)
         prepared.append(dict(batch, old_logp=old, ref_logp=ref))
     history: list[dict[str, float]] = []
-    accumulate = int(opt_config.grad_accum_steps)
     empty_microstep = (train_step.make_empty_microstep(policy.module, tx, policy.mesh) if accumulate > 1 else None)
     for _ in range(epochs):
-        for batch, ends_group in accumulation.scaled_groups(prepared, accumulate):  # groups within each epoch
+        for batch, ends_group in accumulation.scaled_groups(prepared, accumulate,  # groups within each epoch
+                                                            config.train.normalization):
             state, metrics = step_fn(state, batch)
             if ends_group and empty_microstep is not None:
                 state, _ = accumulation.flush(state, empty_microstep)

@@ -52,16 +52,16 @@ def _fresh(params):
     return jax.tree.map(jnp.copy, params)
 
 
-def _steps(module, tx):
-    cfg = train_step.StepConfig(objectives.CrossEntropyLoss())
+def _steps(module, tx, normalization="token"):
+    cfg = train_step.StepConfig(objectives.CrossEntropyLoss(normalization))
     return train_step.make_train_step(module, tx, cfg), train_step.make_empty_microstep(module, tx)
 
 
-def _accumulated(module, params, batches, k):
-    step, empty = _steps(module, optax.MultiSteps(optax.sgd(LR), every_k_schedule=k))
+def _accumulated(module, params, batches, k, normalization="token"):
+    step, empty = _steps(module, optax.MultiSteps(optax.sgd(LR), every_k_schedule=k), normalization)
     state = train_step.init_state(module, _fresh(params), optax.MultiSteps(optax.sgd(LR), every_k_schedule=k))
     ran = 0
-    for batch, ends in accumulation.scaled_groups(batches, k):
+    for batch, ends in accumulation.scaled_groups(batches, k, normalization):
         state, metrics = step(state, batch)
         assert int(metrics["skipped"]) == 0
         if ends:
@@ -72,9 +72,9 @@ def _accumulated(module, params, batches, k):
     return state.params, ran
 
 
-def _plain(module, params, batches):
+def _plain(module, params, batches, normalization="token"):
     tx = optax.sgd(LR)
-    step = train_step.make_train_step(module, tx, train_step.StepConfig(objectives.CrossEntropyLoss()))
+    step = train_step.make_train_step(module, tx, train_step.StepConfig(objectives.CrossEntropyLoss(normalization)))
     state = train_step.init_state(module, _fresh(params), tx)
     for batch in batches:
         state, _ = step(state, batch)
@@ -95,6 +95,26 @@ def test_a_group_updates_as_one_batch_of_its_rows(module_params, normalized):
     assert ran == 1
     want = _plain(module, params, [_merged(a, b), c])
     chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-5)
+
+
+def test_per_sequence_losses_weigh_their_rows(module_params):
+    """`sequence` normalisation (a mean over rows of each row's token mean): minibatches of 2 and 1 rows are
+    weighted by their rows, and a group equals the merged minibatch."""
+    module, params = module_params
+    a, b = _batch(0, 2, 3), _batch(1, 1, 12)
+    got, _ = _accumulated(module, params, [a, b], k=2, normalization="sequence")
+    want = _plain(module, params, [_merged(a, b)], normalization="sequence")
+    chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-5)
+
+
+def test_a_minibatch_without_loss_weighs_nothing(module_params):
+    """A minibatch whose rows carry no loss token (normalizer 1, as the trajectory shares give it) leaves its
+    group's update that of the others alone."""
+    module, params = module_params
+    a, empty = _batch(0, 2, 3), _batch(1, 2, 0)
+    a["normalizer"], empty["normalizer"] = np.float32(4.0), np.float32(1.0)
+    got, _ = _accumulated(module, params, [a, empty], k=2)
+    chex.assert_trees_all_close(got, _plain(module, params, [a]), atol=2e-6, rtol=2e-5)
 
 
 def test_the_mean_of_batch_means_is_not_the_group_update(module_params):
@@ -125,6 +145,10 @@ def test_groups_stay_inside_the_list():
     assert all(ends and "loss_scale" not in b for b, ends in plain)
     with pytest.raises(ValueError, match="k >= 1"):
         list(accumulation.scaled_groups(batches, 0))
+    rows = [{"loss_mask": np.asarray([[1, 1, 0], [0, 0, 0], [1, 0, 0]], np.float32)},
+            {"loss_mask": np.ones((1, 3), np.float32)}]  # 2 rows with loss (3 tokens), then 1 row (3 tokens)
+    np.testing.assert_allclose([float(b["loss_scale"]) for b, _ in accumulation.scaled_groups(rows, 2, "sequence")],
+                               [4 / 3, 2 / 3])
 
 
 def test_on_a_mesh_the_group_update_equals_one_device(module_params):
