@@ -53,9 +53,11 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
         out.append(str(e))
     pipe = config.pipeline
     if pipe.get("pack_fill", False):
-        missing = [f"pipeline.{key}" for key in ("pack", "pack_length", "pack_rows") if not pipe.get(key)]
-        if missing:
-            out.append(f"pipeline.pack_fill fills one packed shape: set {', '.join(missing)}")
+        from guijax.data.pipeline import pack_fill_unset
+
+        unset = pack_fill_unset(pipe.get("pack"), pipe.get("pack_length"), pipe.get("pack_rows"))
+        if unset:
+            out.append(unset)
     stages = set(config.stages)
     if config.env.kind == "osworld":
         if not _has_module("requests"):

@@ -341,10 +341,12 @@ class Trainer:
         collected: dict[str, list[float]] = {}
         t0 = time.perf_counter()
         applied = train_step.applied_updates(self.state.opt_state)
+        # each loss normalises over its own batch (token or sequence); with accumulation each epoch's batches
+        # form groups of their own, weighted so a group updates as one batch (guijax.accumulation); the weights
+        # are the same every epoch
+        groups = list(accumulation.scaled_groups(prepared, self.accumulate, cfg.train.normalization))
         for _ in range(cfg.train.ppo_epochs):
-            # each loss normalises over its own batch (token or sequence); with accumulation each epoch's
-            # batches form groups of their own, weighted so a group updates as one batch (guijax.accumulation)
-            for batch, ends_group in accumulation.scaled_groups(prepared, self.accumulate, cfg.train.normalization):
+            for batch, ends_group in groups:
                 self.state, m = self.step_fn(self.state, batch)
                 if ends_group and self.empty_microstep is not None:
                     self.state, _ = accumulation.flush(self.state, self.empty_microstep)

@@ -605,12 +605,19 @@ class EncodeBatch(grain.transforms.Map):
         return self.collate(examples)
 
 
+def pack_fill_unset(pack: Any, pack_length: Any, pack_rows: Any) -> str:
+    """What token-budget minibatches lack of their packed shape, as one line ('' when nothing): the pipeline's
+    check and the launch preflight say it alike."""
+    missing = [key for key, value in (("pipeline.pack", pack), ("pipeline.pack_length", pack_length),
+                                      ("pipeline.pack_rows", pack_rows)) if not value]
+    return f"pipeline.pack_fill fills one packed shape: set {', '.join(missing)}" if missing else ""
+
+
 def check_fill(config: PipelineConfig, encode: Any) -> None:
     """What token-budget minibatches (`PipelineConfig.pack_fill`) need, each missing piece named."""
-    missing = [key for key, value in (("pipeline.pack", config.pack), ("pipeline.pack_length", config.pack_length),
-                                      ("pipeline.pack_rows", config.pack_rows)) if not value]
-    if missing:
-        raise ValueError(f"pipeline.pack_fill fills one packed shape: set {', '.join(missing)}")
+    unset = pack_fill_unset(config.pack, config.pack_length, config.pack_rows)
+    if unset:
+        raise ValueError(unset)
     if config.pack_rows % config.pack_blocks or config.batch_size % config.pack_blocks:
         raise ValueError(f"pipeline.pack_fill: pack_rows={config.pack_rows} and batch size {config.batch_size} "
                          f"must be multiples of the {config.pack_blocks} packing blocks")
@@ -625,8 +632,7 @@ def filled_minibatches(refs: Sequence[StepRef], encode: Any,
     """`refs` (in their pass order) planned into token-budget minibatches (`PipelineConfig.pack_fill`), each as
     its packing blocks' step refs: every block (a data-parallel device's share, pack_rows / blocks rows and
     batch_size / blocks steps) is planned as a minibatch of its own, and consecutive blocks make a minibatch
-    (the last one may have fewer)."""
-    check_fill(config, encode)
+    (the last one may have fewer). `config` as `check_fill` passed it."""
     lengths = [encode.length(r) for r in refs]
     blocks = config.pack_blocks
     try:

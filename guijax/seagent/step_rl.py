@@ -189,9 +189,9 @@ def update(policy: Any, reference_params: Any, data: StepRows, loss: Any, config
         prepared.append(dict(batch, old_logp=old, ref_logp=ref))
     history: list[dict[str, float]] = []
     empty_microstep = (train_step.make_empty_microstep(policy.module, tx, policy.mesh) if accumulate > 1 else None)
+    groups = list(accumulation.scaled_groups(prepared, accumulate, config.train.normalization))  # every epoch's
     for _ in range(epochs):
-        for batch, ends_group in accumulation.scaled_groups(prepared, accumulate,  # groups within each epoch
-                                                            config.train.normalization):
+        for batch, ends_group in groups:
             state, metrics = step_fn(state, batch)
             if ends_group and empty_microstep is not None:
                 state, _ = accumulation.flush(state, empty_microstep)
