@@ -45,6 +45,9 @@ class SGCDOptions:
     branching: Literal["snapshot", "replay", "live"] = "snapshot"
     replay_tolerance: float = ranged(0.0, low=0)  # replay: mean absolute pixel difference a screen may differ by
     continuations_per_state: int = ranged(1, low=1)
+    # a prefix answer that would end the episode (DONE / FAIL / unparsable) is sampled again this many times, so
+    # a policy that stops after its first wrong step still reaches depths k > 1 (0: the prefix ends there)
+    prefix_stop_retries: int = ranged(0, low=0)
     skill_extractor: Literal["desk", "chat"] = "desk"  # desk: offline, from the desk's ground truth
     skill_fields: tuple[str, ...] = FIELDS  # rendered into the skill-guided context (Table 3's ablation)
     skill_retries: int = ranged(2, low=0)  # chat: malformed answers asked again before the task is skipped
@@ -62,6 +65,7 @@ class SGCDOptions:
     csr_max_handoff: int = ranged(20, low=1)  # csr stage: depths 1..K
     csr_splits: tuple[Literal["train", "held_out", "expert_only"], ...] = ("train", "held_out")
     csr_per_state: int = ranged(1, low=1)  # csr stage: evaluated-model episodes per (task, depth)
+    csr_prefix_stop_retries: int = ranged(0, low=0)  # csr stage: as prefix_stop_retries, for its prefixes
 
 
 class SGCD(Method):
@@ -231,7 +235,10 @@ class SGCD(Method):
         else:
             runner = HandoffRunner(engine, o.branching, o.replay_tolerance)
             prefixes = runner.prefixes(params, rec_tasks, max(depths), streams.key("prefix"),
-                                       seed=streams.seed_for("prefix"), desc=f"{desc} prefixes")
+                                       seed=streams.seed_for("prefix"), desc=f"{desc} prefixes",
+                                       stop_retries=o.prefix_stop_retries)
+            got.prefix_steps = {p.task.id: p.open_steps for p in prefixes}
+            got.prefix_resamples = sum(p.resampled for p in prefixes)
             spliced = runner.continue_from(params, prefixes, depths, streams.key("continue"), guidance,
                                            o.continuations_per_state, desc=f"{desc} handoffs")
         judge = self.judge()
@@ -268,6 +275,8 @@ class RoundData:
     per_depth: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
     rejections: Counter = dataclasses.field(default_factory=Counter)
     d_cont: list = dataclasses.field(default_factory=list)
+    prefix_steps: dict[str, int] = dataclasses.field(default_factory=dict)  # steps each prefix stayed open
+    prefix_resamples: int = 0  # prefix answers that would have ended it, sampled again
 
     def report(self) -> dict[str, Any]:
         return {"tasks": self.tasks, "plain_episodes": self.plain_episodes,
@@ -276,7 +285,8 @@ class RoundData:
                 "skills_skipped": len(self.skipped), "recoverable_tasks": len(self.recoverable),
                 "handoffs_tried": self.handoffs_tried,
                 "handoffs_verified": sum(v["verified"] for v in self.per_depth.values()), "d_cont": len(self.d_cont),
-                "judge_rejections": dict(self.rejections),
+                "judge_rejections": dict(self.rejections), "prefix_steps": self.prefix_steps,
+                "prefix_resamples": self.prefix_resamples,
                 "per_depth": {int(k): v for k, v in sorted(self.per_depth.items())}}
 
 

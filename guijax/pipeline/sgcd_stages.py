@@ -17,7 +17,7 @@ from guijax.pipeline.run import Run
 from guijax.pipeline.stage import output_exists, stage
 
 CSR_READS = EVAL_READS + ("sgcd.csr_max_handoff", "sgcd.csr_splits", "sgcd.csr_per_state",
-                          "sgcd.replay_tolerance", "compare.methods")
+                          "sgcd.csr_prefix_stop_retries", "sgcd.replay_tolerance", "compare.methods")
 
 
 def failed_tasks(run: Run) -> list:
@@ -71,7 +71,8 @@ def csr(run: Run) -> str:
     base = run.load_policy(models["base policy"])
     runner = HandoffRunner(run.engine(base, temperature), branching, o.replay_tolerance)
     prefixes = runner.prefixes(base.params, tasks, max(depths), run.streams.key("csr", "prefix"),
-                               seed=run.streams.seed_for("csr", "prefix"), desc="csr prefixes")
+                               seed=run.streams.seed_for("csr", "prefix"), desc="csr prefixes",
+                               stop_retries=o.csr_prefix_stop_retries)
     histogram = metric.failure_histogram(_off_track_steps(run, prefixes)) if run.config.env.kind == "desk" else {}
     results = {}
     for name, path in models.items():
@@ -81,7 +82,8 @@ def csr(run: Run) -> str:
                                                per_state=o.csr_per_state, desc=f"csr {name}")
         results[name] = metric.continuation_success(trajectories, depths, buckets)
     report = {"tasks": [t.id for t in tasks], "depths": depths, "per_state": o.csr_per_state,
-              "open_prefix_steps": {p.task.id: p.open_steps for p in prefixes}, "results": results,
+              "open_prefix_steps": {p.task.id: p.open_steps for p in prefixes},
+              "prefix_resamples": {p.task.id: p.resampled for p in prefixes}, "results": results,
               "failure_steps": histogram}
     write_text_atomic(run.workdir / "csr.json", json.dumps(report, indent=1))
     write_text_atomic(run.workdir / "csr.md", metric.markdown(results, depths) + "\n")

@@ -175,6 +175,13 @@ class RolloutEngine:
         evaluation of those that ended (they leave `live`). Each new step is marked as sampled by policy
         `version`. Returns the advanced key."""
         rng, actions, ending = self.sample(params, live, rng, timings, version)
+        self.act(live, actions, ending, timings)
+        return rng
+
+    def act(self, live: dict[int, _Episode], actions: dict[int, list[Action]], ending: list[int],
+            timings: dict[str, float]) -> None:
+        """The environment's half of a step for the episodes of `live`, as `sample` left them: one pool step
+        of those with `actions`, then the evaluation of those that ended (they leave `live`)."""
         if actions:
             t0 = time.perf_counter()
             results = self.pool.step(actions)
@@ -187,7 +194,6 @@ class RolloutEngine:
                 elif outcome == "ended":
                     ending.append(slot)
         self._evaluate(live, ending, timings)
-        return rng
 
     def sample(self, params: Any, live: dict[int, _Episode], rng: jax.Array, timings: dict[str, float],
                version: int = 0) -> tuple[jax.Array, dict[int, list[Action]], list[int]]:

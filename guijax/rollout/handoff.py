@@ -15,6 +15,11 @@ prefix is run once, up to the deepest k, and every depth branches from it:
 `live` (the paper's way) needs no prefix: each depth is one episode from a reset in which the guidance starts
 at step k (`RolloutEngine.episode(..., guidance=..., handoff=k)`); the prefix is then sampled once per depth and
 the prefix and the continuation share one set of parameters.
+
+A prefix ends where its policy ends the episode (its own DONE / FAIL / CALL_USER, or an unparsable answer), so a
+policy that stops right after its first wrong step leaves no state deeper than k = 1. `stop_retries` samples
+such an answer again (the environment is not stepped in between), so the prefix is the policy's behaviour
+given that it keeps acting for k steps, which is what a handoff at depth k asks of it.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import jax
 import numpy as np
 
 from envs.actions import ActionParseError
+from envs.actions.model import TERMINAL_TYPES
 from envs.actions.grammar import parse_response
 from envs.api import Task
 from guijax.rollout.engine import RolloutEngine, _count_env_call, _Episode, episode_seed
@@ -53,6 +59,7 @@ class Prefix:
     states: list[Any] = dataclasses.field(default_factory=list)
     open_steps: int = 0
     error: str | None = None
+    resampled: int = 0  # answers that would have ended the prefix, sampled again (`stop_retries`)
 
     def depths(self, ks: Sequence[int]) -> list[int]:
         """The depths of `ks` this prefix can hand off at."""
@@ -77,22 +84,26 @@ class HandoffRunner:
 
     # ------------------------------------------------------------------ prefixes
     def prefixes(self, params: Any, tasks: Sequence[Task], max_depth: int, rng: jax.Array, seed: int = 0,
-                 desc: str = "handoff prefixes") -> list[Prefix]:
+                 desc: str = "handoff prefixes", stop_retries: int = 0) -> list[Prefix]:
         """One prefix per task: the policy of `params` acts up to `max_depth` steps (no guidance); with
-        snapshot branching the environment's state is saved after each step."""
+        snapshot branching the environment's state is saved after each step. An answer that would end the
+        episode is sampled again up to `stop_retries` times per step before it is taken."""
         if self.branching == "live":
             raise ValueError("live handoff runs each depth from a reset and keeps no prefix; use snapshot or replay "
                              "branching to continue another policy's prefix")
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if stop_retries < 0:
+            raise ValueError(f"stop_retries must be >= 0, got {stop_retries}")
         out = [Prefix(t, episode_seed(seed, i, 0)) for i, t in enumerate(tasks)]
         timings = {"env_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
         for first in range(0, len(out), self.pool.num_workers):
             rng, key = jax.random.split(rng)
-            self._prefix_round(params, out[first:first + self.pool.num_workers], max_depth, key, timings)
+            self._prefix_round(params, out[first:first + self.pool.num_workers], max_depth, key, timings,
+                               stop_retries)
         return out
 
-    def _prefix_round(self, params, prefixes: list[Prefix], max_depth: int, rng, timings) -> None:
+    def _prefix_round(self, params, prefixes: list[Prefix], max_depth: int, rng, timings, stop_retries: int) -> None:
         eps = {slot: self.engine.episode(p.task, p.seed) for slot, p in enumerate(prefixes)}
         live = self.engine.start(dict(eps), timings)
         for slot, p in enumerate(prefixes):
@@ -100,7 +111,7 @@ class HandoffRunner:
                 p.error = eps[slot].error
         self._record(prefixes, eps, list(live), timings)
         while live:
-            rng = self.engine.advance(params, live, rng, timings)
+            rng = self._advance(params, live, prefixes, rng, timings, stop_retries)
             for slot, e in eps.items():
                 p = prefixes[slot]
                 p.steps, p.turns = list(e.steps), list(e.turns)
@@ -109,6 +120,32 @@ class HandoffRunner:
             self._record(prefixes, eps, list(live), timings)
             for slot in [s for s in live if len(eps[s].steps) >= max_depth]:
                 del live[slot]  # deep enough: the slot is simply reset or restored by the next call
+
+    def _advance(self, params, live: dict[int, _Episode], prefixes: list[Prefix], rng: jax.Array, timings,
+                 retries: int) -> jax.Array:
+        """One prefix step of every live episode, as `RolloutEngine.advance`, except that an answer that would
+        end the episode (a terminal action, or unparsable) is dropped and sampled again, up to `retries` times;
+        the last draw is taken whatever it is."""
+        engine = self.engine
+        rng, actions, ending = engine.sample(params, live, rng, timings)
+        for _ in range(retries):
+            again = [s for s in ending if live[s].status == Status.PARSE_ERROR]
+            again += [s for s, acts in actions.items() if any(a.kind in TERMINAL_TYPES for a in acts)]
+            if not again:
+                break
+            for slot in again:
+                e = live[slot]
+                e.steps.pop()
+                e.versions.pop()
+                e.status, e.error = Status.STEP_LIMIT, None
+                actions.pop(slot, None)
+                prefixes[slot].resampled += 1
+            ending = [s for s in ending if s not in again]
+            rng, more, more_ending = engine.sample(params, {s: live[s] for s in again}, rng, timings)
+            actions.update(more)
+            ending += more_ending
+        engine.act(live, actions, ending, timings)
+        return rng
 
     def _record(self, prefixes: list[Prefix], eps: dict[int, _Episode], slots: list[int], timings) -> None:
         """After the latest step of the episodes still running on `slots`: their screenshot and state."""

@@ -136,6 +136,47 @@ def test_a_prefix_that_ends_offers_only_the_depths_before_its_end(pool, tasks):
     assert prefix.open_steps == 1 and prefix.depths([1, 2, 3]) == [1] and len(prefix.steps) == 2
 
 
+def _stops_first(answer: str):
+    """WAIT at step 1; from step 2 on, `answer` the first time a prompt is asked and WAIT when it is asked again
+    (a policy that stops after one step unless its stop is sampled again)."""
+    asked: dict[str, int] = {}
+
+    def respond(params, prompt):
+        asked[prompt] = asked.get(prompt, 0) + 1
+        return answer if prompt.count("assistant:") and asked[prompt] == 1 else WAIT
+    return respond
+
+
+@pytest.mark.parametrize("answer", ["Thought: done.\nAction: finished(content='x')",
+                                    "Thought: I give up.\nAction: call_user()", "no action in this answer"])
+def test_a_stopping_answer_sampled_again_lets_the_prefix_reach_every_depth(pool, tasks, answer):
+    processor = TextProcessor()
+    sampler = PromptPolicySampler(processor, _stops_first(answer))
+    runner = HandoffRunner(RolloutEngine(pool, sampler, processor, RolloutConfig(show_progress=False)), "snapshot")
+    (prefix,) = runner.prefixes(None, tasks[:1], 4, jax.random.PRNGKey(1), stop_retries=1)
+    assert prefix.open_steps == 4 and prefix.resampled == 3 and prefix.error is None
+    assert [s.response for s in prefix.steps] == [WAIT] * 4  # the dropped answers leave no step behind
+    assert len(sampler.prompts) == 1 + 2 * 3
+    # the stop was never stepped: the desk is still running at depth 4, and a continuation solves it there
+    continuer = HandoffRunner(_engine(pool, tasks)[0], "snapshot")
+    (t,) = continuer.continue_from("trained", [prefix], [4], jax.random.PRNGKey(2))
+    assert t.meta["handoff"] == 4 and t.status == Status.DONE and t.reward == 1.0 and len(t.steps) == 6
+
+
+def test_a_policy_that_keeps_stopping_ends_its_prefix_after_the_retries(pool, tasks):
+    def always_stops(params, prompt):
+        return WAIT if prompt.count("assistant:") == 0 else "Thought: done.\nAction: finished(content='x')"
+
+    processor = TextProcessor()
+    sampler = PromptPolicySampler(processor, always_stops)
+    runner = HandoffRunner(RolloutEngine(pool, sampler, processor, RolloutConfig(show_progress=False)), "snapshot")
+    (prefix,) = runner.prefixes(None, tasks[:1], 4, jax.random.PRNGKey(1), stop_retries=2)
+    assert prefix.open_steps == 1 and prefix.resampled == 2 and len(prefix.steps) == 2
+    assert "finished" in prefix.steps[-1].response and len(sampler.prompts) == 1 + 3  # the last draw is taken
+    with pytest.raises(ValueError, match="stop_retries must be >= 0"):
+        runner.prefixes(None, tasks[:1], 4, jax.random.PRNGKey(1), stop_retries=-1)
+
+
 def test_snapshot_branching_refuses_an_environment_without_snapshots(tasks):
     with EnvPool(NoSnapshotDeskFactory(SCREEN, popups=False), 1, timeout_s=60) as p:
         runner = HandoffRunner(_engine(p, tasks)[0], "snapshot")

@@ -34,10 +34,13 @@ def test_a_changed_measurement_reruns_the_csr_stage_but_retrains_nothing():
     from guijax.pipeline.registry import fingerprints
 
     base = fingerprints(launch.resolve("sgcd_cpu", []))
-    measured = fingerprints(launch.resolve("sgcd_cpu", ["sgcd.csr_per_state=2"]))
     trained = fingerprints(launch.resolve("sgcd_cpu", ["sgcd.sft_steps=2"]))
-    assert measured["methods/sgcd"] == base["methods/sgcd"] and measured["csr"] != base["csr"]
+    for measurement in ("sgcd.csr_per_state=2", "sgcd.csr_prefix_stop_retries=2"):
+        measured = fingerprints(launch.resolve("sgcd_cpu", [measurement]))
+        assert measured["methods/sgcd"] == base["methods/sgcd"] and measured["csr"] != base["csr"], measurement
     assert trained["methods/sgcd"] != base["methods/sgcd"] and trained["csr"] != base["csr"]
+    deeper = fingerprints(launch.resolve("sgcd_cpu", ["sgcd.prefix_stop_retries=2"]))  # Stage III's prefixes
+    assert deeper["methods/sgcd"] != base["methods/sgcd"]
 
 
 @pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use"),

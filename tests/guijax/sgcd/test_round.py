@@ -82,3 +82,30 @@ def test_recipe_errors_name_the_key(tiny_config):
         get_method("sgcd", tiny_config("grpo_cpu", "sgcd.judge=chat"))
     with pytest.raises(ValueError, match="sgcd.skill_fields names \\['Plans'\\]"):
         get_method("sgcd", tiny_config("grpo_cpu", "sgcd.skill_fields=('Plans',)"))
+
+
+def test_prefix_stop_retries_give_handoffs_past_a_policy_that_stops_after_one_step(tiny_config, pool, tasks):
+    """A plain policy that waits once, then stops on every odd asking of a prompt: without retries its prefixes
+    end after one step (only k = 1 is handed off); with one retry each stop is sampled again and every depth is."""
+    def collect(retries):
+        solve, asked = plain_or_trained(tasks), {}
+
+        def respond(params, prompt):
+            asked[prompt] = asked.get(prompt, 0) + 1
+            if "Continuation Plans:" not in prompt and prompt.count("assistant:") and asked[prompt] % 2:
+                return "Thought: done.\nAction: finished(content='x')"
+            return solve(params, prompt)
+        processor = TextProcessor()
+        engine = RolloutEngine(pool, PromptPolicySampler(processor, respond), processor,
+                               RolloutConfig(show_progress=False))
+        sgcd = get_method("sgcd", tiny_config("grpo_cpu", *SETTINGS, f"sgcd.prefix_stop_retries={retries}"))
+        return sgcd.collect(engine, "plain", tasks, Streams(0), "test").report()
+
+    ended, deep = collect(0), collect(1)
+    assert ended["recoverable_tasks"] == deep["recoverable_tasks"] == 2
+    assert sorted(ended["per_depth"]) == [1] and ended["prefix_resamples"] == 0
+    assert set(ended["prefix_steps"].values()) == {1}
+    # one stop per prefix sampled again: at step 2 (Stage I already asked the step-3 prompt once, so the prefix's
+    # asking of it is even and waits)
+    assert sorted(deep["per_depth"]) == [1, 2, 3] and deep["prefix_resamples"] == 2
+    assert set(deep["prefix_steps"].values()) == {3} and deep["d_cont"] == 6
