@@ -258,13 +258,26 @@ def recipe_step(config: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh) -
                       train_step.make_train_step(module, tx, step_cfg, mesh))
 
 
-def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dict[str, Any]:
-    """Lower and compile the recipe's train step for its target; the report `--dry_run_json` writes."""
+def abstract_state(built: RecipeStep) -> Any:
+    """The train state of `built` as ShapeDtypeStructs carrying their shardings: what compiling needs, with
+    nothing allocated."""
     import flax.linen as nn
 
     from guijax import train_step
     from guijax.models import weights
     from guijax.models.trained import TrainedPart
+
+    params = nn.unbox(weights.abstract_params(built.module))
+    opt = jax.eval_shape(built.tx.init, TrainedPart.of(built.module).trainable(params))
+    return train_step.TrainState(_abstract(params, built.shards.params), _abstract(opt, built.shards.opt_state),
+                                 jax.ShapeDtypeStruct((), jnp.int32, sharding=built.shards.step))
+
+
+def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dict[str, Any]:
+    """Lower and compile the recipe's train step for its target; the report `--dry_run_json` writes."""
+    import flax.linen as nn
+
+    from guijax.models import weights
 
     mesh_cfg = sharding.MeshConfig.from_run_config(config)
     num_devices = config.mesh.num_devices or jax.device_count()
@@ -273,10 +286,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     built = recipe_step(config, model_cfg, mesh)
     shards, step_cfg, step = built.shards, built.step_cfg, built.step
     params = nn.unbox(weights.abstract_params(built.module))
-    state = train_step.TrainState(_abstract(params, shards.params),
-                                  _abstract(jax.eval_shape(built.tx.init, TrainedPart.of(built.module).trainable(params)),
-                                            shards.opt_state),
-                                  jax.ShapeDtypeStruct((), jnp.int32, sharding=shards.step))
+    state = abstract_state(built)
     shape = batch_shape(config, model_cfg)
     blocks = sharding.local_vision_blocks(config, mesh)
     packed = packed_shape(config, shape, sharding.local_data_blocks(mesh))
@@ -306,13 +316,41 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     compile_s = time.perf_counter() - start
     figures = compiled_bytes(compiled)
     peak = figures["peak_bytes_per_device"]
+    fits = target.fits(peak)
+    extra = {}
+    if int(config.optim.grad_accum_steps) > 1:
+        extra["empty_microstep"] = compile_empty_microstep(built, state, target)
+        if extra["empty_microstep"]["fits"] is False:
+            fits = False
     return {
         **report, "compiled": True, "compile_s": compile_s, **figures,
         "tpu_kernel_sites": tpu_kernel_sites(lowered),
         "activation_bytes_per_device": figures["temp_bytes_per_device"],
-        "fits": target.fits(peak), "proxy_factor": target.proxy_factor,
-        "flops_per_device": compiled_flops(compiled),
+        "fits": fits, "proxy_factor": target.proxy_factor,
+        "flops_per_device": compiled_flops(compiled), **extra,
     }
+
+
+def compile_empty_microstep(built: RecipeStep, state: Any, target: Target) -> dict[str, Any]:
+    """Compile the zero-gradient micro-step that completes a short accumulation group
+    (`train_step.make_empty_microstep`) for the abstract `state`: the step the trainer runs at the end of every
+    epoch whose minibatches are not a multiple of `optim.grad_accum_steps`, so it must fit as well."""
+    from guijax import train_step
+
+    micro = train_step.make_empty_microstep(built.module, built.tx, built.mesh)
+    start = time.perf_counter()
+    try:
+        with target.tracing():
+            lowered = micro.lower(state)
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return {"compiled": False, "fits": False, "compile_s": time.perf_counter() - start,
+                "error": str(err).splitlines()[0], **_compiler_oom_figures(str(err))}
+    figures = compiled_bytes(compiled)
+    return {"compiled": True, "compile_s": time.perf_counter() - start, **figures,
+            "fits": target.fits(figures["peak_bytes_per_device"])}
 
 
 def tpu_kernel_sites(lowered: Any) -> int:

@@ -139,6 +139,15 @@ def print_compiled(r: dict[str, Any]) -> None:
     print(f"  peak bytes per device: {format_bytes(r['peak_bytes_per_device'])}{capacity} ({fits}); "
           f"parameters {format_bytes(r['param_bytes_per_device'])}, optimizer {format_bytes(r['opt_bytes_per_device'])}, "
           f"temporaries {format_bytes(r['temp_bytes_per_device'])}")
+    micro = r.get("empty_microstep")
+    if micro is not None:
+        k = "completing a short gradient-accumulation group (zero gradients, no forward pass)"
+        if not micro["compiled"]:
+            print(f"  micro-step {k}: does NOT fit; the compiler refused it: {micro['error']}")
+        else:
+            fit = {None: "no capacity known", True: "fits", False: "does NOT fit"}[micro["fits"]]
+            print(f"  micro-step {k}: peak {format_bytes(int(micro['peak_bytes_per_device'] * scaled))} per device "
+                  f"({fit}), compiled in {micro['compile_s']:.0f}s")
     sites = r.get("tpu_kernel_sites", 0)
     if r.get("flops_per_device"):
         print(f"  compiled FLOPs per device per step: {r['flops_per_device']:.3g}"

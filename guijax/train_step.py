@@ -287,7 +287,7 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
 
 
 def make_empty_microstep(module: Qwen2_5_VL, tx: optax.GradientTransformation,
-                         mesh: Mesh | None = None) -> Callable[[TrainState], TrainState]:
+                         mesh: Mesh | None = None) -> "_EmptyMicrostep":
     """A gradient-accumulation micro-step that contributes nothing: `tx` (an `optax.MultiSteps`) given zero
     gradients, with no forward or backward pass. It completes a partial accumulation group, so the group's
     update is applied where its batches end instead of waiting for the next ones (`guijax.accumulation`)."""
@@ -304,13 +304,27 @@ def make_empty_microstep(module: Qwen2_5_VL, tx: optax.GradientTransformation,
         shards = state_shardings(module, tx, mesh)
         trained = TrainState(part.partition(shards.params)[0], shards.opt_state, shards.step)
         fn = sharding.MeshJit(empty, mesh, lambda state: ((trained,), trained), donate_argnums=(0,))
+    return _EmptyMicrostep(fn, part)
 
-    def call(state: TrainState) -> TrainState:
-        params, frozen = part.partition(state.params)
-        new = fn(TrainState(params, state.opt_state, state.step))
-        return TrainState(part.join(new.params, frozen), new.opt_state, new.step)
 
-    return call
+class _EmptyMicrostep:
+    """`micro(state)` over the jitted `fn(trained state)`: the frozen parameters stay out of the program."""
+
+    def __init__(self, fn: Any, part: TrainedPart):
+        self.fn, self.part = fn, part
+
+    def _trained(self, state: TrainState) -> TrainState:
+        return TrainState(self.part.partition(state.params)[0], state.opt_state, state.step)
+
+    def __call__(self, state: TrainState) -> TrainState:
+        frozen = self.part.partition(state.params)[1]
+        new = self.fn(self._trained(state))
+        return TrainState(self.part.join(new.params, frozen), new.opt_state, new.step)
+
+    def lower(self, state: TrainState) -> Any:
+        """Lowered for `state`'s shapes (ShapeDtypeStructs will do): the dry run compiles it to check its memory
+        at the recipe's shapes."""
+        return self.fn.lower(self._trained(state))
 
 
 def pending_microsteps(opt_state: Any) -> int:

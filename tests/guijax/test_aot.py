@@ -99,7 +99,7 @@ def test_the_dry_run_compiles_per_device_vision_blocks():
     config = launch.resolve("grpo_cpu", ["mesh.num_devices=8", "pipeline.vision_per_device=True",
                                          "dry_run.topology="])
     report = aot.compile_train_step(config, get_preset("small"))
-    assert report["compiled"] is True and report["vision_blocks"] == 8
+    assert report["compiled"] is True and report["vision_blocks"] == 8 and "empty_microstep" not in report
 
 
 @pytest.mark.slow
@@ -135,10 +135,11 @@ def test_the_packed_step_shape_of_a_recipe():
 @pytest.mark.slow
 def test_the_dry_run_compiles_a_packed_step():
     config = launch.resolve("grpo_cpu", ["mesh.num_devices=8", "pipeline.pack=True", "pipeline.pack_rows=8",
-                                         "pipeline.pack_length=320", "dry_run.topology="])
+                                         "pipeline.pack_length=320", "dry_run.topology=", "optim.grad_accum_steps=4"])
     report = aot.compile_train_step(config, get_preset("small"))
     assert report["compiled"] is True and report["packed"] == {"rows": 8, "length": 320, "blocks": 8,
                                                                "response": 64}
+    assert report["empty_microstep"]["compiled"] is True  # accumulation's group-completing step, on the mesh
 
 
 def test_a_gpu_recipes_proxy_figure_is_scaled_before_the_capacity_check():
@@ -164,3 +165,24 @@ def test_a_multi_gpu_recipe_compiles_for_one_v5p_chip_per_gpu():
         found = aot.compile_target(config, 8)
         assert found.name == "tpu v5p:2x2x2 (proxy for 8 H100s)" and len(found.devices) == 8
         assert found.proxy_factor == aot.GPU_PROXY_FACTOR
+
+
+def test_the_empty_microstep_is_compiled_for_the_recipe_and_checked_against_capacity(tiny_config):
+    """The zero-gradient micro-step that completes a short accumulation group holds the whole trained state
+    (parameters, moments, accumulated gradients) as its arguments, and a target too small for it is named."""
+    import jax
+    from jax.sharding import Mesh
+    import numpy as np
+
+    from guijax import sharding
+
+    config = tiny_config("grpo_cpu", "optim.grad_accum_steps=2")
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1, 1), sharding.MESH_AXES)
+    built = aot.recipe_step(config, get_preset("tiny"), mesh)
+    state = aot.abstract_state(built)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    roomy = aot.compile_empty_microstep(built, state, aot.Target("cpu", [], 10 * state_bytes, False, ""))
+    assert roomy["compiled"] is True and roomy["fits"] is True
+    assert roomy["argument_bytes_per_device"] == state_bytes and roomy["peak_bytes_per_device"] >= state_bytes
+    tight = aot.compile_empty_microstep(built, state, aot.Target("cpu", [], state_bytes, False, ""))
+    assert tight["fits"] is False  # the state alone fills it; the micro-step needs room to update it
