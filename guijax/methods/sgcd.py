@@ -45,8 +45,9 @@ class SGCDOptions:
     branching: Literal["snapshot", "replay", "live"] = "snapshot"
     replay_tolerance: float = ranged(0.0, low=0)  # replay: mean absolute pixel difference a screen may differ by
     continuations_per_state: int = ranged(1, low=1)
-    # a prefix answer that would end the episode (DONE / FAIL / unparsable) is sampled again this many times, so
-    # a policy that stops after its first wrong step still reaches depths k > 1 (0: the prefix ends there)
+    # a prefix answer that would end the episode (DONE / FAIL / CALL_USER / unparsable) is sampled again this many
+    # times, so a policy that stops after its first wrong step still reaches depths k > 1 (0: the prefix ends
+    # there); snapshot or replay branching only, as live branching keeps no prefix
     prefix_stop_retries: int = ranged(0, low=0)
     skill_extractor: Literal["desk", "chat"] = "desk"  # desk: offline, from the desk's ground truth
     skill_fields: tuple[str, ...] = FIELDS  # rendered into the skill-guided context (Table 3's ablation)
@@ -65,7 +66,8 @@ class SGCDOptions:
     csr_max_handoff: int = ranged(20, low=1)  # csr stage: depths 1..K
     csr_splits: tuple[Literal["train", "held_out", "expert_only"], ...] = ("train", "held_out")
     csr_per_state: int = ranged(1, low=1)  # csr stage: evaluated-model episodes per (task, depth)
-    csr_prefix_stop_retries: int = ranged(0, low=0)  # csr stage: as prefix_stop_retries, for its prefixes
+    # csr stage: as prefix_stop_retries, for its prefixes (whose failure-step histogram then counts the redrawn ones)
+    csr_prefix_stop_retries: int = ranged(0, low=0)
 
 
 class SGCD(Method):
@@ -101,6 +103,10 @@ class SGCD(Method):
         if o.skill_extractor == "desk" and self.config.env.kind != "desk":
             raise ValueError(f"sgcd.skill_extractor='desk' reads the synthetic desk's ground truth; with "
                              f"env.kind={self.config.env.kind!r} use sgcd.skill_extractor='chat'")
+        if o.prefix_stop_retries and o.branching == "live":
+            raise ValueError("sgcd.prefix_stop_retries samples a prefix's stop again, and sgcd.branching='live' runs "
+                             "no prefix apart from its continuation; use 'snapshot' or 'replay' branching, or set "
+                             "sgcd.prefix_stop_retries=0")
         if o.branching == "snapshot" and self.config.env.kind != "desk":
             raise ValueError(f"sgcd.branching='snapshot' needs environments that save and restore their state (the "
                              f"desk); with env.kind={self.config.env.kind!r} use 'replay' or 'live'")

@@ -163,6 +163,21 @@ def test_a_stopping_answer_sampled_again_lets_the_prefix_reach_every_depth(pool,
     assert t.meta["handoff"] == 4 and t.status == Status.DONE and t.reward == 1.0 and len(t.steps) == 6
 
 
+def test_a_redrawn_answer_leaves_the_episode_as_if_it_had_never_been_sampled(pool, tasks):
+    processor = TextProcessor()
+    runner = HandoffRunner(RolloutEngine(pool, PromptPolicySampler(processor, _stops_first("not an action")),
+                                         processor, RolloutConfig(show_progress=False)), "snapshot")
+    (prefix,) = runner.prefixes(None, tasks[:1], 1, jax.random.PRNGKey(1))  # one step, to have a history
+    e = runner.engine.episode(tasks[0], prefix.seed)
+    live = runner.engine.start({0: e}, {"env_s": 0.0, "steps": 0})
+    timings = {"env_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
+    runner.engine.advance(None, live, jax.random.PRNGKey(2), timings)  # step 1: WAIT
+    runner._advance(None, live, [prefix], jax.random.PRNGKey(3), timings, retries=1)  # step 2: redrawn once
+    assert live == {0: e} and e.status == Status.STEP_LIMIT and e.error is None
+    assert [s.response for s in e.steps] == [WAIT, WAIT] and len(e.versions) == len(e.turns) == 2
+    assert timings["steps"] == 2 and prefix.resampled == 1
+
+
 def test_a_policy_that_keeps_stopping_ends_its_prefix_after_the_retries(pool, tasks):
     def always_stops(params, prompt):
         return WAIT if prompt.count("assistant:") == 0 else "Thought: done.\nAction: finished(content='x')"

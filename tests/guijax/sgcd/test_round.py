@@ -82,6 +82,8 @@ def test_recipe_errors_name_the_key(tiny_config):
         get_method("sgcd", tiny_config("grpo_cpu", "sgcd.judge=chat"))
     with pytest.raises(ValueError, match="sgcd.skill_fields names \\['Plans'\\]"):
         get_method("sgcd", tiny_config("grpo_cpu", "sgcd.skill_fields=('Plans',)"))
+    with pytest.raises(ValueError, match="sgcd.prefix_stop_retries samples a prefix's stop again.*'live'"):
+        get_method("sgcd", tiny_config("grpo_cpu", "sgcd.branching=live", "sgcd.prefix_stop_retries=2"))
 
 
 def test_prefix_stop_retries_give_handoffs_past_a_policy_that_stops_after_one_step(tiny_config, pool, tasks):
