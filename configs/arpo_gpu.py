@@ -7,12 +7,18 @@ and 0.6 for evaluation, per-task replay of successes. Mini-batches of 8 rows (on
 gradient accumulation. The paper feeds the whole 15-step history; five full-HD screenshots already fill
 the 16k-token bucket one GPU's step holds (see grpo_gpu), so this recipe keeps the last five and the rest
 as text, as the other 7B recipes do.
+
+Every parameter trains, the vision tower included, over a mesh of 2-way data x 4-way FSDP: compiled by the
+H100 proxy (`python -m guijax.launch --config=arpo_gpu --dry_run --nodry_run_sampler`) that step holds 39.67
+GiB per device (45.73 GiB with the measured GPU factor, of 74.51), where FSDP over all eight GPUs held 93.40
+GiB (107.69 GiB: it does not fit), its temporaries 83.50 GiB against 20.10 (README). Not yet run on GPUs.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 
 
 def get_config():
     c = gpu_node(uitars_on_osworld(base("arpo_gpu")))
+    c.mesh.data, c.mesh.fsdp = 2, 4  # 2 replicas of a 4-GPU FSDP group: fits 8 H100s, FSDP over 8 does not
     c.stages = ("base_model", "tasks", "select", "eval_base", "rl", "eval_final", "report")
     c.method = "arpo"
     c.arpo.selection_rollouts = 16

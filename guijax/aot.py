@@ -192,7 +192,8 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
             raise ValueError(f"no v5p proxy for {num_devices} GPUs (mesh.num_devices); the proxies are for "
                              f"{sorted(GPU_PROXY_TOPOLOGIES)} GPUs, or set dry_run.topology")
         topology = GPU_PROXY_TOPOLOGIES[num_devices]
-    if topology and has_libtpu():
+    on_cpu = config.dry_run.get("compiler", "target") == "cpu"
+    if topology and has_libtpu() and not on_cpu:
         from jax.experimental import topologies
 
         devices = list(topologies.get_topology_desc(topology, "tpu").devices)
@@ -213,7 +214,8 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
         raise ValueError(f"the dry run needs {num_devices} devices: install libtpu (pip install -e '.[tpu-compile]') "
                          f"to compile for {topology or 'a TPU topology'}, or set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} for a CPU upper bound")
-    why = "libtpu is not installed" if topology else "the recipe names no TPU topology"
+    why = ("dry_run.compiler='cpu'" if on_cpu else "libtpu is not installed" if topology
+           else "the recipe names no TPU topology")
     return Target("cpu", cpus[:num_devices], None, False,
                   f"CPU fallback ({why}): an upper bound, XLA:CPU's memory analysis ignores rematerialisation")
 
@@ -273,25 +275,29 @@ def abstract_state(built: RecipeStep) -> Any:
                                  jax.ShapeDtypeStruct((), jnp.int32, sharding=built.shards.step))
 
 
+def needs_ref_logp(config: ml_collections.ConfigDict, loss: Any) -> bool:
+    """Whether the recipe's batches carry the reference policy's log-probs: for the KL term, or for a loss that
+    reads them itself (SEAgent's adversarial imitation)."""
+    return bool(config.train.kl_coef) or bool(getattr(loss, "reads_ref_logp", False))
+
+
 def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dict[str, Any]:
-    """Lower and compile the recipe's train step for its target; the report `--dry_run_json` writes."""
-    import flax.linen as nn
-
-    from guijax.models import weights
-
+    """Lower and compile the recipe's train step for its target (and, with gradient accumulation, the micro-step
+    that completes a short group); the report `--dry_run_json` writes. Its figures are the train step's; `fits`
+    is whether both programs fit, `train_step_fits` the train step's alone."""
     mesh_cfg = sharding.MeshConfig.from_run_config(config)
     num_devices = config.mesh.num_devices or jax.device_count()
     target = compile_target(config, num_devices)
     mesh = Mesh(np.asarray(target.devices).reshape(mesh_cfg.shape(num_devices)), sharding.MESH_AXES)
     built = recipe_step(config, model_cfg, mesh)
     shards, step_cfg, step = built.shards, built.step_cfg, built.step
-    params = nn.unbox(weights.abstract_params(built.module))
     state = abstract_state(built)
+    params = state.params
     shape = batch_shape(config, model_cfg)
     blocks = sharding.local_vision_blocks(config, mesh)
     packed = packed_shape(config, shape, sharding.local_data_blocks(mesh))
     batch = host_batch(shape, model_cfg, blocks, packed)
-    if config.train.kl_coef:  # the KL term's reference log-probs ride in the batch
+    if needs_ref_logp(config, step_cfg.loss):
         batch["ref_logp"] = batch["old_logp"]
     batch = _abstract(batch, sharding.batch_shardings(batch, mesh))
     start = time.perf_counter()
@@ -316,7 +322,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     compile_s = time.perf_counter() - start
     figures = compiled_bytes(compiled)
     peak = figures["peak_bytes_per_device"]
-    fits = target.fits(peak)
+    fits = step_fits = target.fits(peak)
     extra = {}
     if int(config.optim.grad_accum_steps) > 1:
         extra["empty_microstep"] = compile_empty_microstep(built, state, target)
@@ -326,7 +332,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
         **report, "compiled": True, "compile_s": compile_s, **figures,
         "tpu_kernel_sites": tpu_kernel_sites(lowered),
         "activation_bytes_per_device": figures["temp_bytes_per_device"],
-        "fits": fits, "proxy_factor": target.proxy_factor,
+        "fits": fits, "train_step_fits": step_fits, "proxy_factor": target.proxy_factor,
         "flops_per_device": compiled_flops(compiled), **extra,
     }
 
@@ -334,9 +340,14 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
 def compile_empty_microstep(built: RecipeStep, state: Any, target: Target) -> dict[str, Any]:
     """Compile the zero-gradient micro-step that completes a short accumulation group
     (`train_step.make_empty_microstep`) for the abstract `state`: the step the trainer runs at the end of every
-    epoch whose minibatches are not a multiple of `optim.grad_accum_steps`, so it must fit as well."""
+    epoch whose minibatches are not a multiple of `optim.grad_accum_steps`, so it must fit as well. The frozen
+    parameters (LoRA's base, a frozen tower) are not its arguments but stay on the device: they are added to
+    its peak."""
     from guijax import train_step
+    from guijax.models.trained import TrainedPart
 
+    part = TrainedPart.of(built.module)
+    frozen = sharding.bytes_per_device(part.partition(state.params)[1], part.partition(built.shards.params)[1])
     micro = train_step.make_empty_microstep(built.module, built.tx, built.mesh)
     start = time.perf_counter()
     try:
@@ -349,8 +360,9 @@ def compile_empty_microstep(built: RecipeStep, state: Any, target: Target) -> di
         return {"compiled": False, "fits": False, "compile_s": time.perf_counter() - start,
                 "error": str(err).splitlines()[0], **_compiler_oom_figures(str(err))}
     figures = compiled_bytes(compiled)
+    figures["peak_bytes_per_device"] += frozen
     return {"compiled": True, "compile_s": time.perf_counter() - start, **figures,
-            "fits": target.fits(figures["peak_bytes_per_device"])}
+            "frozen_param_bytes_per_device": frozen, "fits": target.fits(figures["peak_bytes_per_device"])}
 
 
 def tpu_kernel_sites(lowered: Any) -> int:

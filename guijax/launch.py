@@ -131,7 +131,8 @@ def print_compiled(r: dict[str, Any]) -> None:
     print(f"  batch: {b['rows']} rows x {b['tokens_per_row']} tokens, {b['screenshots_per_row']} screenshots of "
           f"{b['screenshot_hw'][1]}x{b['screenshot_hw'][0]} per row ({b['patches_per_screenshot']} patches each)"
           + (f"; vision inputs in {r['vision_blocks']} per-device blocks" if r.get("vision_blocks", 1) > 1 else ""))
-    fits = {None: "no capacity known for this target", True: "fits", False: "does NOT fit"}[r["fits"]]
+    fits = {None: "no capacity known for this target", True: "fits", False: "does NOT fit"}[r.get("train_step_fits",
+                                                                                                   r["fits"])]
     capacity = f" of {format_bytes(r['capacity_bytes_per_device'])}" if r["capacity_bytes_per_device"] else ""
     scaled = r.get("proxy_factor", 1.0)
     if scaled != 1.0:
@@ -146,8 +147,10 @@ def print_compiled(r: dict[str, Any]) -> None:
             print(f"  micro-step {k}: does NOT fit; the compiler refused it: {micro['error']}")
         else:
             fit = {None: "no capacity known", True: "fits", False: "does NOT fit"}[micro["fits"]]
-            print(f"  micro-step {k}: peak {format_bytes(int(micro['peak_bytes_per_device'] * scaled))} per device "
-                  f"({fit}), compiled in {micro['compile_s']:.0f}s")
+            peak = micro["peak_bytes_per_device"]
+            shown = format_bytes(peak) + (f" (x{scaled}: {format_bytes(int(peak * scaled))})" if scaled != 1.0 else "")
+            print(f"  micro-step {k}: peak {shown} per device, frozen parameters included ({fit}), compiled in "
+                  f"{micro['compile_s']:.0f}s")
     sites = r.get("tpu_kernel_sites", 0)
     if r.get("flops_per_device"):
         print(f"  compiled FLOPs per device per step: {r['flops_per_device']:.3g}"

@@ -152,6 +152,7 @@ class WithAdversarialImitation:
     inner: Any
     gamma: float = 0.2
     form: str = "log_ratio"
+    reads_ref_logp = True  # whatever train.kl_coef says: the batches carry the reference log-probs
 
     def __post_init__(self):
         if self.form not in FAILURE_FORMS:

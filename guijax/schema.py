@@ -328,6 +328,9 @@ class DryRun:
 
     topology: str = ""  # a TPU topology such as "v5p:4x4x4"; GPU recipes are compiled for one v5p chip
     screenshot_hw: tuple[int, int] = ranged((1080, 1920), low=1)  # each row's screenshots (rollout.max_images)
+    # target: the recipe's (TPU topology, or the v5p proxy of a GPU recipe); cpu: this machine's XLA:CPU even
+    # where libtpu is installed, an upper bound to set against another compiler's figures for the same program
+    compiler: Literal["target", "cpu"] = "target"
 
 
 @dataclasses.dataclass(frozen=True)

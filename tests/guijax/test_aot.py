@@ -186,3 +186,64 @@ def test_the_empty_microstep_is_compiled_for_the_recipe_and_checked_against_capa
     assert roomy["argument_bytes_per_device"] == state_bytes and roomy["peak_bytes_per_device"] >= state_bytes
     tight = aot.compile_empty_microstep(built, state, aot.Target("cpu", [], state_bytes, False, ""))
     assert tight["fits"] is False  # the state alone fills it; the micro-step needs room to update it
+    # a frozen tower is not the micro-step's argument but stays on the device: counted in its peak
+    frozen_built = aot.recipe_step(tiny_config("grpo_cpu", "optim.grad_accum_steps=2", 'model.frozen=("visual",)'),
+                                   get_preset("tiny"), mesh)
+    frozen_state = aot.abstract_state(frozen_built)
+    tower = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen_state.params["visual"]))
+    micro = aot.compile_empty_microstep(frozen_built, frozen_state, aot.Target("cpu", [], None, False, ""))
+    assert micro["frozen_param_bytes_per_device"] == tower > 0 and micro["fits"] is None
+    assert micro["peak_bytes_per_device"] >= micro["argument_bytes_per_device"] + tower
+    assert micro["argument_bytes_per_device"] < state_bytes  # only the trained part and its moments
+
+
+def test_the_dry_run_can_be_compiled_by_this_machines_cpu_where_libtpu_is_installed():
+    """dry_run.compiler=cpu: XLA:CPU's figures for the same program, to set against the proxy's."""
+    target = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=cpu"]), 1)
+    assert target.name == "cpu" and target.capacity_bytes is None and "dry_run.compiler='cpu'" in target.note
+    if aot.has_libtpu():
+        assert aot.compile_target(launch.resolve("grpo_gpu", []), 1).name == "tpu v5p:1x1x1 (proxy for one H100)"
+
+
+def test_arpo_gpu_trains_every_parameter_on_two_replicas_of_a_four_gpu_fsdp_group():
+    """The mesh its dry run fits 8 H100s with (FSDP over all eight did not: README)."""
+    from guijax import sharding
+    from guijax.pipeline.registry import check_recipe
+
+    config = launch.resolve("arpo_gpu", [])
+    check_recipe(config)
+    assert tuple(config.model.frozen) == () and config.lora.rank == 0 and config.mesh.num_devices == 8
+    assert sharding.MeshConfig.from_run_config(config).shape(8) == (2, 4, 1, 1)
+
+
+def test_the_printed_report_names_which_program_does_not_fit(capsys):
+    """A train step that fits beside a micro-step that does not: the step's line says it fits, the micro-step's
+    says it does not, and the report's overall `fits` (the exit code) is False."""
+    report = {"compiled": True, "compile_target": "tpu v5p:2x2x2 (proxy for 8 H100s)", "compile_s": 1.0, "note": "",
+              "batch": {"rows": 8, "tokens_per_row": 16384, "screenshots_per_row": 5, "screenshot_hw": [1080, 1920],
+                        "patches_per_screenshot": 10764},
+              "fits": False, "train_step_fits": True, "capacity_bytes_per_device": 80 * 10 ** 9, "proxy_factor": 2.0,
+              "peak_bytes_per_device": 30 * 2 ** 30, "param_bytes_per_device": 0, "opt_bytes_per_device": 0,
+              "temp_bytes_per_device": 0,
+              "empty_microstep": {"compiled": True, "fits": False, "compile_s": 2.0, "peak_bytes_per_device": 40 * 2 ** 30}}
+    launch.print_compiled(report)
+    out = capsys.readouterr().out.splitlines()
+    assert "(fits)" in next(line for line in out if "peak bytes per device" in line)
+    micro = next(line for line in out if "micro-step" in line)
+    assert "peak 40.00 GiB (x2.0: 80.00 GiB) per device" in micro and "(does NOT fit)" in micro
+
+
+def test_the_dry_run_batch_carries_reference_log_probs_where_the_loss_reads_them():
+    """SEAgent's adversarial imitation reads ref_logp with no KL term (seagent_gpu's dry run failed without it);
+    the KL term needs them too; ARPO's loss neither."""
+    from guijax.methods import get_method
+
+    for recipe, want in (("seagent_gpu", True), ("evocua_gpu", True), ("arpo_gpu", False)):
+        config = launch.resolve(recipe, [])
+        assert aot.needs_ref_logp(config, get_method(config.method, config).loss()) is want, recipe
+
+
+@pytest.mark.slow
+def test_the_seagent_step_compiles_for_the_dry_run(tiny_config):
+    report = aot.compile_train_step(tiny_config("seagent_cpu", "dry_run.topology="), get_preset("tiny"))
+    assert report["compiled"] is True
