@@ -16,12 +16,18 @@ with call_user(), 0-1000 coordinates). Specialist to generalist: --config.method
 --config.seagent.apps naming the applications (task domains). Not here (not built): the curriculum generator on
 OSWorld (each phase rolls out the training split; the LLM generator's tasks run on the synthetic desk only so
 far). Check the sizes with --dry_run.
+
+Every parameter trains, the vision tower included, over 2-way data x 4-way FSDP: compiled by the H100 proxy
+(`python -m guijax.launch --config=seagent_gpu --dry_run --nodry_run_sampler`), the step holds 31.68 GiB per
+device (36.53 GiB with the measured GPU factor, of 74.51), where FSDP over all eight GPUs held 91.79 GiB
+(105.83: it does not fit), temporaries 19.86 against 85.76 GiB (README). Not yet run on GPUs.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 
 
 def get_config():
     c = gpu_node(uitars_on_osworld(base("seagent_gpu")))
+    c.mesh.data, c.mesh.fsdp = 2, 4  # 2 replicas of a 4-GPU FSDP group: fits 8 H100s, FSDP over 8 does not
     c.model.path = "/models/UI-TARS-7B-DPO"
     c.model.preset = "qwen2_vl_7b"
     c.rollout.coordinate_model = "uitars-1.0"

@@ -19,7 +19,7 @@ def test_the_cpu_recipe_checks_and_trains_seagent_from_the_sft_policy():
 
 
 @pytest.mark.parametrize("recipe, params, mesh, coordinates", [
-    ("seagent_gpu", 8_291_375_616, {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}, "uitars-1.0"),  # UI-TARS-7B-DPO
+    ("seagent_gpu", 8_291_375_616, {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}, "uitars-1.0"),  # UI-TARS-7B-DPO
     ("seagent_tpu", 8_292_166_656, {"data": 4, "fsdp": 16, "tensor": 1, "expert": 1}, "uitars-1.5"),  # Qwen2.5-VL-7B
 ])
 def test_accelerator_recipes_dry_run(recipe, params, mesh, coordinates):
