@@ -309,16 +309,9 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
               "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
               "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
               "capacity_bytes_per_device": target.capacity_bytes}
-    try:
-        with target.tracing():
-            lowered = step.lower_abstract(state, batch)
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        # The TPU compiler refuses a program whose buffers exceed the chip's memory: that is the answer.
-        return {**report, "compiled": False, "fits": False, "compile_s": time.perf_counter() - start,
-                "error": str(err).splitlines()[0], **_compiler_oom_figures(str(err))}
+    lowered, compiled, refused = _compile(target, lambda: step.lower_abstract(state, batch))
+    if refused:
+        return {**report, **refused, "compile_s": time.perf_counter() - start}
     compile_s = time.perf_counter() - start
     figures = compiled_bytes(compiled)
     peak = figures["peak_bytes_per_device"]
@@ -350,19 +343,28 @@ def compile_empty_microstep(built: RecipeStep, state: Any, target: Target) -> di
     frozen = sharding.bytes_per_device(part.partition(state.params)[1], part.partition(built.shards.params)[1])
     micro = train_step.make_empty_microstep(built.module, built.tx, built.mesh)
     start = time.perf_counter()
-    try:
-        with target.tracing():
-            lowered = micro.lower(state)
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        return {"compiled": False, "fits": False, "compile_s": time.perf_counter() - start,
-                "error": str(err).splitlines()[0], **_compiler_oom_figures(str(err))}
+    _, compiled, refused = _compile(target, lambda: micro.lower(state))
+    if refused:
+        return {**refused, "compile_s": time.perf_counter() - start}
     figures = compiled_bytes(compiled)
     figures["peak_bytes_per_device"] += frozen
     return {"compiled": True, "compile_s": time.perf_counter() - start, **figures,
             "frozen_param_bytes_per_device": frozen, "fits": target.fits(figures["peak_bytes_per_device"])}
+
+
+def _compile(target: Target, lower: Callable[[], Any]) -> tuple[Any, Any, dict[str, Any] | None]:
+    """(lowered, compiled, None): `lower()` traced for the target's kernels, then compiled. The TPU compiler
+    refuses a program whose buffers exceed the chip's memory, and that refusal is the answer: (None, None,
+    its report entries: not compiled, not fitting, the error line and the figures it names)."""
+    try:
+        with target.tracing():
+            lowered = lower()
+        return lowered, lowered.compile(), None
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return None, None, {"compiled": False, "fits": False, "error": str(err).splitlines()[0],
+                            **_compiler_oom_figures(str(err))}
 
 
 def tpu_kernel_sites(lowered: Any) -> int:
@@ -457,15 +459,9 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     out = {"rows": rows, "prompt_tokens": length, "new_tokens": config.rollout.max_new_tokens, "vision_blocks": blocks,
            "kv_cache_bytes_per_row": 2 * model_cfg.num_hidden_layers * (length + config.rollout.max_new_tokens)
            * model_cfg.num_key_value_heads * model_cfg.head_dim * jnp.dtype(sampler.cache_dtype).itemsize}
-    try:
-        with target.tracing():
-            lowered = program.lower(*args)
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        return {**out, "compiled": False, "fits": False, "compile_s": time.perf_counter() - start,
-                "error": str(err).splitlines()[0], **_compiler_oom_figures(str(err))}
+    _, compiled, refused = _compile(target, lambda: program.lower(*args))
+    if refused:
+        return {**out, **refused, "compile_s": time.perf_counter() - start}
     figures = compiled_bytes(compiled)
     return {**out, "compiled": True, "compile_s": time.perf_counter() - start,
             "peak_bytes_per_device": figures["peak_bytes_per_device"],

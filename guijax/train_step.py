@@ -277,8 +277,7 @@ def make_train_step(module: Qwen2_5_VL, tx: optax.GradientTransformation, cfg: S
     if mesh is None:
         return _SplitStep(jax.jit(step, donate_argnums=(0,)), part)
     shards = state_shardings(module, tx, mesh)
-    trained_shards, frozen_shards = part.partition(shards.params)
-    trained_state = TrainState(trained_shards, shards.opt_state, shards.step)
+    trained_state, frozen_shards = _split_state(part, shards)
     shardings = lambda state, frozen, batch: ((trained_state, frozen_shards,  # noqa: E731
                                                sharding.batch_shardings(batch, mesh)),
                                               (trained_state, sharding.replicated(mesh)))
@@ -302,7 +301,7 @@ def make_empty_microstep(module: Qwen2_5_VL, tx: optax.GradientTransformation,
         fn = jax.jit(empty, donate_argnums=(0,))
     else:
         shards = state_shardings(module, tx, mesh)
-        trained = TrainState(part.partition(shards.params)[0], shards.opt_state, shards.step)
+        trained = _split_state(part, shards)[0]
         fn = sharding.MeshJit(empty, mesh, lambda state: ((trained,), trained), donate_argnums=(0,))
     return _EmptyMicrostep(fn, part)
 
@@ -313,18 +312,21 @@ class _EmptyMicrostep:
     def __init__(self, fn: Any, part: TrainedPart):
         self.fn, self.part = fn, part
 
-    def _trained(self, state: TrainState) -> TrainState:
-        return TrainState(self.part.partition(state.params)[0], state.opt_state, state.step)
-
     def __call__(self, state: TrainState) -> TrainState:
-        frozen = self.part.partition(state.params)[1]
-        new = self.fn(self._trained(state))
+        trained, frozen = _split_state(self.part, state)
+        new = self.fn(trained)
         return TrainState(self.part.join(new.params, frozen), new.opt_state, new.step)
 
     def lower(self, state: TrainState) -> Any:
         """Lowered for `state`'s shapes (ShapeDtypeStructs will do): the dry run compiles it to check its memory
         at the recipe's shapes."""
-        return self.fn.lower(self._trained(state))
+        return self.fn.lower(_split_state(self.part, state)[0])
+
+
+def _split_state(part: TrainedPart, state: TrainState) -> tuple[TrainState, Any]:
+    """(the state of what trains: its parameters, moments and step; the frozen parameters)."""
+    trained, frozen = part.partition(state.params)
+    return TrainState(trained, state.opt_state, state.step), frozen
 
 
 def pending_microsteps(opt_state: Any) -> int:
@@ -353,8 +355,7 @@ class _SplitStep:
         self.fn, self.part = fn, part
 
     def _args(self, state: TrainState) -> tuple[TrainState, Any]:
-        trained, frozen = self.part.partition(state.params)
-        return TrainState(trained, state.opt_state, state.step), frozen
+        return _split_state(self.part, state)
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         trained_state, frozen = self._args(state)

@@ -247,3 +247,26 @@ def test_the_dry_run_batch_carries_reference_log_probs_where_the_loss_reads_them
 def test_the_seagent_step_compiles_for_the_dry_run(tiny_config):
     report = aot.compile_train_step(tiny_config("seagent_cpu", "dry_run.topology="), get_preset("tiny"))
     assert report["compiled"] is True
+
+
+def test_a_compile_refused_for_memory_is_the_answer_and_any_other_error_is_raised():
+    """The train step, the accumulation micro-step and the sampler all compile through `aot._compile`."""
+    import jax
+
+    target = aot.Target("tpu", [], 1, True, "")
+
+    def refused():
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, "
+                                         "the total memory required for HLO temporaries (142.96G) exceeds "
+                                         "available HBM (95.73G).")
+
+    lowered, compiled, report = aot._compile(target, refused)
+    assert lowered is None and compiled is None
+    assert report["compiled"] is False and report["fits"] is False and report["error"].startswith("RESOURCE_EXHAUSTED")
+    assert report["temp_bytes_per_device"] == int(142.96 * 2 ** 30)
+
+    def broken():
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
+        aot._compile(target, broken)
