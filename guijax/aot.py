@@ -8,7 +8,8 @@ the compiled program's `memory_analysis()` and `cost_analysis()`.
 
 Targets: a TPU topology (`dry_run.topology`, e.g. "v5p:4x4x4"), compiled by the TPU compiler itself when
 `libtpu` is installed (`pip install -e '.[tpu-compile]'`), remat included. GPU recipes cannot be compiled for
-CUDA without a GPU, so they are compiled for one TPU v5p chip as a proxy, and the report says so. Without
+CUDA without a GPU, so they are compiled for one TPU v5p chip as a proxy, and the report says so; the proxy's
+compiler is given the GPU's memory as its budget, since it spends whatever memory it is told it has. Without
 libtpu the fallback is this machine's CPU devices, whose figures are upper bounds: XLA:CPU's memory analysis
 does not account for rematerialisation.
 """
@@ -164,6 +165,8 @@ class Target:
     proxy_factor: float = 1.0
     # the platform attention is traced for (its "auto" backend: splash on a TPU); None: this machine's
     attention_platform: str | None = None
+    # options handed to the compiler with each program (the TPU compiler's memory budget)
+    compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def tracing(self) -> contextlib.AbstractContextManager:
         """The context to lower the step in, so its kernels are the target's own, not this machine's."""
@@ -177,6 +180,13 @@ class Target:
         if self.capacity_bytes is None:
             return None
         return bool(peak_bytes * self.proxy_factor <= self.capacity_bytes)
+
+
+def compiler_memory_budget(budget_bytes: float) -> dict[str, Any]:
+    """The TPU compiler's option for the memory per chip it schedules and rematerialises against. Left at the
+    chip's own HBM, the compiler keeps rematerialised activations of many layers alive whenever they fit
+    there, so a step meant for a smaller device (a GPU it stands in for) looks bigger than it need be."""
+    return {"xla_tpu_max_hbm_size_mib": int(budget_bytes // 2 ** 20)}
 
 
 def has_libtpu() -> bool:
@@ -203,12 +213,17 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
         chip = topology.split(":")[0]
         if accelerator == "gpu":
             gpus = "one H100" if len(devices) == 1 else f"{len(devices)} H100s"
+            budget = config.dry_run.compiler_memory_gib * 2 ** 30 or CAPACITY["h100"] / GPU_PROXY_FACTOR
             return Target(f"tpu {topology} (proxy for {gpus})", devices, CAPACITY["h100"], True,
                           "no CUDA compiler runs without a GPU: compiled for one TPU v5p chip per GPU as a proxy, "
-                          f"checked against the H100's 80 GB after scaling by {GPU_PROXY_FACTOR} (XLA:GPU held "
-                          "that much more than the proxy's figure for grpo_gpu's step)", GPU_PROXY_FACTOR)
-        return Target(f"tpu {topology}", devices, CAPACITY.get(chip), True, "the TPU compiler's own figures",
-                      attention_platform="tpu")
+                          f"with the compiler's memory budget set to {budget / 2 ** 30:.2f} GiB, and checked "
+                          f"against the H100's 80 GB after scaling by {GPU_PROXY_FACTOR} (XLA:GPU held that much "
+                          "more than the proxy's figure for grpo_gpu's step)", GPU_PROXY_FACTOR,
+                          compiler_options=compiler_memory_budget(budget))
+        own = config.dry_run.compiler_memory_gib * 2 ** 30
+        return Target(f"tpu {topology}", devices, CAPACITY.get(chip), True, "the TPU compiler's own figures"
+                      + (f", its memory budget set to {own / 2 ** 30:.2f} GiB" if own else ""),
+                      attention_platform="tpu", compiler_options=compiler_memory_budget(own) if own else {})
     cpus = jax.devices("cpu")
     if len(cpus) < num_devices:
         raise ValueError(f"the dry run needs {num_devices} devices: install libtpu (pip install -e '.[tpu-compile]') "
@@ -359,7 +374,7 @@ def _compile(target: Target, lower: Callable[[], Any]) -> tuple[Any, Any, dict[s
     try:
         with target.tracing():
             lowered = lower()
-        return lowered, lowered.compile(), None
+        return lowered, lowered.compile(compiler_options=target.compiler_options or None), None
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
@@ -392,13 +407,16 @@ def compiled_bytes(compiled: Any) -> dict[str, int]:
 
 
 def _compiler_oom_figures(message: str) -> dict[str, int]:
-    """The byte counts in XLA:TPU's out-of-memory refusal ('... temporaries (142.96G) exceeds available HBM
-    (95.73G)'), as numbers for the report."""
-    found = re.search(r"temporaries \(([\d.]+)([KMGT])\).*available HBM \(([\d.]+)([KMGT])\)", message)
+    """The byte counts in XLA:TPU's out-of-memory refusal ('... required for HLO temporaries (142.96G) exceeds
+    available HBM (95.73G)', or '... Used 361.54M of 307.00M hbm'), as numbers for the report. Despite the
+    first form's wording, its first figure is the whole footprint, arguments included: a program of 256 MiB of
+    arguments and 272 MiB of temporaries is refused with 528 MiB named."""
+    found = (re.search(r"temporaries \(([\d.]+)([KMGT])\).*available HBM \(([\d.]+)([KMGT])\)", message)
+             or re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm", message))
     if not found:
         return {}
     scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
-    return {"temp_bytes_per_device": int(float(found.group(1)) * scale[found.group(2)]),
+    return {"required_bytes_per_device": int(float(found.group(1)) * scale[found.group(2)]),
             "compiler_available_bytes": int(float(found.group(3)) * scale[found.group(4)])}
 
 

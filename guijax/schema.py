@@ -331,6 +331,10 @@ class DryRun:
     # target: the recipe's (TPU topology, or the v5p proxy of a GPU recipe); cpu: this machine's XLA:CPU even
     # where libtpu is installed, an upper bound to set against another compiler's figures for the same program
     compiler: Literal["target", "cpu"] = "target"
+    # GiB per device the TPU compiler schedules and rematerialises against (0: the target's own, a TPU chip's
+    # HBM, or for a GPU proxy the GPU's memory over the proxy factor). The compiler spends memory freely up to
+    # its limit, so a peak says what it chose under that limit, not the least the step could need.
+    compiler_memory_gib: float = ranged(0.0, low=0)
 
 
 @dataclasses.dataclass(frozen=True)

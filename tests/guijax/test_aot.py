@@ -70,8 +70,12 @@ def test_too_few_devices_names_the_way_out():
 def test_the_tpu_compilers_refusal_is_read_as_figures():
     message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required "
                "for HLO temporaries (142.96G) exceeds available HBM (95.73G). HLO module: jit_step.")
-    assert aot._compiler_oom_figures(message) == {"temp_bytes_per_device": int(142.96 * 2 ** 30),
+    assert aot._compiler_oom_figures(message) == {"required_bytes_per_device": int(142.96 * 2 ** 30),
                                                   "compiler_available_bytes": int(95.73 * 2 ** 30)}
+    other = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in "
+             "memory space hbm. Used 361.54M of 307.00M hbm. Exceeded hbm capacity by 54.54M.")
+    assert aot._compiler_oom_figures(other) == {"required_bytes_per_device": int(361.54 * 2 ** 20),
+                                                "compiler_available_bytes": int(307.00 * 2 ** 20)}
     assert aot._compiler_oom_figures("RESOURCE_EXHAUSTED: something else") == {}
 
 
@@ -263,10 +267,71 @@ def test_a_compile_refused_for_memory_is_the_answer_and_any_other_error_is_raise
     lowered, compiled, report = aot._compile(target, refused)
     assert lowered is None and compiled is None
     assert report["compiled"] is False and report["fits"] is False and report["error"].startswith("RESOURCE_EXHAUSTED")
-    assert report["temp_bytes_per_device"] == int(142.96 * 2 ** 30)
+    assert report["required_bytes_per_device"] == int(142.96 * 2 ** 30)
 
     def broken():
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
         aot._compile(target, broken)
+
+
+def test_the_compiler_is_handed_the_targets_memory_budget():
+    """Each program is compiled with the target's options: for a GPU proxy, the TPU compiler's memory budget is
+    the GPU's memory over the proxy factor (left at a v5p chip's 95 GiB, the compiler keeps rematerialised
+    activations alive that a GPU could not hold)."""
+    assert aot.compiler_memory_budget(64 * 2 ** 30) == {"xla_tpu_max_hbm_size_mib": 65536}
+    seen = {}
+
+    class Lowered:
+        def compile(self, **kwargs):
+            seen.update(kwargs)
+            return "compiled"
+
+    target = aot.Target("tpu", [], 1, True, "", compiler_options={"xla_tpu_max_hbm_size_mib": 512})
+    assert aot._compile(target, Lowered)[1:] == ("compiled", None)
+    assert seen == {"compiler_options": {"xla_tpu_max_hbm_size_mib": 512}}
+    aot._compile(aot.Target("cpu", [], None, False, ""), Lowered)
+    assert seen == {"compiler_options": None}
+
+
+@pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
+def test_gpu_proxies_and_tpu_targets_get_their_compilers_memory_budget():
+    gpu = aot.compile_target(launch.resolve("grpo_gpu", []), 1)
+    assert gpu.compiler_options == {"xla_tpu_max_hbm_size_mib": int(80 * 1000 ** 3 / aot.GPU_PROXY_FACTOR // 2 ** 20)}
+    assert "budget set to 64.62 GiB" in gpu.note
+    told = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler_memory_gib=10"]), 1)
+    assert told.compiler_options == {"xla_tpu_max_hbm_size_mib": 10240}
+    tpu = launch.resolve("grpo_cpu", ["dry_run.topology=v5p:1x1x1", "mesh.num_devices=1"])
+    assert aot.compile_target(tpu, 1).compiler_options == {}  # a TPU chip: the compiler's own HBM
+    assert aot.compile_target(launch.resolve("grpo_cpu", ["dry_run.topology=v5p:1x1x1", "mesh.num_devices=1",
+                                                           "dry_run.compiler_memory_gib=2"]), 1).compiler_options \
+        == {"xla_tpu_max_hbm_size_mib": 2048}
+
+
+@pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
+def test_the_tpu_compiler_refuses_a_program_over_the_budget_it_is_given():
+    """The budget reaches the TPU compiler: 256 MiB of live temporaries compile under the chip's own HBM and
+    are refused under a 64 MiB budget."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+
+    devices = list(topologies.get_topology_desc("v5p:1x1x1", "tpu").devices)
+    sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    x = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.float32, sharding=sharding)
+
+    def program(x):  # every slice's exp is kept until the sum of all of them
+        parts = [jnp.exp(x * i) for i in range(4)]
+        return sum(p.sum(axis=0) for p in parts) + parts[0][0]
+
+    lower = lambda: jax.jit(program).trace(x).lower(lowering_platforms=("tpu",))  # noqa: E731
+    roomy = aot._compile(aot.Target("tpu", devices, None, True, ""), lower)
+    assert roomy[2] is None
+    tight = aot._compile(aot.Target("tpu", devices, None, True, "",
+                                    compiler_options=aot.compiler_memory_budget(64 * 2 ** 20)), lower)
+    assert tight[2] is not None and tight[2]["compiled"] is False
+    # the refusal's figure ("required for HLO temporaries") is the whole footprint, the argument included
+    peak = aot.compiled_bytes(roomy[1])["peak_bytes_per_device"]
+    assert tight[2]["required_bytes_per_device"] == pytest.approx(peak, rel=0.01)
+    assert tight[2]["compiler_available_bytes"] == 64 * 2 ** 20

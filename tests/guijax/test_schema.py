@@ -84,7 +84,7 @@ def test_unknown_key_suggests_the_nearest():
     msg = errors_of(schema.Train, "train", eps_lo=0.2)
     assert msg == "unknown config key 'train.eps_lo'; did you mean 'train.eps_low'?"
     msg = errors_of(schema.DryRun, "dry_run", zzz=1)
-    assert msg == "unknown config key 'dry_run.zzz'; known: topology, screenshot_hw, compiler"
+    assert msg == "unknown config key 'dry_run.zzz'; known: topology, screenshot_hw, compiler, compiler_memory_gib"
 
 
 def test_missing_key_fails():
