@@ -10,8 +10,9 @@ as text, as the other 7B recipes do.
 
 Every parameter trains, the vision tower included, over a mesh of 2-way data x 4-way FSDP: compiled by the
 H100 proxy (`python -m guijax.launch --config=arpo_gpu --dry_run --nodry_run_sampler`) that step holds 39.67
-GiB per device (45.73 GiB with the measured GPU factor, of 74.51), where FSDP over all eight GPUs held 93.40
-GiB (107.69 GiB: it does not fit), its temporaries 83.50 GiB against 20.10 (README). Not yet run on GPUs.
+GiB per device (45.73 GiB with the measured GPU factor, of 74.51). FSDP over all eight GPUs held 93.40 GiB
+when the proxy's compiler had a v5p chip's 95 GiB to spend, and is refused under the GPU's budget of 64.62 GiB
+(naming 67.29 GiB): it does not fit by the proxy (README). Not yet run on GPUs.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 

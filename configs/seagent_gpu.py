@@ -20,7 +20,8 @@ far). Check the sizes with --dry_run.
 Every parameter trains, the vision tower included, over 2-way data x 4-way FSDP: compiled by the H100 proxy
 (`python -m guijax.launch --config=seagent_gpu --dry_run --nodry_run_sampler`), the step holds 31.68 GiB per
 device (36.53 GiB with the measured GPU factor, of 74.51), where FSDP over all eight GPUs held 91.79 GiB
-(105.83: it does not fit), temporaries 19.86 against 85.76 GiB (README). Not yet run on GPUs.
+(105.83: it does not fit) when the proxy's compiler had a v5p chip's 95 GiB to spend; under the GPU's budget
+it is unmeasured (README). Not yet run on GPUs.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 

@@ -5,8 +5,8 @@ launched on every host by launch/tpu_pod.sh; the settings of sgcd_gpu otherwise.
 
 Expert parallelism drops what overflows 1.25 times an even share of each device's (token, choice) pairs
 (`model.expert_capacity_factor`; the dropped fraction is logged as moe_dropped_fraction). Dropless, every device
-reserves room for all its pairs at every destination, and the compiled step needs 96.42 GiB of temporaries per
-chip, over a v5p chip's HBM; at 1.25 it peaks at 22.82 GiB (README).
+reserves room for all its pairs at every destination, and the compiler refuses the step, naming 96.42 GiB per
+chip in all, over a v5p chip's HBM; at 1.25 it peaks at 23.02 GiB (README).
 """
 from configs import sgcd_gpu
 from configs._common import v5p_128

@@ -165,8 +165,15 @@ class Target:
     proxy_factor: float = 1.0
     # the platform attention is traced for (its "auto" backend: splash on a TPU); None: this machine's
     attention_platform: str | None = None
-    # options handed to the compiler with each program (the TPU compiler's memory budget)
-    compiler_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the memory per chip the TPU compiler is told to schedule and rematerialise against; None: its chip's own
+    memory_budget_bytes: int | None = None
+
+    def compiler_options(self, reserved: int = 0) -> dict[str, Any] | None:
+        """The options each program is compiled with: the budget, less `reserved` bytes that the program does
+        not hold as arguments but that stay on the device (frozen parameters beside the micro-step)."""
+        if self.memory_budget_bytes is None:
+            return None
+        return compiler_memory_budget(self.memory_budget_bytes - reserved)
 
     def tracing(self) -> contextlib.AbstractContextManager:
         """The context to lower the step in, so its kernels are the target's own, not this machine's."""
@@ -183,10 +190,20 @@ class Target:
 
 
 def compiler_memory_budget(budget_bytes: float) -> dict[str, Any]:
-    """The TPU compiler's option for the memory per chip it schedules and rematerialises against. Left at the
-    chip's own HBM, the compiler keeps rematerialised activations of many layers alive whenever they fit
-    there, so a step meant for a smaller device (a GPU it stands in for) looks bigger than it need be."""
-    return {"xla_tpu_max_hbm_size_mib": int(budget_bytes // 2 ** 20)}
+    """The TPU compiler's option for the memory per chip it schedules and rematerialises against, in whole MiB
+    (rounded down, at least 1). Left at the chip's own HBM, the compiler keeps rematerialised activations of
+    many layers alive whenever they fit there, so a step meant for a smaller device (a GPU it stands in for)
+    looks bigger than it need be."""
+    return {"xla_tpu_max_hbm_size_mib": max(1, int(budget_bytes // 2 ** 20))}
+
+
+def _budget_bytes(gib: float) -> int:
+    """`dry_run.compiler_memory_gib` in the bytes the compiler is handed (whole MiB)."""
+    mib = int(gib * 2 ** 10)
+    if mib < 1:
+        raise ValueError(f"dry_run.compiler_memory_gib={gib} is under 1 MiB, the compiler's unit; 0 leaves the "
+                         "target's own budget")
+    return mib * 2 ** 20
 
 
 def has_libtpu() -> bool:
@@ -213,17 +230,19 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
         chip = topology.split(":")[0]
         if accelerator == "gpu":
             gpus = "one H100" if len(devices) == 1 else f"{len(devices)} H100s"
-            budget = config.dry_run.compiler_memory_gib * 2 ** 30 or CAPACITY["h100"] / GPU_PROXY_FACTOR
+            gib = config.dry_run.compiler_memory_gib
+            budget = _budget_bytes(gib) if gib else int(CAPACITY["h100"] / GPU_PROXY_FACTOR) // 2 ** 20 * 2 ** 20
             return Target(f"tpu {topology} (proxy for {gpus})", devices, CAPACITY["h100"], True,
                           "no CUDA compiler runs without a GPU: compiled for one TPU v5p chip per GPU as a proxy, "
-                          f"with the compiler's memory budget set to {budget / 2 ** 30:.2f} GiB, and checked "
+                          f"with the compiler's memory budget set to {budget // 2 ** 20} MiB, and checked "
                           f"against the H100's 80 GB after scaling by {GPU_PROXY_FACTOR} (XLA:GPU held that much "
-                          "more than the proxy's figure for grpo_gpu's step)", GPU_PROXY_FACTOR,
-                          compiler_options=compiler_memory_budget(budget))
-        own = config.dry_run.compiler_memory_gib * 2 ** 30
+                          "more than the proxy's figure for grpo_gpu's step, neither compiler pressed for memory; "
+                          "that the ratio holds under a budget is assumed)", GPU_PROXY_FACTOR,
+                          memory_budget_bytes=budget)
+        own = _budget_bytes(config.dry_run.compiler_memory_gib) if config.dry_run.compiler_memory_gib else None
         return Target(f"tpu {topology}", devices, CAPACITY.get(chip), True, "the TPU compiler's own figures"
-                      + (f", its memory budget set to {own / 2 ** 30:.2f} GiB" if own else ""),
-                      attention_platform="tpu", compiler_options=compiler_memory_budget(own) if own else {})
+                      + (f", its memory budget set to {own // 2 ** 20} MiB" if own else ""),
+                      attention_platform="tpu", memory_budget_bytes=own)
     cpus = jax.devices("cpu")
     if len(cpus) < num_devices:
         raise ValueError(f"the dry run needs {num_devices} devices: install libtpu (pip install -e '.[tpu-compile]') "
@@ -231,6 +250,9 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} for a CPU upper bound")
     why = ("dry_run.compiler='cpu'" if on_cpu else "libtpu is not installed" if topology
            else "the recipe names no TPU topology")
+    if config.dry_run.compiler_memory_gib:
+        raise ValueError(f"dry_run.compiler_memory_gib is the TPU compiler's budget, and this dry run compiles with "
+                         f"XLA:CPU ({why}); leave it at 0")
     return Target("cpu", cpus[:num_devices], None, False,
                   f"CPU fallback ({why}): an upper bound, XLA:CPU's memory analysis ignores rematerialisation")
 
@@ -324,9 +346,10 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
               "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
               "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
               "capacity_bytes_per_device": target.capacity_bytes}
-    lowered, compiled, refused = _compile(target, lambda: step.lower_abstract(state, batch))
-    if refused:
-        return {**report, **refused, "compile_s": time.perf_counter() - start}
+    lowered, compiled, compiler = _compile(target, lambda: step.lower_abstract(state, batch))
+    report.update(compiler)
+    if compiled is None:
+        return {**report, "compile_s": time.perf_counter() - start}
     compile_s = time.perf_counter() - start
     figures = compiled_bytes(compiled)
     peak = figures["peak_bytes_per_device"]
@@ -358,28 +381,47 @@ def compile_empty_microstep(built: RecipeStep, state: Any, target: Target) -> di
     frozen = sharding.bytes_per_device(part.partition(state.params)[1], part.partition(built.shards.params)[1])
     micro = train_step.make_empty_microstep(built.module, built.tx, built.mesh)
     start = time.perf_counter()
-    _, compiled, refused = _compile(target, lambda: micro.lower(state))
-    if refused:
-        return {**refused, "compile_s": time.perf_counter() - start}
+    _, compiled, compiler = _compile(target, lambda: micro.lower(state), reserved=frozen)
+    if compiled is None:
+        return {**compiler, "compile_s": time.perf_counter() - start}
     figures = compiled_bytes(compiled)
     figures["peak_bytes_per_device"] += frozen
-    return {"compiled": True, "compile_s": time.perf_counter() - start, **figures,
+    return {"compiled": True, "compile_s": time.perf_counter() - start, **compiler, **figures,
             "frozen_param_bytes_per_device": frozen, "fits": target.fits(figures["peak_bytes_per_device"])}
 
 
-def _compile(target: Target, lower: Callable[[], Any]) -> tuple[Any, Any, dict[str, Any] | None]:
-    """(lowered, compiled, None): `lower()` traced for the target's kernels, then compiled. The TPU compiler
-    refuses a program whose buffers exceed the chip's memory, and that refusal is the answer: (None, None,
-    its report entries: not compiled, not fitting, the error line and the figures it names)."""
+def _compile(target: Target, lower: Callable[[], Any], reserved: int = 0
+             ) -> tuple[Any, Any, dict[str, Any]]:
+    """(lowered, compiled, report entries): `lower()` traced for the target's kernels, then compiled under the
+    target's memory budget, less `reserved`. The TPU compiler refuses a program it cannot fit in its budget.
+    Its figure then is where it gave up, not the least the program needs (it is not monotone in its budget),
+    so a refusal under a budget is retried at the chip's own memory and both are reported:
+    `refused_under_budget` and the roomy compile's figures, which the caller checks against the capacity. A
+    refusal with no budget, or on the retry, is the answer: (None, None, not compiled, not fitting, the error
+    line and the figures it names)."""
+    with target.tracing():
+        lowered = lower()
+    options = target.compiler_options(reserved)
+    entries = {"compiler_budget_bytes": options["xla_tpu_max_hbm_size_mib"] * 2 ** 20} if options else {}
     try:
-        with target.tracing():
-            lowered = lower()
-        return lowered, lowered.compile(compiler_options=target.compiler_options or None), None
+        return lowered, lowered.compile(compiler_options=options), entries
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
-        return None, None, {"compiled": False, "fits": False, "error": str(err).splitlines()[0],
-                            **_compiler_oom_figures(str(err))}
+        refusal = _refusal(err)
+    if not options:
+        return None, None, {**entries, **refusal}
+    entries["refused_under_budget"] = {k: v for k, v in refusal.items() if k not in ("compiled", "fits")}
+    try:
+        return lowered, lowered.compile(), entries
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return None, None, {**entries, **_refusal(err)}
+
+
+def _refusal(err: Exception) -> dict[str, Any]:
+    return {"compiled": False, "fits": False, "error": str(err).splitlines()[0], **_compiler_oom_figures(str(err))}
 
 
 def tpu_kernel_sites(lowered: Any) -> int:
@@ -411,11 +453,11 @@ def _compiler_oom_figures(message: str) -> dict[str, int]:
     available HBM (95.73G)', or '... Used 361.54M of 307.00M hbm'), as numbers for the report. Despite the
     first form's wording, its first figure is the whole footprint, arguments included: a program of 256 MiB of
     arguments and 272 MiB of temporaries is refused with 528 MiB named."""
-    found = (re.search(r"temporaries \(([\d.]+)([KMGT])\).*available HBM \(([\d.]+)([KMGT])\)", message)
-             or re.search(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm", message))
+    found = (re.search(r"temporaries \(([\d.]+)([KMGT]?)\).*?available HBM \(([\d.]+)([KMGT]?)\)", message, re.S)
+             or re.search(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", message, re.S))
     if not found:
         return {}
-    scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+    scale = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
     return {"required_bytes_per_device": int(float(found.group(1)) * scale[found.group(2)]),
             "compiler_available_bytes": int(float(found.group(3)) * scale[found.group(4)])}
 
@@ -477,11 +519,11 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     out = {"rows": rows, "prompt_tokens": length, "new_tokens": config.rollout.max_new_tokens, "vision_blocks": blocks,
            "kv_cache_bytes_per_row": 2 * model_cfg.num_hidden_layers * (length + config.rollout.max_new_tokens)
            * model_cfg.num_key_value_heads * model_cfg.head_dim * jnp.dtype(sampler.cache_dtype).itemsize}
-    _, compiled, refused = _compile(target, lambda: program.lower(*args))
-    if refused:
-        return {**out, **refused, "compile_s": time.perf_counter() - start}
+    _, compiled, compiler = _compile(target, lambda: program.lower(*args))
+    if compiled is None:
+        return {**out, **compiler, "compile_s": time.perf_counter() - start}
     figures = compiled_bytes(compiled)
-    return {**out, "compiled": True, "compile_s": time.perf_counter() - start,
+    return {**out, "compiled": True, "compile_s": time.perf_counter() - start, **compiler,
             "peak_bytes_per_device": figures["peak_bytes_per_device"],
             "temp_bytes_per_device": figures["temp_bytes_per_device"],
             "fits": target.fits(figures["peak_bytes_per_device"])}

@@ -126,7 +126,9 @@ def print_compiled(r: dict[str, Any]) -> None:
     b = r["batch"]
     if not r["compiled"]:
         print(f"  train step for {r['compile_target']}: does NOT fit; the compiler refused it: {r['error']}")
+        _print_refusal_figures(r)
         return
+    _print_budget_refusal(r, "train step")
     print(f"  train step compiled for {r['compile_target']} in {r['compile_s']:.0f}s ({r['note']})")
     print(f"  batch: {b['rows']} rows x {b['tokens_per_row']} tokens, {b['screenshots_per_row']} screenshots of "
           f"{b['screenshot_hw'][1]}x{b['screenshot_hw'][0]} per row ({b['patches_per_screenshot']} patches each)"
@@ -145,12 +147,14 @@ def print_compiled(r: dict[str, Any]) -> None:
         k = "completing a short gradient-accumulation group (zero gradients, no forward pass)"
         if not micro["compiled"]:
             print(f"  micro-step {k}: does NOT fit; the compiler refused it: {micro['error']}")
+            _print_refusal_figures(micro)
         else:
             fit = {None: "no capacity known", True: "fits", False: "does NOT fit"}[micro["fits"]]
             peak = micro["peak_bytes_per_device"]
             shown = format_bytes(peak) + (f" (x{scaled}: {format_bytes(int(peak * scaled))})" if scaled != 1.0 else "")
             print(f"  micro-step {k}: peak {shown} per device, frozen parameters included ({fit}), compiled in "
                   f"{micro['compile_s']:.0f}s")
+            _print_budget_refusal(micro, "micro-step")
     sites = r.get("tpu_kernel_sites", 0)
     if r.get("flops_per_device"):
         print(f"  compiled FLOPs per device per step: {r['flops_per_device']:.3g}"
@@ -172,6 +176,27 @@ def print_rollout_plan(plan: dict[str, Any], config: ml_collections.ConfigDict) 
         now = config.rollout.max_sampler_rows or "all live episodes"
         print(f"  sampler: {plan['rows']} prompts per program fit (checked: peak "
               f"{format_bytes(plan['checked']['peak_bytes_per_device'])}); rollout.max_sampler_rows is {now}")
+
+
+def _print_budget_refusal(r: dict[str, Any], program: str) -> None:
+    """A program refused under the compiler's budget and then compiled with the chip's own memory: say so, since
+    its figures are then the roomy compile's."""
+    refused = r.get("refused_under_budget")
+    if refused:
+        named = (f", naming {format_bytes(refused['required_bytes_per_device'])} in all"
+                 if "required_bytes_per_device" in refused else "")
+        print(f"    the {program} was refused under the compiler's budget of {format_bytes(r['compiler_budget_bytes'])}"
+              f"{named}; its figures are from a second compile at the chip's own memory")
+
+
+def _print_refusal_figures(r: dict[str, Any]) -> None:
+    """The refusal's figures in plain words: the compiler says "temporaries", but its figure counts the
+    arguments too, and it is where the compiler gave up under its budget, not the least the program needs."""
+    if "required_bytes_per_device" not in r:
+        return
+    print(f"    the compiler named {format_bytes(r['required_bytes_per_device'])} per device in all (arguments "
+          f"included) against its budget of {format_bytes(r['compiler_available_bytes'])} "
+          "(--config.dry_run.compiler_memory_gib sets the budget)")
 
 
 def format_bytes(n: int) -> str:

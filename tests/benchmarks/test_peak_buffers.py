@@ -34,7 +34,8 @@ def test_the_peak_and_what_is_alive_there(tmp_path):
     top, at, alive = mod.peak([b for b in buffers if b.size < 500])
     assert (top, at) == (250, 4) and [b.size for b in alive] == [100, 70, 40, 40]
     summary = mod.summarise([b for b in buffers if b.size < 500], mod.op_names(HLO), top=5)
-    groups = {g["operation"]: (g["buffers"], g["bytes"]) for g in summary["groups"]}
-    assert groups == {"jit(step)/layers_*/mlp/mul": (2, 80), "state.params['layers_*']['w']": (1, 100),
-                      "jit(step)/blocks_*/attn/neg": (1, 70)}
+    groups = {g["operation"]: (g["buffers"], g["bytes"], g["layers"]) for g in summary["groups"]}
+    assert groups == {"jit(step)/layers_*/mlp/mul": (2, 80, [3, 12]), "state.params['layers_*']['w']": (1, 100, [0]),
+                      "jit(step)/blocks_*/attn/neg": (1, 70, [1])}
+    assert summary["alive_with_op_name"] == 4
     assert summary["groups"][0]["operation"] == "state.params['layers_*']['w']"
