@@ -43,6 +43,9 @@ CAPACITY = {"v5p": 95 * 1024 ** 3, "v5e": 16 * 1024 ** 3, "v4": 32 * 1024 ** 3, 
 # Measured: `grpo_gpu`'s step compiled for one v5p chip peaks at 73.23 GiB; run on an H200 with XLA:GPU
 # (benchmarks/recipe_step.py) the device held 84.43 GiB. GPU recipes' proxy figures are scaled by the ratio.
 GPU_PROXY_FACTOR = 1.153
+# A program the TPU compiler refuses under a budget is compiled again under this much more (then with the chip's
+# own memory): the compiler is not monotone in its budget, and a roomier compile may still peak under the first.
+BUDGET_RETRY_GROWTH = 1.25
 # v5p topologies standing in for a GPU recipe's devices (one chip per GPU, as many chips as GPUs)
 GPU_PROXY_TOPOLOGIES = {1: "v5p:1x1x1", 2: "v5p:1x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2"}
 
@@ -167,13 +170,23 @@ class Target:
     attention_platform: str | None = None
     # the memory per chip the TPU compiler is told to schedule and rematerialise against; None: its chip's own
     memory_budget_bytes: int | None = None
+    # the compiling chip's own memory (a budget's retries stop there); None: unknown
+    chip_memory_bytes: int | None = None
 
     def compiler_options(self, reserved: int = 0) -> dict[str, Any] | None:
         """The options each program is compiled with: the budget, less `reserved` bytes that the program does
-        not hold as arguments but that stay on the device (frozen parameters beside the micro-step)."""
-        if self.memory_budget_bytes is None:
+        not hold as arguments but that stay on the device (frozen parameters beside the micro-step). None (the
+        chip's own memory) without a budget, or when the reserve leaves less than 1 MiB of it."""
+        if self.memory_budget_bytes is None or self.memory_budget_bytes - reserved < 2 ** 20:
             return None
         return compiler_memory_budget(self.memory_budget_bytes - reserved)
+
+    def retry_options(self, options: dict[str, Any]) -> list[dict[str, Any] | None]:
+        """The budgets a program refused under `options` is compiled again with: 1.25 times as much while that is
+        under the chip's memory, then the chip's own (None)."""
+        grown = int(options["xla_tpu_max_hbm_size_mib"] * BUDGET_RETRY_GROWTH) * 2 ** 20
+        under_chip = self.chip_memory_bytes is None or grown < self.chip_memory_bytes
+        return ([compiler_memory_budget(grown)] if under_chip else []) + [None]
 
     def tracing(self) -> contextlib.AbstractContextManager:
         """The context to lower the step in, so its kernels are the target's own, not this machine's."""
@@ -238,11 +251,11 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
                           f"against the H100's 80 GB after scaling by {GPU_PROXY_FACTOR} (XLA:GPU held that much "
                           "more than the proxy's figure for grpo_gpu's step, neither compiler pressed for memory; "
                           "that the ratio holds under a budget is assumed)", GPU_PROXY_FACTOR,
-                          memory_budget_bytes=budget)
+                          memory_budget_bytes=budget, chip_memory_bytes=CAPACITY["v5p"])
         own = _budget_bytes(config.dry_run.compiler_memory_gib) if config.dry_run.compiler_memory_gib else None
         return Target(f"tpu {topology}", devices, CAPACITY.get(chip), True, "the TPU compiler's own figures"
                       + (f", its memory budget set to {own // 2 ** 20} MiB" if own else ""),
-                      attention_platform="tpu", memory_budget_bytes=own)
+                      attention_platform="tpu", memory_budget_bytes=own, chip_memory_bytes=CAPACITY.get(chip))
     cpus = jax.devices("cpu")
     if len(cpus) < num_devices:
         raise ValueError(f"the dry run needs {num_devices} devices: install libtpu (pip install -e '.[tpu-compile]') "
@@ -393,31 +406,39 @@ def compile_empty_microstep(built: RecipeStep, state: Any, target: Target) -> di
 def _compile(target: Target, lower: Callable[[], Any], reserved: int = 0
              ) -> tuple[Any, Any, dict[str, Any]]:
     """(lowered, compiled, report entries): `lower()` traced for the target's kernels, then compiled under the
-    target's memory budget, less `reserved`. The TPU compiler refuses a program it cannot fit in its budget.
-    Its figure then is where it gave up, not the least the program needs (it is not monotone in its budget),
-    so a refusal under a budget is retried at the chip's own memory and both are reported:
-    `refused_under_budget` and the roomy compile's figures, which the caller checks against the capacity. A
-    refusal with no budget, or on the retry, is the answer: (None, None, not compiled, not fitting, the error
-    line and the figures it names)."""
+    target's memory budget, less `reserved`. The TPU compiler refuses a program it cannot fit in its budget,
+    and its figure then is where it gave up, not the least the program needs: it is not monotone in its budget
+    (the small preset's FSDP-8 step was refused under 307 MiB and peaked at 260 MiB under 409). So a refusal
+    for HBM under a budget is compiled again under the target's retry budgets; the entries keep the first
+    refusal (`refused_under_budget`) and the budget that compiled (`compiled_under_budget_bytes`, None: the
+    chip's own), whose figures the caller checks against the capacity. The last refusal is the answer:
+    (None, None, not compiled, not fitting, the error line and the figures it names)."""
     with target.tracing():
         lowered = lower()
     options = target.compiler_options(reserved)
-    entries = {"compiler_budget_bytes": options["xla_tpu_max_hbm_size_mib"] * 2 ** 20} if options else {}
-    try:
-        return lowered, lowered.compile(compiler_options=options), entries
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        refusal = _refusal(err)
-    if not options:
-        return None, None, {**entries, **refusal}
-    entries["refused_under_budget"] = {k: v for k, v in refusal.items() if k not in ("compiled", "fits")}
-    try:
-        return lowered, lowered.compile(), entries
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        return None, None, {**entries, **_refusal(err)}
+    entries: dict[str, Any] = {"compiler_budget_bytes": _budget_of(options)} if options else {}
+    ladder = [options] + (target.retry_options(options) if options else [])
+    refusal: dict[str, Any] = {}
+    for tried in ladder:
+        try:
+            compiled = lowered.compile(compiler_options=tried)
+        except jax.errors.JaxRuntimeError as err:
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            refusal = _refusal(err)
+            if tried is options and options:
+                entries["refused_under_budget"] = {k: v for k, v in refusal.items() if k not in ("compiled", "fits")}
+            if "hbm" not in str(err).lower():  # refused for something a larger budget does not give
+                break
+            continue
+        if "refused_under_budget" in entries:
+            entries["compiled_under_budget_bytes"] = _budget_of(tried) if tried else None
+        return lowered, compiled, entries
+    return None, None, {**entries, **refusal}
+
+
+def _budget_of(options: dict[str, Any]) -> int:
+    return options["xla_tpu_max_hbm_size_mib"] * 2 ** 20
 
 
 def _refusal(err: Exception) -> dict[str, Any]:
@@ -538,17 +559,23 @@ def plan_sampler_rows(config: ml_collections.ConfigDict, model_cfg: Any) -> dict
     ways = sharding.data_parallel_size(mesh)
     one = compile_sampler(config, model_cfg, ways, target_mesh)
     plan = {"at_one_row_per_device": one}
-    if not one["compiled"] or target.capacity_bytes is None:
-        return {**plan, "rows": 0 if not one["compiled"] else None}
+    if target.capacity_bytes is None:
+        return {**plan, "rows": None if one["compiled"] else 0}
+    if not one["fits"]:
+        return {**plan, "rows": 0}
     two = compile_sampler(config, model_cfg, 2 * ways, target_mesh)
     plan["at_two_rows_per_device"] = two
-    if not two["compiled"]:
-        return {**plan, "rows": ways}
+    # two rows that do not fit, or that fitted only a roomier compile (whose peak is not comparable with the
+    # first's): one row per device is the plan
+    if not two["fits"] or "refused_under_budget" in two:
+        return {**plan, "rows": ways, "checked": one}
     per_row = max(two["peak_bytes_per_device"] - one["peak_bytes_per_device"], 1)
-    rows_per_device = 1 + (target.capacity_bytes / target.proxy_factor - one["peak_bytes_per_device"]) // per_row
+    rows_per_device = max(1, 1 + (target.capacity_bytes / target.proxy_factor - one["peak_bytes_per_device"])
+                          // per_row)
     rows = ways * (1 << (int(rows_per_device).bit_length() - 1))
     plan["bytes_per_row_per_device"] = int(per_row)
-    checked = compile_sampler(config, model_cfg, rows, target_mesh) if rows > 2 * ways else two
+    checked = (compile_sampler(config, model_cfg, rows, target_mesh) if rows > 2 * ways
+               else two if rows == 2 * ways else one)
     while rows > ways and (not checked["compiled"] or not checked["fits"]):
         rows //= 2
         checked = compile_sampler(config, model_cfg, rows, target_mesh)

@@ -127,6 +127,7 @@ def print_compiled(r: dict[str, Any]) -> None:
     if not r["compiled"]:
         print(f"  train step for {r['compile_target']}: does NOT fit; the compiler refused it: {r['error']}")
         _print_refusal_figures(r)
+        _print_budget_refusal(r, "train step")
         return
     _print_budget_refusal(r, "train step")
     print(f"  train step compiled for {r['compile_target']} in {r['compile_s']:.0f}s ({r['note']})")
@@ -148,6 +149,7 @@ def print_compiled(r: dict[str, Any]) -> None:
         if not micro["compiled"]:
             print(f"  micro-step {k}: does NOT fit; the compiler refused it: {micro['error']}")
             _print_refusal_figures(micro)
+            _print_budget_refusal(micro, "micro-step")
         else:
             fit = {None: "no capacity known", True: "fits", False: "does NOT fit"}[micro["fits"]]
             peak = micro["peak_bytes_per_device"]
@@ -169,8 +171,11 @@ def print_rollout_plan(plan: dict[str, Any], config: ml_collections.ConfigDict) 
     where = f"{one['prompt_tokens']}-token prompts + {one['new_tokens']} new tokens"
     if not one["compiled"]:
         print(f"  sampler: one prompt per device ({where}) does NOT fit: {one['error']}")
+        _print_budget_refusal(one, "sampler")
         return
-    print(f"  sampler: one prompt per device ({where}): peak {format_bytes(one['peak_bytes_per_device'])}; "
+    _print_budget_refusal(one, "sampler at one prompt per device")
+    fit = {None: "", True: " (fits)", False: " (does NOT fit)"}[one.get("fits")]
+    print(f"  sampler: one prompt per device ({where}): peak {format_bytes(one['peak_bytes_per_device'])}{fit}; "
           f"KV cache {format_bytes(one['kv_cache_bytes_per_row'])} per prompt")
     if plan["rows"]:
         now = config.rollout.max_sampler_rows or "all live episodes"
@@ -179,14 +184,20 @@ def print_rollout_plan(plan: dict[str, Any], config: ml_collections.ConfigDict) 
 
 
 def _print_budget_refusal(r: dict[str, Any], program: str) -> None:
-    """A program refused under the compiler's budget and then compiled with the chip's own memory: say so, since
-    its figures are then the roomy compile's."""
+    """A program refused under the compiler's budget: say so, and under what its figures (if any) were
+    compiled, since they are then a roomier compile's."""
     refused = r.get("refused_under_budget")
-    if refused:
-        named = (f", naming {format_bytes(refused['required_bytes_per_device'])} in all"
-                 if "required_bytes_per_device" in refused else "")
-        print(f"    the {program} was refused under the compiler's budget of {format_bytes(r['compiler_budget_bytes'])}"
-              f"{named}; its figures are from a second compile at the chip's own memory")
+    if not refused:
+        return
+    named = (f", naming {format_bytes(refused['required_bytes_per_device'])} in all"
+             if "required_bytes_per_device" in refused else "")
+    first = f"    the {program} was refused under the compiler's budget of {format_bytes(r['compiler_budget_bytes'])}{named}"
+    if not r.get("compiled", True):
+        print(f"{first}, and again with more memory, up to the chip's own")
+        return
+    under = r.get("compiled_under_budget_bytes")
+    print(f"{first}; its figures are from a compile under "
+          + (f"a budget of {format_bytes(under)}" if under else "the chip's own memory"))
 
 
 def _print_refusal_figures(r: dict[str, Any]) -> None:
@@ -194,9 +205,9 @@ def _print_refusal_figures(r: dict[str, Any]) -> None:
     arguments too, and it is where the compiler gave up under its budget, not the least the program needs."""
     if "required_bytes_per_device" not in r:
         return
+    hint = "" if "compiler_budget_bytes" in r else " (--config.dry_run.compiler_memory_gib sets a budget)"
     print(f"    the compiler named {format_bytes(r['required_bytes_per_device'])} per device in all (arguments "
-          f"included) against its budget of {format_bytes(r['compiler_available_bytes'])} "
-          "(--config.dry_run.compiler_memory_gib sets the budget)")
+          f"included) against {format_bytes(r['compiler_available_bytes'])} available{hint}")
 
 
 def format_bytes(n: int) -> str:

@@ -22,7 +22,7 @@ HLO = """HloModule jit_step, is_scheduled=true
 """
 
 
-def test_the_peak_and_what_is_alive_there(tmp_path):
+def test_the_peak_and_what_is_alive_there(tmp_path, capsys):
     mod = load_script("peak_buffers")
     (tmp_path / "1-TLP-00-memory-space-assignment-bufferinfo.txt").write_text(TABLE)
     (tmp_path / "2-TLP-hlo.txt").write_text(HLO)
@@ -30,6 +30,7 @@ def test_the_peak_and_what_is_alive_there(tmp_path):
     # the 500-byte buffer lives alone (steps 10-11); steps 4-5 hold 100 + 40 + 40 + 70; scoped scratch is not HBM
     chex.assert_equal(result["peak_bytes"], 500)
     assert result["alive"] == 1 and result["groups"][0]["operation"] == "fusion.3"  # no metadata: its name
+    assert "warning: only 0 of those buffers are named in 2-TLP-hlo.txt" in capsys.readouterr().out
     buffers = mod.read_buffers(tmp_path / "1-TLP-00-memory-space-assignment-bufferinfo.txt")
     top, at, alive = mod.peak([b for b in buffers if b.size < 500])
     assert (top, at) == (250, 4) and [b.size for b in alive] == [100, 70, 40, 40]

@@ -76,6 +76,9 @@ def test_the_tpu_compilers_refusal_is_read_as_figures():
              "memory space hbm. Used 361.54M of 307.00M hbm. Exceeded hbm capacity by 54.54M.")
     assert aot._compiler_oom_figures(other) == {"required_bytes_per_device": int(361.54 * 2 ** 20),
                                                 "compiler_available_bytes": int(307.00 * 2 ** 20)}
+    # over two lines, and in plain bytes
+    assert aot._compiler_oom_figures("RESOURCE_EXHAUSTED: ... temporaries (2048)\nexceeds available HBM (1024).") == \
+        {"required_bytes_per_device": 2048, "compiler_available_bytes": 1024}
     assert aot._compiler_oom_figures("RESOURCE_EXHAUSTED: something else") == {}
 
 
@@ -244,18 +247,29 @@ def test_a_refusal_is_printed_with_its_figures_in_plain_words(capsys):
                            "batch": {}, **aot._compiler_oom_figures(error)})
     out = capsys.readouterr().out
     assert "does NOT fit; the compiler refused it: RESOURCE_EXHAUSTED" in out
-    assert "named 67.29 GiB per device in all (arguments included) against its budget of 64.62 GiB" in out
+    assert "named 67.29 GiB per device in all (arguments included) against 64.62 GiB available" in out
+    assert "compiler_memory_gib sets a budget" in out  # no budget was given: say how to give one
+    roomy = error.replace("(67.29G)", "(99.00G)").replace("(64.62G)", "(95.73G)")
+    launch.print_compiled({"compiled": False, "compile_target": "tpu", "error": roomy, "batch": {},
+                           **aot._compiler_oom_figures(roomy), "compiler_budget_bytes": 66169 * 2 ** 20,
+                           "refused_under_budget": {"error": error, **aot._compiler_oom_figures(error)}})
+    out = capsys.readouterr().out
+    assert "named 99.00 GiB per device in all (arguments included) against 95.73 GiB available\n" in out
+    assert ("the train step was refused under the compiler's budget of 64.62 GiB, naming 67.29 GiB in all, and again "
+            "with more memory") in out
     report = {"compiled": True, "compile_target": "tpu v5p:2x2x2 (proxy for 8 H100s)", "compile_s": 1.0, "note": "",
               "batch": {"rows": 8, "tokens_per_row": 16384, "screenshots_per_row": 5, "screenshot_hw": [1080, 1920],
                         "patches_per_screenshot": 10764},
               "fits": False, "capacity_bytes_per_device": 80 * 10 ** 9, "proxy_factor": 1.153,
               "peak_bytes_per_device": 93 * 2 ** 30, "param_bytes_per_device": 0, "opt_bytes_per_device": 0,
               "temp_bytes_per_device": 0, "compiler_budget_bytes": 66169 * 2 ** 20,
-              "refused_under_budget": aot._compiler_oom_figures(error)}
+              "refused_under_budget": aot._compiler_oom_figures(error), "compiled_under_budget_bytes": None}
     launch.print_compiled(report)
     out = capsys.readouterr().out
     assert "(does NOT fit)" in out and ("the train step was refused under the compiler's budget of 64.62 GiB, naming "
-                                        "67.29 GiB in all; its figures are from a second compile") in out
+                                        "67.29 GiB in all; its figures are from a compile under the chip's own") in out
+    launch.print_compiled({**report, "compiled_under_budget_bytes": 82711 * 2 ** 20})
+    assert "its figures are from a compile under a budget of 80.77 GiB" in capsys.readouterr().out
 
 
 def test_the_dry_run_batch_carries_reference_log_probs_where_the_loss_reads_them():
@@ -289,9 +303,11 @@ class _Lowered:
             raise jax.errors.JaxRuntimeError(self.error)
         if (options and self.needs and options["xla_tpu_max_hbm_size_mib"] < self.needs) or \
                 (not options and not self.roomy_fits):
+            budget = f"{options['xla_tpu_max_hbm_size_mib']}.00M" if options else "95.73G"
+            named = self.needs + (0 if options else 1000)  # the roomy compile names another figure
             raise jax.errors.JaxRuntimeError(
                 f"RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required "
-                f"for HLO temporaries ({self.needs}.00M) exceeds available HBM (95.73G).")
+                f"for HLO temporaries ({named}.00M) exceeds available HBM ({budget}).")
         return "compiled"
 
 
@@ -303,7 +319,7 @@ def test_a_compile_refused_for_memory_is_the_answer_and_any_other_error_is_raise
     got, compiled, report = aot._compile(aot.Target("tpu", [], 1, True, ""), lambda: lowered)
     assert got is None and compiled is None and lowered.calls == [{"compiler_options": None}]
     assert report["compiled"] is False and report["fits"] is False and report["error"].startswith("RESOURCE_EXHAUSTED")
-    assert report["required_bytes_per_device"] == 2048 * 2 ** 20
+    assert report["required_bytes_per_device"] == 3048 * 2 ** 20 and "refused_under_budget" not in report
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
         aot._compile(aot.Target("tpu", [], 1, True, ""), lambda: _Lowered(error="INTERNAL: something else"))
@@ -324,20 +340,86 @@ def test_the_compiler_is_handed_the_targets_memory_budget():
                              {"compiler_options": {"xla_tpu_max_hbm_size_mib": 412}}, {"compiler_options": None}]
 
 
-def test_a_refusal_under_a_budget_is_retried_at_the_chips_own_memory():
+def test_a_refusal_under_a_budget_is_retried_with_more_then_the_chips_own_memory():
     """The compiler is not monotone in its budget (the small preset's FSDP-8 step was refused at 332.7 MiB under
-    307 MiB and fitted in 260.4 MiB under 410), so a refusal under a budget is not the answer: the program is
-    compiled again with room, and the report keeps both."""
-    budgeted = aot.Target("tpu", [], 1, True, "", memory_budget_bytes=512 * 2 ** 20)
+    307 MiB and peaked at 260.3 MiB under 409), so a refusal under a budget is not the answer: the program is
+    compiled again under 1.25 times the budget, then with the chip's own memory, and the report keeps the first
+    refusal and the budget that compiled."""
+    budgeted = aot.Target("tpu", [], 1, True, "", memory_budget_bytes=512 * 2 ** 20, chip_memory_bytes=2 ** 30)
     lowered = _Lowered(needs=600)
-    got, compiled, entries = aot._compile(budgeted, lambda: lowered)
-    assert compiled == "compiled" and lowered.calls == [{"compiler_options": {"xla_tpu_max_hbm_size_mib": 512}}, {}]
-    assert entries["compiler_budget_bytes"] == 512 * 2 ** 20
+    _, compiled, entries = aot._compile(budgeted, lambda: lowered)
+    assert compiled == "compiled"
+    assert [c["compiler_options"] for c in lowered.calls] == [{"xla_tpu_max_hbm_size_mib": 512},
+                                                              {"xla_tpu_max_hbm_size_mib": 640}]
+    assert entries["compiler_budget_bytes"] == 512 * 2 ** 20 and entries["compiled_under_budget_bytes"] == 640 * 2 ** 20
     assert entries["refused_under_budget"]["required_bytes_per_device"] == 600 * 2 ** 20
     assert "compiled" not in entries["refused_under_budget"]
-    # refused with room too: that refusal is the answer, the budgeted one kept beside it
-    _, compiled, entries = aot._compile(budgeted, lambda: _Lowered(needs=600, roomy_fits=False))
-    assert compiled is None and entries["compiled"] is False and "refused_under_budget" in entries
+    lowered = _Lowered(needs=700)
+    _, compiled, entries = aot._compile(budgeted, lambda: lowered)
+    assert compiled == "compiled" and entries["compiled_under_budget_bytes"] is None
+    assert [c["compiler_options"] for c in lowered.calls][2] is None
+    # 1.25 times the budget would reach the chip's memory: straight to the chip's own
+    near = aot.Target("tpu", [], 1, True, "", memory_budget_bytes=900 * 2 ** 20, chip_memory_bytes=2 ** 30)
+    lowered = _Lowered(needs=2000)
+    aot._compile(near, lambda: lowered)
+    assert [c["compiler_options"] for c in lowered.calls] == [{"xla_tpu_max_hbm_size_mib": 900}, None]
+    # refused with room too: that last refusal is the answer, the budgeted one kept beside it
+    _, compiled, entries = aot._compile(budgeted, lambda: _Lowered(needs=2000, roomy_fits=False))
+    assert compiled is None and entries["compiled"] is False
+    assert entries["required_bytes_per_device"] == 3000 * 2 ** 20
+    assert entries["refused_under_budget"]["required_bytes_per_device"] == 2000 * 2 ** 20
+    # a refusal that is not for HBM is not retried
+    lowered = _Lowered(error="RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem.")
+    _, compiled, entries = aot._compile(budgeted, lambda: lowered)
+    assert compiled is None and len(lowered.calls) == 1 and "vmem" in entries["error"]
+
+
+def test_a_reserve_that_leaves_no_budget_compiles_with_the_chips_memory():
+    target = aot.Target("tpu", [], 1, True, "", memory_budget_bytes=512 * 2 ** 20)
+    assert target.compiler_options(reserved=512 * 2 ** 20) is None
+    assert target.compiler_options(reserved=511 * 2 ** 20) == {"xla_tpu_max_hbm_size_mib": 1}
+
+
+def test_the_micro_step_is_compiled_under_the_budget_less_its_frozen_parameters(tiny_config, monkeypatch):
+    """The frozen tower is not an argument of the micro-step but stays on the device beside it."""
+    seen = []
+
+    def fake_compile(target, lower, reserved=0):
+        seen.append(reserved)
+        return None, None, {"compiled": False, "fits": False, "error": "RESOURCE_EXHAUSTED"}
+
+    for frozen in ("('visual',)", "()"):
+        config = tiny_config("grpo_cpu", "dry_run.topology=", f"model.frozen={frozen}")
+        target, mesh, _ = aot._target_mesh(config)
+        built = aot.recipe_step(config, get_preset("tiny"), mesh)
+        with monkeypatch.context() as patch:
+            patch.setattr(aot, "_compile", fake_compile)
+            aot.compile_empty_microstep(built, aot.abstract_state(built), target)
+    assert seen[0] > 0 and seen[1] == 0  # the frozen tower's bytes per device, then nothing frozen
+
+
+def _sampler_report(peak: int, fits: bool, retried: bool = False) -> dict:
+    return {"compiled": True, "fits": fits, "peak_bytes_per_device": peak,
+            **({"refused_under_budget": {"error": "RESOURCE_EXHAUSTED"}} if retried else {})}
+
+
+@pytest.mark.parametrize("one, two, want", [
+    (_sampler_report(120, False, retried=True), None, 0),  # one prompt fits no compile under the capacity
+    (_sampler_report(60, True), _sampler_report(99, False, retried=True), 1),  # two rows only with room
+    (_sampler_report(60, True), _sampler_report(90, False), 1),  # two rows over the capacity
+])
+def test_the_sampler_plan_counts_only_programs_that_fit(monkeypatch, one, two, want):
+    config = launch.resolve("grpo_cpu", [])
+    target = aot.Target("tpu", [object()], 100, True, "")
+    monkeypatch.setattr(aot, "_target_mesh", lambda config: (target, "mesh", 1))
+    monkeypatch.setattr(aot.sharding, "data_parallel_size", lambda mesh: 1)
+    made = []
+    monkeypatch.setattr(aot, "compile_sampler", lambda config, model_cfg, rows, tm: made.append(rows) or
+                        (one if rows == 1 else two))
+    plan = aot.plan_sampler_rows(config, None)
+    assert plan["rows"] == want and made == ([1] if two is None else [1, 2])
+    if want:
+        assert plan["checked"] is one
 
 
 @pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
@@ -365,7 +447,7 @@ def test_a_budget_for_a_cpu_compile_is_refused_by_name():
 @pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
 def test_the_tpu_compiler_refuses_a_program_over_the_budget_it_is_given():
     """The budget reaches the TPU compiler: a program of a 256 MiB argument and 272 MiB of temporaries compiles
-    at the chip's own HBM and is refused under a 64 MiB budget, then compiled again with room."""
+    at the chip's own HBM and is refused under a 64 MiB budget (and 80 MiB), then compiled again with room."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
