@@ -21,7 +21,8 @@ Every parameter trains, the vision tower included, over 2-way data x 4-way FSDP:
 (`python -m guijax.launch --config=seagent_gpu --dry_run --nodry_run_sampler`), the step holds 31.68 GiB per
 device (36.53 GiB with the measured GPU factor, of 74.51), where FSDP over all eight GPUs held 91.79 GiB
 (105.83: it does not fit) when the proxy's compiler had a v5p chip's 95 GiB to spend; under the GPU's budget
-it is unmeasured (README). Not yet run on GPUs.
+it is refused (naming 65.32 GiB), and under the next budget tried, 80.77 GiB, it peaks at 80.44 GiB: it does not
+fit by the proxy (README). Not yet run on GPUs.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 
