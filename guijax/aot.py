@@ -210,8 +210,11 @@ def compiler_memory_budget(budget_bytes: float) -> dict[str, Any]:
     return {"xla_tpu_max_hbm_size_mib": max(1, int(budget_bytes // 2 ** 20))}
 
 
-def _budget_bytes(gib: float) -> int:
-    """`dry_run.compiler_memory_gib` in the bytes the compiler is handed (whole MiB)."""
+def _budget_bytes(gib: float) -> int | None:
+    """`dry_run.compiler_memory_gib` in the bytes the compiler is handed (whole MiB); None for 0, the target's
+    own budget."""
+    if not gib:
+        return None
     mib = int(gib * 2 ** 10)
     if mib < 1:
         raise ValueError(f"dry_run.compiler_memory_gib={gib} is under 1 MiB, the compiler's unit; 0 leaves the "
@@ -241,10 +244,10 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
             raise ValueError(f"dry_run.topology {topology} has {len(devices)} chips but the recipe's mesh needs "
                              f"{num_devices} (mesh.num_devices)")
         chip = topology.split(":")[0]
+        own = _budget_bytes(config.dry_run.compiler_memory_gib)
         if accelerator == "gpu":
             gpus = "one H100" if len(devices) == 1 else f"{len(devices)} H100s"
-            gib = config.dry_run.compiler_memory_gib
-            budget = _budget_bytes(gib) if gib else int(CAPACITY["h100"] / GPU_PROXY_FACTOR) // 2 ** 20 * 2 ** 20
+            budget = own or int(CAPACITY["h100"] / GPU_PROXY_FACTOR) // 2 ** 20 * 2 ** 20
             return Target(f"tpu {topology} (proxy for {gpus})", devices, CAPACITY["h100"], True,
                           "no CUDA compiler runs without a GPU: compiled for one TPU v5p chip per GPU as a proxy, "
                           f"with the compiler's memory budget set to {budget // 2 ** 20} MiB, and checked "
@@ -252,7 +255,6 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
                           "more than the proxy's figure for grpo_gpu's step, neither compiler pressed for memory; "
                           "that the ratio holds under a budget is assumed)", GPU_PROXY_FACTOR,
                           memory_budget_bytes=budget, chip_memory_bytes=CAPACITY["v5p"])
-        own = _budget_bytes(config.dry_run.compiler_memory_gib) if config.dry_run.compiler_memory_gib else None
         return Target(f"tpu {topology}", devices, CAPACITY.get(chip), True, "the TPU compiler's own figures"
                       + (f", its memory budget set to {own // 2 ** 20} MiB" if own else ""),
                       attention_platform="tpu", memory_budget_bytes=own, chip_memory_bytes=CAPACITY.get(chip))
