@@ -176,6 +176,7 @@ def e2e_config(a: argparse.Namespace):
     c.rollout.tasks_per_iteration = a.e2e_tasks
     c.rollout.max_new_tokens = a.e2e_max_new_tokens
     c.rollout.temperature = a.e2e_temperature
+    c.rollout.backend = a.e2e_backend
     c.pipeline.length_buckets = (192, 256, 384, 512)
     c.pipeline.patch_bucket = 64
     c.train.iterations = a.warmup_iterations + 1
@@ -228,11 +229,12 @@ def bench_e2e(a: argparse.Namespace, workdir: pathlib.Path) -> dict[str, Any]:
             trainer.close()
         run.close()
     it = m["time_iteration_s"]
-    parts_s = {k: m.get(k, 0.0) for k in ("time_env_s", "time_sampling_s", "time_store_s", "time_old_logprobs_s",
-                                          "time_update_s")}
+    parts_s = {k: m.get(k, 0.0) for k in ("time_env_s", "time_sampling_s", "time_weight_sync_s", "time_store_s",
+                                          "time_old_logprobs_s", "time_update_s")}
     other = it - sum(parts_s.values())
     return {
-        "preset": a.e2e_preset, "workers": a.e2e_workers, "group_size": a.e2e_group_size,
+        "preset": a.e2e_preset, "backend": a.e2e_backend, "weight_sync_bytes": m.get("weight_sync_bytes", 0),
+        "workers": a.e2e_workers, "group_size": a.e2e_group_size,
         "tasks_per_iteration": a.e2e_tasks, "step_limit": a.e2e_step_limit, "max_new_tokens": a.e2e_max_new_tokens,
         "sft_steps": a.sft_steps, "warmup_iterations": a.warmup_iterations, "setup_s": setup_s,
         "episodes": m["episodes"], "time_iteration_s": it, **parts_s, "time_other_s": other,
@@ -286,9 +288,11 @@ def markdown(res: dict[str, Any]) -> str:
                 f"({e['tasks_per_iteration']} tasks x {e['group_size']}), {e['workers']} env workers, step limit "
                 f"{e['step_limit']}, SFT warm start {e['sft_steps']} steps, after {e['warmup_iterations']} untimed "
                 f"iteration(s):", "",
-                "| episodes/hour | iteration (s) | waiting on envs | sampling | update | old log-probs | store | other |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|",
-                f"| {e['episodes_per_hour']:,.0f} | {it:.2f} | {pct(e['time_env_s'])} | {pct(e['time_sampling_s'])} | "
+                "| rollout backend | episodes/hour | iteration (s) | waiting on envs | sampling | weight sync | update | "
+                "old log-probs | store | other |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                f"| {e.get('backend', 'jax')} | {e['episodes_per_hour']:,.0f} | {it:.2f} | {pct(e['time_env_s'])} | "
+                f"{pct(e['time_sampling_s'])} | {pct(e.get('time_weight_sync_s', 0.0))} | "
                 f"{pct(e['time_update_s'])} | {pct(e['time_old_logprobs_s'])} | {pct(e['time_store_s'])} | "
                 f"{pct(e['time_other_s'])} |", "",
                 f"Update ran: {e['update_ran']} ({e['trained_tokens']:.0f} tokens); XLA compile inside the timed "
@@ -317,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2e-step-limit", type=int, default=6)
     p.add_argument("--e2e-max-new-tokens", type=int, default=48)
     p.add_argument("--e2e-temperature", type=float, default=1.0)
+    p.add_argument("--e2e-backend", default="jax", choices=("jax", "vllm"),
+                   help="what samples the e2e run's rollouts (rollout.backend; vllm: CUDA, pip install vllm)")
     p.add_argument("--sft-steps", type=int, default=300, help="scripted-expert SFT steps before GRPO (0: none; a "
                    "random policy ends every episode at its first, unparsable, action, and never updates)")
     p.add_argument("--warmup-iterations", type=int, default=2, help="untimed GRPO iterations first (compilation)")

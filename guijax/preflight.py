@@ -58,6 +58,15 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
         unset = pack_fill_unset(pipe.get("pack"), pipe.get("pack_length"), pipe.get("pack_rows"))
         if unset:
             out.append(unset)
+    backend = config.rollout.get("backend", "jax")
+    if backend == "vllm" and not _has_module("vllm"):
+        from guijax.rollout.vllm_engine import INSTALL as VLLM_INSTALL
+
+        out.append(f"rollout.backend='vllm' samples the rollouts with vLLM, which is not installed: `{VLLM_INSTALL}` "
+                   "(or --config.rollout.backend=jax, the JAX sampler)")
+    if backend != "jax" and (config.rollout.top_k or config.rollout.top_p < 1.0):
+        out.append(f"rollout.backend={backend!r} returns log-probs of the top-k/top-p-truncated distribution, the "
+                   "learner scores the whole one: set rollout.top_k=0 and rollout.top_p=1.0")
     stages = set(config.stages)
     if config.env.kind == "osworld":
         if not _has_module("requests"):

@@ -184,6 +184,10 @@ class Rollout:
     # async: the first N devices sample (their own mesh, parameters split over them), the others train with
     # the `mesh` section's shape; parameters are copied across after each update. 0: both share every device
     sampler_devices: int = ranged(0, low=0)
+    # what samples the rollouts: jax (guijax.sampling, every platform, the reference) | vllm (CUDA, an optional
+    # install; it serves the learner's weights pushed after each update, guijax.rollout.serving)
+    backend: Literal["jax", "vllm"] = "jax"
+    engine_memory_fraction: float = ranged(0.5, low=0, high=1, low_open=True)  # vllm: its share of GPU memory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,11 +29,12 @@ from guijax.models.policy import Policy
 from guijax.models.trained import TrainedPart
 from guijax.progress import Progress
 from guijax.rng import Streams
+from guijax.rollout.backend import make_sampler
 from guijax.rollout.engine import RolloutConfig, RolloutEngine, episode_seed
 from guijax.rollout.prompt import grammar_of
 from guijax.rollout.stream import RolloutStream, group_index, sampling_version, shard_name
 from guijax.rollout.trajectory import Status, Trajectory
-from guijax.sampling import Sampler, SamplingConfig, images_padded_with_rows
+from guijax.sampling import SamplingConfig, images_padded_with_rows
 from guijax.sft import device_batch
 
 Scorer = Callable[[Sequence[Trajectory]], list[float]]
@@ -156,8 +157,9 @@ class Trainer:
         self.ref_params = (train_step.reference_params(self.state.params, TrainedPart.of(self.module))
                            if parts.objective.reference_kl else None)
         sampler_mesh = parts.sampler_mesh or parts.mesh
-        self.sampler = Sampler(self.module, sampling_config(config, parts.processor, config.rollout.temperature,
-                                                            sampler_mesh), mesh=sampler_mesh)
+        self.sampler = make_sampler(config, self.module, sampling_config(config, parts.processor,
+                                                                          config.rollout.temperature, sampler_mesh),
+                                    sampler_mesh, parts.processor.tokenizer, parts.policy.path)
         self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor,
                                     rollout_config(config, parts.system_prompt))
         self.pipeline = pipeline_config(config, parts.system_prompt, parts.mesh)
@@ -237,7 +239,8 @@ class Trainer:
         tasks = self._tasks_for(self.iteration)
         rollouts, timing = self.engine.run(self.state.params, tasks, cfg.rollout.group_size,
                                            self.streams.key("sampling", self.iteration),
-                                           seed=self.streams.seed_for("episodes", self.iteration))
+                                           seed=self.streams.seed_for("episodes", self.iteration),
+                                           version=self.iteration)
         g = cfg.rollout.group_size
         task_groups = [(task, rollouts[i * g:(i + 1) * g]) for i, task in enumerate(tasks)]
         t_store = time.perf_counter()
@@ -302,6 +305,9 @@ class Trainer:
         metrics.update(time_env_s=timing["env_s"], time_sampling_s=timing["sample_s"],
                        time_store_s=timing.get("store_s", 0.0), time_rollout_s=timing["wall_s"],
                        env_steps=timing["steps"], sampled_tokens=timing["sampled_tokens"],
+                       # pushing the learner's parameters to a sampler that holds its own (a serving engine)
+                       time_weight_sync_s=timing.get("weight_sync_s", 0.0),
+                       weight_sync_bytes=timing.get("weight_sync_bytes", 0),
                        env_busy_fraction=timing.get("env_slot_s", 0.0) / max(
                            self.parts.pool.num_workers * metrics["time_iteration_s"], 1e-9))
 
@@ -488,5 +494,8 @@ class Trainer:
                               sharding.param_shardings(abstract_params(self.module), self.parts.sampler_mesh))
 
     def close(self) -> None:
+        closer = getattr(self.sampler, "close", None)
+        if closer is not None:
+            closer()
         self.ckpt.close()
         self.metrics.close()

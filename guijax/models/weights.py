@@ -342,10 +342,12 @@ def _layer_values(value: jax.Array, rule: TensorRule) -> list[Callable[[], np.nd
             for i in range(len(rule.hf_names))]
 
 
-def save_params(directory: str, params: Any, cfg: ModelConfig, dtype: Any | None = None) -> list[str]:
-    """Write parameters as Hugging Face safetensors in the released checkpoints' layout (scanned layers
-    unstacked into per-layer tensors), one tensor at a time. In multi-host runs every process must call this
-    (it gathers); only process 0 writes."""
+def hf_entries(params: Any, cfg: ModelConfig, dtype: Any | None = None
+               ) -> list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]:
+    """(checkpoint name, shape, dtype, read) of every tensor of plain `params` in the released checkpoints'
+    layout, sorted by name; each `read()` fetches one tensor to the host (one layer of a scanned leaf), so a
+    writer or a serving engine holds one tensor at a time. In multi-host runs every process must read them
+    all (they gather)."""
     flat = traverse_util.flatten_dict(nn.unbox(params))
     adapters = [".".join(p) for p in flat if is_adapter(p)]
     if adapters:
@@ -363,6 +365,14 @@ def save_params(directory: str, params: Any, cfg: ModelConfig, dtype: Any | None
 
             entries.append((name, shape, out_dtype, fetch))
     entries.sort(key=lambda entry: entry[0])
+    return entries
+
+
+def save_params(directory: str, params: Any, cfg: ModelConfig, dtype: Any | None = None) -> list[str]:
+    """Write parameters as Hugging Face safetensors in the released checkpoints' layout (scanned layers
+    unstacked into per-layer tensors), one tensor at a time. In multi-host runs every process must call this
+    (it gathers); only process 0 writes."""
+    entries = hf_entries(params, cfg, dtype)
     if jax.process_index() != 0:
         for *_, fetch in entries:  # participate in the gathers, write nothing
             fetch()

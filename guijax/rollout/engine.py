@@ -96,6 +96,17 @@ class _Episode:
 class RolloutEngine:
     def __init__(self, pool: EnvPool, sampler: Any, processor: Any, config: RolloutConfig = RolloutConfig()):
         self.pool, self.sampler, self.processor, self.config = pool, sampler, processor, config
+        self._synced: Any = None  # the parameters a sampler with its own weights (a serving engine) holds
+
+    def _sync_weights(self, params: Any, version: int, timings: dict[str, float]) -> None:
+        """Hand a sampler that holds its own copy of the weights (guijax.rollout.serving) the parameters it is
+        asked to sample with, when they are not those it holds; the push is counted in `weight_sync_s`."""
+        if not getattr(self.sampler, "needs_weight_sync", False) or params is self._synced:
+            return
+        pushed = self.sampler.sync_weights(params, version)
+        self._synced = params
+        timings["weight_sync_s"] = timings.get("weight_sync_s", 0.0) + pushed.seconds
+        timings["weight_sync_bytes"] = timings.get("weight_sync_bytes", 0) + pushed.bytes
 
     def _prompt(self, ep: _Episode) -> tuple[str, list[np.ndarray]]:
         instruction = guided_instruction(ep.task.instruction, ep.guidance if ep.guided() else "")
@@ -106,16 +117,16 @@ class RolloutEngine:
 
     def run(self, params: Any, tasks: Sequence[Task], group_size: int, rng: jax.Array,
             plans: dict[str, Sequence[str]] | None = None, seed: int = 0,
-            desc: str = "rollouts") -> tuple[list[Trajectory], dict[str, float]]:
+            desc: str = "rollouts", version: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
         """All G*len(tasks) episodes; returns trajectories in (task, g) order and timing metrics. `desc` names
-        the episodes' progress bar."""
+        the episodes' progress bar; `version` is the policy version `params` are (recorded on each step)."""
         plans = plans or {}
         episodes = [_Episode(t, tuple(plans.get(t.id, ())), episode_seed(seed, i, g))
                     for i, t in enumerate(tasks) for g in range(group_size)]
-        return self.run_episodes(params, episodes, rng, desc)
+        return self.run_episodes(params, episodes, rng, desc, version=version)
 
     def run_episodes(self, params: Any, episodes: Sequence[_Episode], rng: jax.Array, desc: str = "rollouts",
-                     start: Any = None) -> tuple[list[Trajectory], dict[str, float]]:
+                     start: Any = None, version: int = 0) -> tuple[list[Trajectory], dict[str, float]]:
         """Run prepared episodes (`episode(...)`, possibly with guidance, a handoff step or a history already
         taken) in rounds of the pool's size; `start(episodes by slot, timings)` puts each round's episodes on
         their slots and returns those that started (default: reset each to its task)."""
@@ -123,14 +134,15 @@ class RolloutEngine:
 
         begin = self.start if start is None else start
         episodes = list(episodes)
-        timings = {"env_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
+        timings = {"env_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0, "weight_sync_s": 0.0,
+                   "weight_sync_bytes": 0}
         bar = Progress(len(episodes), desc, "episode", transient=True) if self.config.show_progress else None
         start = time.perf_counter()
         successes = 0
         for first in range(0, len(episodes), self.pool.num_workers):
             round_eps = episodes[first:first + self.pool.num_workers]
             rng, key = jax.random.split(rng)
-            self._run_round(params, round_eps, key, timings, begin)
+            self._run_round(params, round_eps, key, timings, begin, version)
             successes += sum(e.reward > 0.5 for e in round_eps)
             if bar is not None:
                 bar.update(len(round_eps), success=f"{successes}/{first + len(round_eps)}",
@@ -140,10 +152,10 @@ class RolloutEngine:
         timings["wall_s"] = time.perf_counter() - start
         return [self.trajectory(e) for e in episodes], timings
 
-    def _run_round(self, params, eps: list[_Episode], rng, timings, start) -> None:
+    def _run_round(self, params, eps: list[_Episode], rng, timings, start, version: int = 0) -> None:
         live = start(dict(enumerate(eps)), timings)
         while live:
-            rng = self.advance(params, live, rng, timings)
+            rng = self.advance(params, live, rng, timings, version)
 
     def start(self, eps: dict[int, _Episode], timings: dict[str, float]) -> dict[int, _Episode]:
         """Reset each episode on its slot (failed resets retried `reset_retries` times); returns those that
@@ -217,8 +229,11 @@ class RolloutEngine:
             break
         if not slots:
             return rng, {}, ending
+        self._sync_weights(params, version, timings)
         rng, key = jax.random.split(rng)
         t0 = time.perf_counter()
+        if getattr(self.sampler, "wants_screenshots", False):  # an engine that preprocesses them itself
+            inputs = dict(inputs, images=[imgs for _, imgs in prompts])
         out = self.sampler.generate(params, key, **inputs)
         timings["sample_s"] += time.perf_counter() - t0
         timings["sampled_tokens"] += int(out.lengths.sum())

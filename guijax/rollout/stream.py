@@ -83,7 +83,8 @@ class RolloutStream:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.timings = {"env_s": 0.0, "env_slot_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
+        self.timings = {"env_s": 0.0, "env_slot_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0,
+                        "weight_sync_s": 0.0, "weight_sync_bytes": 0}
 
     # ------------------------------------------------------------------ learner side
     def publish(self, params: Any, version: int) -> None:

@@ -153,6 +153,7 @@ def test_rollout_benchmark_end_to_end(tmp_path):
     for key in ("episodes_per_hour", "env_wait_fraction", "time_iteration_s", "time_env_s", "time_sampling_s"):
         assert key in e, key
     assert e["episodes"] == 2 and 0 <= e["env_wait_fraction"] <= 1
+    assert e["backend"] == "jax" and e["time_weight_sync_s"] == 0  # the JAX sampler reads the learner's arrays
 
 
 @pytest.mark.slow

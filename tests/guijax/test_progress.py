@@ -130,6 +130,18 @@ def test_preflight_names_what_to_install_or_set(monkeypatch, tmp_path):
         "pipeline.pack_fill fills one packed shape: set pipeline.pack_length, pipeline.pack_rows"]
 
 
+def test_preflight_names_the_serving_engine_to_install(monkeypatch):
+    monkeypatch.setattr(preflight, "_has_module", lambda name: name != "vllm")
+    assert preflight.problems(_config(**{"rollout.backend": "vllm"})) == [
+        "rollout.backend='vllm' samples the rollouts with vLLM, which is not installed: `pip install vllm  (CUDA only; "
+        "it brings its own PyTorch)` (or --config.rollout.backend=jax, the JAX sampler)"]
+    monkeypatch.setattr(preflight, "_has_module", lambda name: True)
+    assert preflight.problems(_config(**{"rollout.backend": "vllm", "rollout.top_p": 0.9})) == [
+        "rollout.backend='vllm' returns log-probs of the top-k/top-p-truncated distribution, the learner scores the "
+        "whole one: set rollout.top_k=0 and rollout.top_p=1.0"]
+    assert preflight.problems(_config(**{"rollout.backend": "vllm"})) == []
+
+
 def test_cli_fails_at_start_with_one_line_per_unmet_need(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     run = subprocess.run([sys.executable, "-m", "guijax.launch", "--config=bepa_cpu", f"--workdir={tmp_path / 'w'}",

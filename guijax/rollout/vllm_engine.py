@@ -1,0 +1,109 @@
+"""vLLM behind `guijax.rollout.serving.ServingEngine`: the rollouts' sampler on CUDA, in the learner's process.
+
+vLLM is an optional extra (`pip install vllm`, which brings its own CUDA PyTorch); nothing here imports it
+until an engine is built. The engine starts from the policy's Hugging Face directory and is then handed
+the learner's parameters after every update through its model's `load_weights` (checkpoint names, no disk
+round trip), its prefix cache reset so no KV computed with the old weights is reused; LoRA runs hand it the
+adapter directory instead. Prompts go in as the trainer's token ids, each screenshot's image-pad run cut to
+one token for vLLM to expand with its own image processor; `ServingSampler` then checks that vLLM's
+expanded prompt is the trainer's token for token.
+
+Its log-probs are `processed_logprobs`: after temperature and logit bias, as the JAX sampler's are (the
+serving sampler refuses top-k/top-p, after which vLLM's would be of the truncated distribution).
+
+Written against vLLM 0.11-0.33's offline `LLM` API and never run in this repository's CI: vLLM cannot be
+installed on its CPU machines. Its tests are marked `gpu` and skip without vLLM and a GPU.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from guijax.rollout.serving import EngineOutput, EngineRequest, EngineSampling, collapse_image_pads
+
+INSTALL = "pip install vllm  (CUDA only; it brings its own PyTorch)"
+
+
+def require_vllm() -> Any:
+    """The vllm module, or an error that says how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"rollout.backend='vllm' needs vLLM, which is not installed ({err}): {INSTALL}") from None
+    return vllm
+
+
+def _torch_tensor(array: np.ndarray) -> Any:
+    """A host numpy array as a torch tensor without a copy (bfloat16 through its bits)."""
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+class VllmEngine:
+    """One in-process `vllm.LLM` over `model_dir` (the policy's checkpoint directory)."""
+
+    def __init__(self, model_dir: str | pathlib.Path, *, image_token_id: int, dtype: str = "bfloat16",
+                 memory_fraction: float = 0.5, max_model_len: int = 16384, max_images: int = 5, seed: int = 0,
+                 lora_rank: int = 0, max_pixels: int = 0):
+        vllm = require_vllm()
+        # the model must live in this process for `load_weights` to reach it
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        kwargs: dict[str, Any] = dict(model=str(model_dir), dtype=dtype, gpu_memory_utilization=memory_fraction,
+                                      max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
+                                      limit_mm_per_prompt={"image": max_images},
+                                      logprobs_mode="processed_logprobs")
+        if lora_rank:
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+        if max_pixels:
+            kwargs["mm_processor_kwargs"] = {"max_pixels": max_pixels}
+        self._vllm = vllm
+        self.llm = vllm.LLM(**kwargs)
+        self.image_token_id = image_token_id
+        self._lora: Any = None
+
+    def _model(self) -> Any:
+        executor = self.llm.llm_engine.model_executor
+        worker = executor.driver_worker
+        return getattr(worker, "worker", worker).model_runner.model
+
+    def load_weights(self, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+        self._model().load_weights((name, _torch_tensor(array)) for name, array in tensors)
+        self.llm.reset_prefix_cache()
+
+    def load_adapter(self, directory: pathlib.Path, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self._lora = LoRARequest(f"guijax-v{version}", version + 1, str(directory))
+        self.llm.reset_prefix_cache()
+
+    def generate(self, requests: Sequence[EngineRequest], sampling: EngineSampling) -> list[EngineOutput]:
+        from PIL import Image
+        from vllm.inputs import TokensPrompt
+
+        prompts, params = [], []
+        for r, request in enumerate(requests):
+            prompt: dict[str, Any] = {"prompt_token_ids": collapse_image_pads(request.prompt_token_ids,
+                                                                              self.image_token_id)}
+            if request.images:
+                prompt["multi_modal_data"] = {"image": [Image.fromarray(np.asarray(im)) for im in request.images]}
+            prompts.append(TokensPrompt(**prompt))
+            params.append(self._vllm.SamplingParams(
+                n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
+                max_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids), logprobs=0,
+                seed=sampling.seed + r, logit_bias={int(i): -100.0 for i in sampling.banned_token_ids} or None,
+                skip_special_tokens=False, spaces_between_special_tokens=False))
+        results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
+        outputs = []
+        for result in results:
+            sample = result.outputs[0]
+            ids = list(sample.token_ids)
+            logps = [entry[token].logprob for token, entry in zip(ids, sample.logprobs or [])]
+            outputs.append(EngineOutput(list(result.prompt_token_ids), ids, logps,
+                                        "stop" if sample.finish_reason == "stop" else "length", sample.text))
+        return outputs

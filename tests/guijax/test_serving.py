@@ -1,0 +1,279 @@
+"""Rollouts on a serving engine, against a fake engine made of the JAX sampler (tests/support/serving_fakes.py):
+the learner's weights reach it by checkpoint names (or adapters alone), its prompts are checked token for token
+against the trainer's, its answers are laid out as the JAX sampler's, and the rollout engine pushes weights only
+when the parameters change."""
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from guijax.models import lora as lora_lib
+from guijax.models import weights
+from guijax.rollout.serving import (EngineOutput, PromptMismatchError, ServingSampler, collapse_image_pads,
+                                    row_prompts)
+from guijax.sampling import Sampler, SamplingConfig
+from serving_fakes import JaxServingEngine, Tampered
+
+SHOTS = [np.random.RandomState(i).randint(0, 255, (56 + 28 * i, 84, 3), np.uint8) for i in range(3)]
+
+
+def _sampling(proc, **kw) -> SamplingConfig:
+    stop = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return SamplingConfig(**{"temperature": 1.0, "max_new_tokens": 6, "stop_token_ids": (stop,),
+                             "prompt_buckets": (64, 128, 256, 512, 1024), "patch_bucket": 64, **kw})
+
+
+def _prompts(proc):
+    """Two chat prompts, one with two screenshots and one with one, as the rollout engine encodes them."""
+    def text(n, words):
+        content = [{"type": "image"}] * n + [{"type": "text", "text": words}]
+        return proc.apply_chat_template([{"role": "user", "content": content}])
+    images = [SHOTS[:2], SHOTS[2:]]
+    return proc([text(2, "click the button"), text(1, "open the menu")], images), images
+
+
+@pytest.fixture(scope="module")
+def learner(cfg):
+    module = weights.build_module(cfg)
+    return module, weights.init_params(module, jax.random.PRNGKey(1))
+
+
+def _engine(learner, proc, image_processor=None, dtype=jnp.float32):
+    """A fake engine started from other weights than the learner's (as vLLM starts from the checkpoint)."""
+    module, _ = learner
+    start = weights.init_params(module, jax.random.PRNGKey(7))
+    served = module.clone(dtype=dtype)
+    return JaxServingEngine(served, image_processor or proc.image_processor, proc.tokenizer,
+                            [(name, read()) for name, _, _, read in weights.hf_entries(start, module.cfg)])
+
+
+def test_sync_hands_the_engine_the_learners_weights_by_checkpoint_name(learner, proc):
+    module, params = learner
+    engine = _engine(learner, proc)
+    sampler = ServingSampler(engine, module.cfg, _sampling(proc), proc.tokenizer)
+    pushed = sampler.sync_weights(params, version=3)
+    chex.assert_trees_all_close(engine.params, params)
+    entries = weights.hf_entries(params, module.cfg)
+    assert (pushed.version, pushed.tensors, pushed.adapters_only) == (3, len(entries), False)
+    assert pushed.bytes == sum(int(np.prod(shape)) * dtype.itemsize for _, shape, dtype, _ in entries)
+    assert pushed.seconds > 0 and engine.loads == ["weights"]
+
+
+def test_greedy_samples_equal_the_jax_samplers_on_screenshot_prompts(learner, proc):
+    """Same weights, same preprocessing: the engine path (prompts cut to one pad per screenshot and expanded
+    again, screenshots reprocessed) samples what the JAX sampler samples from the trainer's own inputs."""
+    module, params = learner
+    config = _sampling(proc, temperature=0.0)
+    inputs, images = _prompts(proc)
+    want = Sampler(module, config).generate(params, jax.random.PRNGKey(0), **inputs)
+    sampler = ServingSampler(_engine(learner, proc), module.cfg, config, proc.tokenizer)
+    sampler.sync_weights(params, 0)
+    got = sampler.generate(None, jax.random.PRNGKey(5), images=images, **inputs)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.stopped, want.stopped)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+    assert got.tokens.shape == (2, config.max_new_tokens)
+
+
+def test_the_engine_gets_the_trainers_ids_and_the_screenshots(learner, proc):
+    module, params = learner
+    engine = _engine(learner, proc)
+    inputs, images = _prompts(proc)
+    sampler = ServingSampler(engine, module.cfg, _sampling(proc), proc.tokenizer)
+    sampler.sync_weights(params, 0)
+    sampler.generate(None, jax.random.PRNGKey(0), images=images, **inputs)
+    [requests] = engine.requests
+    assert [r.prompt_token_ids for r in requests] == row_prompts(inputs["input_ids"], inputs["attention_mask"])
+    assert [len(r.images) for r in requests] == [2, 1]
+    np.testing.assert_array_equal(requests[1].images[0], SHOTS[2])
+    pad = module.cfg.image_token_id
+    assert collapse_image_pads(requests[0].prompt_token_ids, pad).count(pad) == 2
+
+
+def test_an_engine_that_resizes_screenshots_otherwise_is_refused_by_row(learner, proc):
+    module, params = learner
+    smaller = dataclasses.replace(proc.image_processor, max_pixels=56 * 56)
+    assert smaller.resized_hw(*SHOTS[2].shape[:2]) != proc.image_processor.resized_hw(*SHOTS[2].shape[:2])
+    inputs, images = _prompts(proc)
+    sampler = ServingSampler(_engine(learner, proc, smaller), module.cfg, _sampling(proc), proc.tokenizer)
+    sampler.sync_weights(params, 0)
+    with pytest.raises(PromptMismatchError, match=r"row 0: .* first difference at token \d+"):
+        sampler.generate(None, jax.random.PRNGKey(0), images=images, **inputs)
+
+
+def test_text_its_ids_do_not_decode_to_is_refused(learner, proc):
+    module, params = learner
+    inputs, images = _prompts(proc)
+    changed = Tampered(_engine(learner, proc),
+                       lambda r, o: dataclasses.replace(o, text=o.text + " extra") if r == 1 else o)
+    sampler = ServingSampler(changed, module.cfg, _sampling(proc), proc.tokenizer)
+    sampler.sync_weights(params, 0)
+    with pytest.raises(PromptMismatchError, match="row 1: the engine's text"):
+        sampler.generate(None, jax.random.PRNGKey(0), images=images, **inputs)
+
+
+def test_answers_are_laid_out_as_the_jax_samplers(learner, proc):
+    module, _ = learner
+    stop = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sampler = ServingSampler(None, module.cfg, _sampling(proc), proc.tokenizer)
+    out = sampler._assemble([(1, 2), (3,)], [EngineOutput([1, 2], [5, 6, stop], [-0.5, -1.0, -0.1], "stop"),
+                                             EngineOutput([3], [7, 8, 9, 10, 11, 12], [-0.2] * 6, "length")])
+    np.testing.assert_array_equal(out.tokens, [[5, 6, stop, 0, 0, 0], [7, 8, 9, 10, 11, 12]])
+    np.testing.assert_allclose(out.logprobs[0], [-0.5, -1.0, -0.1, 0, 0, 0])
+    np.testing.assert_array_equal(out.lengths, [3, 6])
+    np.testing.assert_array_equal(out.stopped, [True, False])
+    with pytest.raises(RuntimeError, match="row 0: the engine returned 2 tokens .* with 1 log-probs"):
+        sampler._assemble([(1,)], [EngineOutput([1], [5, 6], [-0.5], "length")])
+
+
+def test_no_sampling_before_the_first_sync_and_no_truncated_sampling(learner, proc):
+    module, _ = learner
+    inputs, images = _prompts(proc)
+    with pytest.raises(RuntimeError, match="call sync_weights first"):
+        ServingSampler(None, module.cfg, _sampling(proc), proc.tokenizer).generate(None, jax.random.PRNGKey(0),
+                                                                                    images=images, **inputs)
+    with pytest.raises(ValueError, match="rollout.top_k=0 and rollout.top_p=1.0"):
+        ServingSampler(None, module.cfg, _sampling(proc, top_p=0.9), proc.tokenizer)
+    sampler = ServingSampler(None, module.cfg, _sampling(proc), proc.tokenizer)
+    sampler.version = 0
+    with pytest.raises(ValueError, match="needs the screenshots themselves"):
+        sampler.generate(None, jax.random.PRNGKey(0), **inputs)
+
+
+def test_lora_runs_push_the_adapters_alone(cfg, proc, tmp_path):
+    config = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    module = weights.build_module(cfg, lora=config)
+    base = weights.init_params(module.clone(lora=None), jax.random.PRNGKey(1))
+    adapters = jax.tree.map(lambda x: x + 0.01, weights.init_adapters(module, jax.random.PRNGKey(2)))
+    params = lora_lib.combine(base, adapters)
+    engine = JaxServingEngine(module, proc.image_processor, proc.tokenizer,
+                              [(n, read()) for n, _, _, read in weights.hf_entries(base, cfg)])
+    sampler = ServingSampler(engine, cfg, _sampling(proc), proc.tokenizer, lora=config, adapter_root=tmp_path)
+    first = sampler.sync_weights(params, 1)
+    adapter_bytes = sum(x.size * 4 for x in jax.tree.leaves(adapters))
+    assert first.adapters_only and first.bytes == adapter_bytes
+    chex.assert_trees_all_close(lora_lib.split(engine.params)[0], adapters)
+    moved = lora_lib.combine(base, jax.tree.map(lambda x: x * 2, adapters))
+    sampler.sync_weights(moved, 2)
+    chex.assert_trees_all_close(lora_lib.split(engine.params)[0], lora_lib.split(moved)[0])
+    assert engine.loads == ["adapter v1", "adapter v2"]
+    assert [p.name for p in tmp_path.iterdir()] == ["v000002"]  # the loaded one only
+
+
+class CountingSampler:
+    """A sampler with weights of its own: counts the pushes the rollout engine makes."""
+
+    needs_weight_sync = True
+    wants_screenshots = True
+
+    def __init__(self):
+        from rollout_fakes import FakeSampler
+
+        self.inner, self.pushed = FakeSampler(), []
+
+    def sync_weights(self, params, version):
+        from guijax.rollout.serving import WeightSync
+
+        self.pushed.append((params["w"], version))
+        return WeightSync(version, 0.25, 100, 1)
+
+    def generate(self, params, rng, images=None, **inputs):
+        assert images is not None
+        return self.inner.generate(params, rng, **inputs)
+
+
+class OneStepPool:
+    """Four workers; every episode ends after one step, solved."""
+
+    num_workers = 4
+
+    def reset(self, tasks, slots=None, seeds=None, timeout_s=None):
+        from envs.api import Observation
+        from envs.pool import Result
+
+        return {s: Result(True, Observation(np.zeros((28, 28, 3), np.uint8), "")) for s in slots}
+
+    def step(self, actions, timeout_s=None):
+        from envs.api import Observation, StepResult
+        from envs.pool import Result
+
+        return {s: Result(True, StepResult(Observation(np.zeros((28, 28, 3), np.uint8), ""), True)) for s in actions}
+
+    def evaluate(self, slots, timeout_s=None):
+        from envs.pool import Result
+
+        return {s: Result(True, 1.0) for s in slots}
+
+
+def test_the_rollout_engine_pushes_weights_only_when_they_change():
+    from envs.api import Task
+    from guijax.rollout.engine import RolloutConfig, RolloutEngine
+    from rollout_fakes import FakeProcessor
+
+    sampler = CountingSampler()
+    engine = RolloutEngine(OneStepPool(), sampler, FakeProcessor(), RolloutConfig(show_progress=False))
+    tasks = [Task(id=f"t{i}", instruction="a") for i in range(6)]  # two rounds of the pool's four workers
+    first = {"w": 1}
+    _, timings = engine.run(first, tasks, 1, jax.random.PRNGKey(0), version=4)
+    assert sampler.pushed == [(1, 4)]
+    assert (timings["weight_sync_s"], timings["weight_sync_bytes"]) == (0.25, 100)
+    _, again = engine.run(first, tasks, 1, jax.random.PRNGKey(0), version=4)
+    assert len(sampler.pushed) == 1 and again["weight_sync_s"] == 0.0
+    engine.run({"w": 2}, tasks, 1, jax.random.PRNGKey(0), version=5)
+    assert sampler.pushed == [(1, 4), (2, 5)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_rl_run_on_a_lower_precision_engine_logs_the_sync_and_the_mismatch(tiny_config, tmp_path, monkeypatch,
+                                                                              mode):
+    """The trainer with its sampler swapped for a serving engine that computes in bfloat16, started from the
+    policy's checkpoint directory as vLLM is: each new version of the parameters is pushed whole (in the
+    asynchronous mode by the rollout thread, between its sampler calls), and the gap between the engine's
+    log-probs and the learner's float32 recomputation is logged and corrected."""
+    import json
+
+    from guijax import trainer as trainer_lib
+    from guijax.models.processor import Processor
+    from guijax.models.safetensors_io import SafetensorsReader
+    from guijax.pipeline.registry import run_stages
+
+    engines, checkpoint_bytes = [], []
+
+    def serving_sampler(config, module, sampling, mesh, tokenizer, model_dir=None):
+        reader = SafetensorsReader(str(model_dir))
+        tensors = [(k, reader.get(k)) for k in reader.keys()]
+        checkpoint_bytes.append(sum(np.asarray(a, np.float32).nbytes for _, a in tensors))
+        # the policy's screenshot downscale handed to the engine's image processor, as VllmEngine hands it
+        images = dataclasses.replace(Processor.from_pretrained(model_dir).image_processor,
+                                     max_pixels=config.model.image_max_pixels)
+        engine = JaxServingEngine(module.clone(dtype=jnp.bfloat16), images, tokenizer, tensors,
+                                  prompt_buckets=sampling.prompt_buckets)
+        engines.append(engine)
+        return ServingSampler(engine, module.cfg, sampling, tokenizer)
+
+    monkeypatch.setattr(trainer_lib, "make_sampler", serving_sampler)
+    # LUFFY's expert traces give every group a reward spread, so each iteration updates the parameters
+    config = tiny_config("grpo_cpu", "method=luffy", "stages=('base_model', 'tasks', 'expert', 'rl')",
+                         "train.iterations=2", "train.behaviour_correction=True", f"rollout.mode={mode}")
+    run_stages(config, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+               if '"iteration"' in line]
+    [engine] = engines
+    assert [r["iteration"] for r in records] == [0, 1]
+    whole = checkpoint_bytes[0]  # float32 parameters: every tensor of the checkpoint, at 4 bytes a value
+    if mode == "sync":
+        assert engine.loads == ["weights", "weights"]  # one push per iteration, before its rollouts
+        assert all(r["time_weight_sync_s"] > 0 and r["weight_sync_bytes"] == whole for r in records)
+    else:  # the first version before any group; later ones when the rollout thread next samples
+        assert set(engine.loads) == {"weights"} and records[0]["weight_sync_bytes"] >= whole
+        assert all(r["weight_sync_bytes"] % whole == 0 for r in records)
+        assert sum(r["weight_sync_bytes"] for r in records) <= len(engine.loads) * whole
+    for r in records:
+        assert r["behaviour_kl"] > 0 and r["behaviour_logp_abs_diff"] > 1e-4  # bfloat16 engine vs float32 learner
+        assert 0 <= r["behaviour_weight_capped_frac"] <= 1
