@@ -125,9 +125,7 @@ def dry_run(config: ml_collections.ConfigDict) -> dict[str, Any]:
 def print_compiled(r: dict[str, Any]) -> None:
     b = r["batch"]
     if not r["compiled"]:
-        print(f"  train step for {r['compile_target']}: does NOT fit; the compiler refused it: {r['error']}")
-        _print_refusal_figures(r)
-        _print_budget_refusal(r, "train step")
+        _print_refused(r, f"train step for {r['compile_target']}", "train step")
         return
     _print_budget_refusal(r, "train step")
     print(f"  train step compiled for {r['compile_target']} in {r['compile_s']:.0f}s ({r['note']})")
@@ -147,9 +145,7 @@ def print_compiled(r: dict[str, Any]) -> None:
     if micro is not None:
         k = "completing a short gradient-accumulation group (zero gradients, no forward pass)"
         if not micro["compiled"]:
-            print(f"  micro-step {k}: does NOT fit; the compiler refused it: {micro['error']}")
-            _print_refusal_figures(micro)
-            _print_budget_refusal(micro, "micro-step")
+            _print_refused(micro, f"micro-step {k}", "micro-step")
         else:
             fit = {None: "no capacity known", True: "fits", False: "does NOT fit"}[micro["fits"]]
             peak = micro["peak_bytes_per_device"]
@@ -181,6 +177,13 @@ def print_rollout_plan(plan: dict[str, Any], config: ml_collections.ConfigDict) 
         now = config.rollout.max_sampler_rows or "all live episodes"
         print(f"  sampler: {plan['rows']} prompts per program fit (checked: peak "
               f"{format_bytes(plan['checked']['peak_bytes_per_device'])}); rollout.max_sampler_rows is {now}")
+
+
+def _print_refused(r: dict[str, Any], label: str, program: str) -> None:
+    """A program the compiler refused: its error, the refusal's figures and the budget it was refused under."""
+    print(f"  {label}: does NOT fit; the compiler refused it: {r['error']}")
+    _print_refusal_figures(r)
+    _print_budget_refusal(r, program)
 
 
 def _print_budget_refusal(r: dict[str, Any], program: str) -> None:
