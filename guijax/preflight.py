@@ -64,6 +64,13 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
 
         out.append(f"rollout.backend='vllm' samples the rollouts with vLLM, which is not installed: `{VLLM_INSTALL}` "
                    "(or --config.rollout.backend=jax, the JAX sampler)")
+    if backend == "vllm":
+        share = float(config.rollout.engine_memory_fraction)
+        jax_share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+        if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() != "false" and jax_share + share > 0.98:
+            out.append(f"rollout.backend='vllm' takes rollout.engine_memory_fraction={share:g} of the GPU and JAX "
+                       f"preallocates {jax_share:g} of it: start the run with XLA_PYTHON_CLIENT_MEM_FRACTION="
+                       f"{max(0.95 - share, 0.05):.2f} in the environment (or lower the engine's share)")
     if backend != "jax" and (config.rollout.top_k or config.rollout.top_p < 1.0):
         out.append(f"rollout.backend={backend!r} returns log-probs of the top-k/top-p-truncated distribution, the "
                    "learner scores the whole one: set rollout.top_k=0 and rollout.top_p=1.0")

@@ -159,7 +159,8 @@ class Trainer:
         sampler_mesh = parts.sampler_mesh or parts.mesh
         self.sampler = make_sampler(config, self.module, sampling_config(config, parts.processor,
                                                                           config.rollout.temperature, sampler_mesh),
-                                    sampler_mesh, parts.processor.tokenizer, parts.policy.path)
+                                    sampler_mesh, parts.processor.tokenizer, parts.policy.path,
+                                    adapter_root=self.workdir / "engine_adapters")
         self.engine = RolloutEngine(parts.pool, self.sampler, parts.processor,
                                     rollout_config(config, parts.system_prompt))
         self.pipeline = pipeline_config(config, parts.system_prompt, parts.mesh)

@@ -30,7 +30,8 @@ SPLITS = ("tasks", "bepa_splits", "level1")  # each rewrites splits.json
 BASE_POLICY = ("base_model", "sft")
 RL_OUTPUTS = ("trained_model", "trained_model_adapter", "checkpoints", "metrics.jsonl", "trajectories",
               "algorithm_trajectories", "expert_sft_checkpoints", "expert_sft_metrics.jsonl", "offline_metrics.jsonl",
-              "step_dpo_pairs.json", "rounds", "sgcd_metrics.jsonl", "phases", "seagent_metrics.jsonl")
+              "step_dpo_pairs.json", "rounds", "sgcd_metrics.jsonl", "phases", "seagent_metrics.jsonl",
+              "engine_adapters")
 
 
 def _describe_base_model(run: Run) -> str:
@@ -300,9 +301,11 @@ def train_with(run: Run, method: Any, workdir: pathlib.Path, desc: str) -> tuple
                        lambda score: method.hook(dataclasses.replace(ctx, score=score)), method.objective(),
                        run.system_prompt, run.mesh(), streams=ctx.streams, sampler_mesh=run.sampler_mesh())
     trainer = Trainer(method.config, workdir, parts)
-    trainer.maybe_restore()
-    history = trainer.fit(desc=desc)
-    trainer.close()
+    try:
+        trainer.maybe_restore()
+        history = trainer.fit(desc=desc)
+    finally:  # a crash too gives back a serving engine's memory and its adapter directory, and flushes metrics
+        trainer.close()
     policy.params = trainer.state.params
     return policy, history
 

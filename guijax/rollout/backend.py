@@ -24,10 +24,10 @@ class RolloutSampler(Protocol):
 
 
 def make_sampler(config: Any, module: Any, sampling: SamplingConfig, mesh: jax.sharding.Mesh | None,
-                 tokenizer: Any, model_dir: Any = None) -> RolloutSampler:
+                 tokenizer: Any, model_dir: Any = None, adapter_root: Any = None) -> RolloutSampler:
     """The sampler `config.rollout.backend` names, for `module`'s policy. A serving engine starts from
     `model_dir` (the policy's Hugging Face directory) and fails here, before any rollout, when it is not
-    installed."""
+    installed; under LoRA the adapters it is handed are written under `adapter_root` (the run's workdir)."""
     backend = config.rollout.get("backend", "jax")
     if backend == "jax":
         return Sampler(module, sampling, mesh=mesh)
@@ -47,6 +47,8 @@ def make_sampler(config: Any, module: Any, sampling: SamplingConfig, mesh: jax.s
                         memory_fraction=config.rollout.engine_memory_fraction,
                         max_model_len=max(config.pipeline.length_buckets), max_images=config.rollout.max_images,
                         seed=config.seed, lora_rank=lora.rank if lora is not None else 0,
-                        max_pixels=config.model.image_max_pixels)
-    return ServingSampler(engine, cfg, sampling, tokenizer, lora=lora,
-                          weight_dtype=config.model.param_dtype or config.model.dtype)
+                        max_pixels=config.model.image_max_pixels,
+                        vision_trained=lora is None and "visual" not in config.model.frozen)
+    # pushed in the engine's compute dtype: float32 master weights would double the bytes for nothing
+    return ServingSampler(engine, cfg, sampling, tokenizer, lora=lora, adapter_root=adapter_root,
+                          weight_dtype=config.model.dtype)

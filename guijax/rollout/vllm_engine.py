@@ -3,16 +3,21 @@
 vLLM is an optional extra (`pip install vllm`, which brings its own CUDA PyTorch); nothing here imports it
 until an engine is built. The engine starts from the policy's Hugging Face directory and is then handed
 the learner's parameters after every update through its model's `load_weights` (checkpoint names, no disk
-round trip), its prefix cache reset so no KV computed with the old weights is reused; LoRA runs hand it the
-adapter directory instead. Prompts go in as the trainer's token ids, each screenshot's image-pad run cut to
+round trip), its prefix cache and (where vLLM has one) its cache of vision-encoder outputs reset, so neither
+KV nor screenshot features computed with the old weights are reused; LoRA runs hand it the adapter directory
+instead (the vision tower is frozen under LoRA, so its cached features stay valid). Prompts go in as the trainer's token ids, each screenshot's image-pad run cut to
 one token for vLLM to expand with its own image processor; `ServingSampler` then checks that vLLM's
 expanded prompt is the trainer's token for token.
 
 Its log-probs are `processed_logprobs`: after temperature and logit bias, as the JAX sampler's are (the
 serving sampler refuses top-k/top-p, after which vLLM's would be of the truncated distribution).
 
-Written against vLLM 0.11-0.33's offline `LLM` API and never run in this repository's CI: vLLM cannot be
-installed on its CPU machines. Its tests are marked `gpu` and skip without vLLM and a GPU.
+Written against vLLM's offline `LLM` API as read in its source, and never run: vLLM cannot be installed on
+this project's machines. The adapter's requests and answers are tested on CPU against a stand-in `vllm`
+module; the test against vLLM itself is marked `gpu` and skips without vLLM and a GPU.
+
+vLLM takes its share of the GPU (`rollout.engine_memory_fraction`) beside JAX's, which by default
+preallocates 75% of it: the preflight asks for `XLA_PYTHON_CLIENT_MEM_FRACTION` to leave vLLM its share.
 """
 from __future__ import annotations
 
@@ -21,10 +26,12 @@ import pathlib
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+from absl import logging
 
 from guijax.rollout.serving import EngineOutput, EngineRequest, EngineSampling, collapse_image_pads
 
 INSTALL = "pip install vllm  (CUDA only; it brings its own PyTorch)"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the adapter ranks vLLM serves
 
 
 def require_vllm() -> Any:
@@ -50,16 +57,23 @@ class VllmEngine:
 
     def __init__(self, model_dir: str | pathlib.Path, *, image_token_id: int, dtype: str = "bfloat16",
                  memory_fraction: float = 0.5, max_model_len: int = 16384, max_images: int = 5, seed: int = 0,
-                 lora_rank: int = 0, max_pixels: int = 0):
+                 lora_rank: int = 0, max_pixels: int = 0, vision_trained: bool = True):
         vllm = require_vllm()
         # the model must live in this process for `load_weights` to reach it
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            logging.warning("VLLM_ENABLE_V1_MULTIPROCESSING=%s set to 0: the trainer hands vLLM its weights in "
+                            "this process", os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.vision_trained = vision_trained
         kwargs: dict[str, Any] = dict(model=str(model_dir), dtype=dtype, gpu_memory_utilization=memory_fraction,
                                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
                                       limit_mm_per_prompt={"image": max_images},
                                       logprobs_mode="processed_logprobs")
         if lora_rank:
-            kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+            served = next((r for r in LORA_RANKS if r >= lora_rank), None)
+            if served is None:
+                raise ValueError(f"lora.rank={lora_rank}: vLLM serves adapters of rank up to {LORA_RANKS[-1]}")
+            kwargs.update(enable_lora=True, max_lora_rank=served, max_loras=1)
         if max_pixels:
             kwargs["mm_processor_kwargs"] = {"max_pixels": max_pixels}
         self._vllm = vllm
@@ -70,17 +84,48 @@ class VllmEngine:
     def _model(self) -> Any:
         executor = self.llm.llm_engine.model_executor
         worker = executor.driver_worker
-        return getattr(worker, "worker", worker).model_runner.model
+        runner = getattr(worker, "worker", worker).model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def _reset_caches(self, vision_changed: bool) -> None:
+        """Drop what the old weights computed: the KV of cached prefixes, and, when the vision tower changed,
+        the cached features of screenshots seen before (rollouts meet the same screens again and again)."""
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM did not reset its prefix cache after new weights (requests still running?)")
+        if not vision_changed:
+            return
+        for owner in (self.llm, self.llm.llm_engine):
+            reset = getattr(owner, "reset_encoder_cache", None)
+            if reset is not None:
+                reset()
+                return
+        raise RuntimeError("this vLLM has no reset_encoder_cache: after new weights it would reuse screenshot "
+                           "features from the old vision tower; upgrade vLLM or freeze the tower "
+                           "(--config.model.frozen=\"('visual',)\")")
 
     def load_weights(self, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
         self._model().load_weights((name, _torch_tensor(array)) for name, array in tensors)
-        self.llm.reset_prefix_cache()
+        self._reset_caches(self.vision_trained)
 
     def load_adapter(self, directory: pathlib.Path, version: int) -> None:
         from vllm.lora.request import LoRARequest
 
         self._lora = LoRARequest(f"guijax-v{version}", version + 1, str(directory))
-        self.llm.reset_prefix_cache()
+        self._reset_caches(False)
+
+    def close(self) -> None:
+        """Give the engine's GPU memory back (the run's later stages sample with the JAX sampler)."""
+        import gc
+
+        llm, self.llm = self.llm, None
+        del llm
+        gc.collect()
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except (ImportError, RuntimeError):
+            pass
 
     def generate(self, requests: Sequence[EngineRequest], sampling: EngineSampling) -> list[EngineOutput]:
         from PIL import Image

@@ -131,6 +131,7 @@ def test_preflight_names_what_to_install_or_set(monkeypatch, tmp_path):
 
 
 def test_preflight_names_the_serving_engine_to_install(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     monkeypatch.setattr(preflight, "_has_module", lambda name: name != "vllm")
     assert preflight.problems(_config(**{"rollout.backend": "vllm"})) == [
         "rollout.backend='vllm' samples the rollouts with vLLM, which is not installed: `pip install vllm  (CUDA only; "
@@ -139,6 +140,12 @@ def test_preflight_names_the_serving_engine_to_install(monkeypatch):
     assert preflight.problems(_config(**{"rollout.backend": "vllm", "rollout.top_p": 0.9})) == [
         "rollout.backend='vllm' returns log-probs of the top-k/top-p-truncated distribution, the learner scores the "
         "whole one: set rollout.top_k=0 and rollout.top_p=1.0"]
+    assert preflight.problems(_config(**{"rollout.backend": "vllm"})) == []
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX's default: 75% of the GPU, preallocated
+    assert preflight.problems(_config(**{"rollout.backend": "vllm", "rollout.engine_memory_fraction": 0.4})) == [
+        "rollout.backend='vllm' takes rollout.engine_memory_fraction=0.4 of the GPU and JAX preallocates 0.75 of it: "
+        "start the run with XLA_PYTHON_CLIENT_MEM_FRACTION=0.55 in the environment (or lower the engine's share)"]
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     assert preflight.problems(_config(**{"rollout.backend": "vllm"})) == []
 
 

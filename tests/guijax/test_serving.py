@@ -61,7 +61,7 @@ def test_sync_hands_the_engine_the_learners_weights_by_checkpoint_name(learner, 
     entries = weights.hf_entries(params, module.cfg)
     assert (pushed.version, pushed.tensors, pushed.adapters_only) == (3, len(entries), False)
     assert pushed.bytes == sum(int(np.prod(shape)) * dtype.itemsize for _, shape, dtype, _ in entries)
-    assert pushed.seconds > 0 and engine.loads == ["weights"]
+    assert engine.loads == ["weights"]
 
 
 def test_greedy_samples_equal_the_jax_samplers_on_screenshot_prompts(learner, proc):
@@ -107,15 +107,21 @@ def test_an_engine_that_resizes_screenshots_otherwise_is_refused_by_row(learner,
         sampler.generate(None, jax.random.PRNGKey(0), images=images, **inputs)
 
 
-def test_text_its_ids_do_not_decode_to_is_refused(learner, proc):
+def test_text_its_ids_do_not_decode_to_is_counted_and_a_cut_character_is_not(learner, proc, caplog):
+    """The engine's text is checked against the trainer's decoding of its ids; the rollout keeps the trainer's
+    decoding, so a difference is logged and counted rather than fatal, and a multi-byte character cut at the
+    token limit (U+FFFD in one decoding, dropped in an incremental one) is no difference."""
     module, params = learner
     inputs, images = _prompts(proc)
-    changed = Tampered(_engine(learner, proc),
-                       lambda r, o: dataclasses.replace(o, text=o.text + " extra") if r == 1 else o)
-    sampler = ServingSampler(changed, module.cfg, _sampling(proc), proc.tokenizer)
+
+    def change(r, o):
+        return dataclasses.replace(o, text=o.text + (" extra" if r == 1 else "\ufffd"))
+
+    sampler = ServingSampler(Tampered(_engine(learner, proc), change), module.cfg, _sampling(proc), proc.tokenizer)
     sampler.sync_weights(params, 0)
-    with pytest.raises(PromptMismatchError, match="row 1: the engine's text"):
-        sampler.generate(None, jax.random.PRNGKey(0), images=images, **inputs)
+    out = sampler.generate(None, jax.random.PRNGKey(0), images=images, **inputs)
+    assert sampler.text_mismatches == 1 and out.lengths.shape == (2,)
+    assert "row 1: the serving engine's text" in caplog.text and "row 0" not in caplog.text
 
 
 def test_answers_are_laid_out_as_the_jax_samplers(learner, proc):
@@ -180,7 +186,7 @@ class CountingSampler:
     def sync_weights(self, params, version):
         from guijax.rollout.serving import WeightSync
 
-        self.pushed.append((params["w"], version))
+        self.pushed.append((params["w"] if isinstance(params["w"], int) else None, version))
         return WeightSync(version, 0.25, 100, 1)
 
     def generate(self, params, rng, images=None, **inputs):
@@ -229,6 +235,29 @@ def test_the_rollout_engine_pushes_weights_only_when_they_change():
     assert sampler.pushed == [(1, 4), (2, 5)]
 
 
+def test_new_adapters_beside_the_same_frozen_base_are_pushed_and_old_weights_are_not_held():
+    import gc
+    import weakref
+
+    from envs.api import Task
+    from guijax.rollout.engine import RolloutConfig, RolloutEngine
+    from rollout_fakes import FakeProcessor
+
+    sampler = CountingSampler()
+    engine = RolloutEngine(OneStepPool(), sampler, FakeProcessor(), RolloutConfig(show_progress=False))
+    tasks = [Task(id="t", instruction="a")]
+    base = jnp.zeros((2,))  # under LoRA the frozen base is the same array in every version
+    first = {"a_base": base, "w": jnp.ones((2,))}
+    engine.run(first, tasks, 1, jax.random.PRNGKey(0), version=0)
+    engine.run({"a_base": base, "w": jnp.full((2,), 2.0)}, tasks, 1, jax.random.PRNGKey(0), version=1)
+    assert [v for _, v in sampler.pushed] == [0, 1]
+    sampler.pushed.clear()
+    watch = weakref.ref(first["w"])
+    del first
+    gc.collect()
+    assert watch() is None  # the engine remembers which weights the sampler holds without keeping them alive
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_an_rl_run_on_a_lower_precision_engine_logs_the_sync_and_the_mismatch(tiny_config, tmp_path, monkeypatch,
                                                                               mode):
@@ -245,7 +274,7 @@ def test_an_rl_run_on_a_lower_precision_engine_logs_the_sync_and_the_mismatch(ti
 
     engines, checkpoint_bytes = [], []
 
-    def serving_sampler(config, module, sampling, mesh, tokenizer, model_dir=None):
+    def serving_sampler(config, module, sampling, mesh, tokenizer, model_dir=None, adapter_root=None):
         reader = SafetensorsReader(str(model_dir))
         tensors = [(k, reader.get(k)) for k in reader.keys()]
         checkpoint_bytes.append(sum(np.asarray(a, np.float32).nbytes for _, a in tensors))

@@ -238,3 +238,43 @@ def test_preloaded_groups_come_first_and_count_against_the_limit(tmp_path):
 def test_group_names_round_trip():
     assert group_index(shard_name(12)) == 12 and group_index(shard_name(3) + SUFFIX) == 3
     assert group_index("iter-000001.array_record") is None and group_index("group-x") is None
+
+
+class SyncingSampler(Sampler):
+    """A sampler with weights of its own (a serving engine's stand-in): records each push, in the thread that
+    made it, and checks every call samples with the weights last pushed."""
+
+    needs_weight_sync = True
+
+    def __init__(self, on_call=None):
+        super().__init__(on_call)
+        self.pushed: list[tuple[str, int, str]] = []
+        self.holding = None
+
+    def sync_weights(self, params, version):
+        from guijax.rollout.serving import WeightSync
+
+        self.pushed.append((params, version, threading.current_thread().name))
+        self.holding = params
+        return WeightSync(version, 0.5, 10, 1)
+
+    def generate(self, params, rng, **inputs):
+        assert params == self.holding, (params, self.holding)
+        return super().generate(params, rng, **inputs)
+
+
+def test_the_rollout_thread_pushes_each_published_version_before_sampling_with_it(tmp_path):
+    holder = {}
+
+    def on_call(n):
+        if n == 2:
+            holder["stream"].publish("p5", 5)
+
+    sampler = SyncingSampler(on_call)
+    stream, _ = _stream(tmp_path, {0: "len3"}, workers=2, group_size=2, ahead=1, sampler=sampler)
+    holder["stream"] = stream
+    with _running(stream):
+        stream.get(timeout_s=30)
+    assert [(p, v) for p, v, _ in sampler.pushed] == [("p0", 0), ("p5", 5)]
+    assert {thread for *_, thread in sampler.pushed} == {"rollout-stream"}
+    assert stream.timings["weight_sync_s"] == 1.0 and stream.timings["weight_sync_bytes"] == 20

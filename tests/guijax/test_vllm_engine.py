@@ -1,7 +1,12 @@
-"""vLLM as the rollouts' sampler, on a tiny fresh checkpoint: its greedy samples equal the JAX sampler's from
-the same weights, and weights pushed after an update change what it samples. Needs vLLM and a CUDA GPU;
-skipped elsewhere (vLLM is an optional install: `pip install vllm`)."""
+"""vLLM as the rollouts' sampler. On CPU, against a stand-in `vllm` package: the adapter's engine arguments,
+requests (one image pad per screenshot, per-row seeds, banned placeholders), its reading of the answers, the
+weight and adapter pushes with their cache resets, and what it refuses. With vLLM and a CUDA GPU (`gpu`,
+skipped elsewhere; vLLM is an optional install, `pip install vllm`), on a tiny fresh checkpoint: its greedy
+samples equal the JAX sampler's from the same weights and follow pushed weights."""
 from __future__ import annotations
+
+import sys
+import types
 
 import jax
 import numpy as np
@@ -35,6 +40,135 @@ def test_make_sampler_names_the_install_command_when_vllm_is_missing(tiny_config
 def test_make_sampler_gives_the_jax_sampler_by_default(tiny_config, cfg):
     module = weights.build_module(cfg)
     assert isinstance(make_sampler(tiny_config("grpo_cpu"), module, SamplingConfig(), None, None), Sampler)
+
+
+class _Logprob:
+    def __init__(self, logprob):
+        self.logprob = logprob
+
+
+class _Model:
+    def __init__(self):
+        self.loaded = {}
+
+    def load_weights(self, weights):
+        self.loaded.update(dict(weights))
+
+
+class _LLM:
+    """`vllm.LLM` as far as the adapter uses it: records its arguments, requests and cache resets, and answers
+    every request with the ids 5, 6 then the stop id, the prompt's image pads expanded four to one."""
+
+    instances: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.requests, self.resets = kwargs, [], []
+        self.model = _Model()
+        runner = types.SimpleNamespace(model=self.model)
+        self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
+            driver_worker=types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=runner))))
+        _LLM.instances.append(self)
+
+    def reset_prefix_cache(self):
+        self.resets.append("prefix")
+        return True
+
+    def reset_encoder_cache(self):
+        self.resets.append("encoder")
+
+    def generate(self, prompts, params, use_tqdm=True, lora_request=None):
+        self.requests.append((prompts, params, lora_request))
+        out = []
+        for prompt in prompts:
+            ids = [t for p in prompt["prompt_token_ids"] for t in ([p] * 4 if p == PAD else [p])]
+            sample = types.SimpleNamespace(token_ids=(5, 6, STOP), finish_reason="stop", text="ab",
+                                           logprobs=[{5: _Logprob(-0.5)}, {6: _Logprob(-1.0)}, {STOP: _Logprob(-0.25)}])
+            out.append(types.SimpleNamespace(prompt_token_ids=ids, outputs=[sample]))
+        return out
+
+
+PAD, STOP = 3, 9
+
+
+@pytest.fixture
+def stand_in_vllm(monkeypatch):
+    """A `vllm` package of stand-ins, so the adapter's requests and its reading of the answers run on CPU."""
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = _LLM
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, int_id, path: (name, int_id, path)
+    for name, module in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.lora", lora), ("vllm.lora.request", request)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    _LLM.instances.clear()
+    return _LLM.instances
+
+
+def test_the_vllm_adapter_sends_the_trainers_prompts_and_reads_the_answers(stand_in_vllm, tmp_path):
+    import os
+
+    import ml_dtypes
+
+    from guijax.rollout.serving import EngineRequest, EngineSampling
+    from guijax.rollout.vllm_engine import VllmEngine
+
+    engine = VllmEngine(tmp_path, image_token_id=PAD, dtype="bfloat16", memory_fraction=0.3, max_model_len=2048,
+                        max_images=5, seed=7, lora_rank=12, max_pixels=12544)
+    [llm] = stand_in_vllm
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # in-process, or load_weights cannot reach it
+    assert llm.kwargs == dict(model=str(tmp_path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048,
+                              seed=7, enable_prefix_caching=True, limit_mm_per_prompt={"image": 5},
+                              logprobs_mode="processed_logprobs", enable_lora=True, max_lora_rank=16, max_loras=1,
+                              mm_processor_kwargs={"max_pixels": 12544})
+    shot = np.random.RandomState(0).randint(0, 255, (28, 56, 3), np.uint8)
+    requests = [EngineRequest((1, PAD, PAD, PAD, PAD, 2), (shot,)), EngineRequest((1, 2), ())]
+    sampling = EngineSampling(temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=8, stop_token_ids=(STOP,),
+                              banned_token_ids=(PAD, 4), seed=100)
+    out = engine.generate(requests, sampling)
+    prompts, params, lora = llm.requests[0]
+    assert [p["prompt_token_ids"] for p in prompts] == [[1, PAD, 2], [1, 2]]  # one pad per screenshot
+    np.testing.assert_array_equal(np.asarray(prompts[0]["multi_modal_data"]["image"][0]), shot)
+    assert "multi_modal_data" not in prompts[1] and lora is None
+    assert [(p.seed, p.top_k, p.temperature, p.max_tokens, p.logprobs) for p in params] == [
+        (100, -1, 0.7, 8, 0), (101, -1, 0.7, 8, 0)]
+    assert params[0].logit_bias == {PAD: -100.0, 4: -100.0} and params[0].stop_token_ids == [STOP]
+    assert params[0].skip_special_tokens is False
+    assert out[0].prompt_token_ids == [1, PAD, PAD, PAD, PAD, 2] and out[0].token_ids == [5, 6, STOP]
+    assert out[0].logprobs == [-0.5, -1.0, -0.25] and out[0].finish_reason == "stop" and out[0].text == "ab"
+
+    weights = np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)
+    engine.load_weights([("model.norm.weight", weights)])
+    loaded = llm.model.loaded["model.norm.weight"]
+    assert str(loaded.dtype) == "torch.bfloat16" and loaded.float().numpy().tolist() == weights.astype(np.float32).tolist()
+    assert llm.resets == ["prefix", "encoder"]  # the vision tower trains: its cached features are stale too
+    engine.load_adapter(tmp_path / "v000003", 3)
+    assert llm.resets[2:] == ["prefix"]
+    engine.generate(requests[1:], sampling)
+    assert llm.requests[1][2] == ("guijax-v3", 4, str(tmp_path / "v000003"))
+    engine.close()
+    assert engine.llm is None
+
+
+def test_the_vllm_adapter_refuses_what_vllm_cannot_serve(stand_in_vllm, tmp_path):
+    from guijax.rollout.vllm_engine import VllmEngine
+
+    with pytest.raises(ValueError, match="rank up to 512"):
+        VllmEngine(tmp_path, image_token_id=PAD, lora_rank=1024)
+    engine = VllmEngine(tmp_path, image_token_id=PAD)
+    del _LLM.reset_encoder_cache  # a vLLM without an encoder-cache reset
+    try:
+        with pytest.raises(RuntimeError, match="reuse screenshot features from the old vision tower"):
+            engine.load_weights([])
+        VllmEngine(tmp_path, image_token_id=PAD, vision_trained=False).load_weights([])  # a frozen tower: fine
+    finally:
+        _LLM.reset_encoder_cache = _reset_encoder_cache
+
+
+_reset_encoder_cache = _LLM.reset_encoder_cache
 
 
 @pytest.mark.gpu
