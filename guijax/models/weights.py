@@ -342,12 +342,13 @@ def _layer_values(value: jax.Array, rule: TensorRule) -> list[Callable[[], np.nd
             for i in range(len(rule.hf_names))]
 
 
-def hf_entries(params: Any, cfg: ModelConfig, dtype: Any | None = None
-               ) -> list[tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]:
+def hf_entries(params: Any, cfg: ModelConfig, dtype: Any | None = None, device: jax.Device | None = None
+               ) -> list[tuple[str, tuple[int, ...], np.dtype, Callable[[], Any]]]:
     """(checkpoint name, shape, dtype, read) of every tensor of plain `params` in the released checkpoints'
-    layout, sorted by name; each `read()` fetches one tensor to the host (one layer of a scanned leaf), so a
-    writer or a serving engine holds one tensor at a time. In multi-host runs every process must read them
-    all (they gather)."""
+    layout, sorted by name; each `read()` fetches one tensor (one layer of a scanned leaf) to the host, or with
+    `device` as an array on that one device (for an engine on the same accelerator to take by DLPack, without
+    a trip through host memory), so a writer or a serving engine holds one tensor at a time. In multi-host
+    runs every process must read them all (they gather)."""
     flat = traverse_util.flatten_dict(nn.unbox(params))
     adapters = [".".join(p) for p in flat if is_adapter(p)]
     if adapters:
@@ -358,7 +359,8 @@ def hf_entries(params: Any, cfg: ModelConfig, dtype: Any | None = None
         rule = flax_to_hf(path, cfg)
         out_dtype = _numpy_dtype(dtype if dtype is not None else value.dtype)
         shape = _hf_shape(value.shape[len(rule.stack):], rule.layout, cfg)
-        for name, read in zip(rule.hf_names, _layer_values(value, rule)):
+        reads = _layer_values(value, rule) if device is None else _layer_arrays(value, rule, device)
+        for name, read in zip(rule.hf_names, reads):
 
             def fetch(read=read, layout=rule.layout, out_dtype=out_dtype):
                 return _to_checkpoint_layout(read(), layout, cfg).astype(out_dtype)
@@ -366,6 +368,17 @@ def hf_entries(params: Any, cfg: ModelConfig, dtype: Any | None = None
             entries.append((name, shape, out_dtype, fetch))
     entries.sort(key=lambda entry: entry[0])
     return entries
+
+
+def _layer_arrays(value: jax.Array, rule: TensorRule, device: jax.Device) -> list[Callable[[], jax.Array]]:
+    """`_layer_values` kept on `device`: the whole leaf or one layer of a stacked one, gathered there."""
+    def on(x: jax.Array) -> jax.Array:
+        return x if x.sharding.device_set == {device} else jax.device_put(x, device)
+
+    if not rule.stack:
+        return [lambda: on(value)]
+    return [lambda i=i: on(_take_layer(value, np.asarray(np.unravel_index(i, rule.stack), np.int32)))
+            for i in range(len(rule.hf_names))]
 
 
 def save_params(directory: str, params: Any, cfg: ModelConfig, dtype: Any | None = None) -> list[str]:

@@ -10,7 +10,8 @@ the engine's own; the trainer logs their gap to its recomputation (`behaviour_lo
 and `train.behaviour_correction` weighs each token by the truncated ratio.
 
 The engine serves the learner's parameters through `sync_weights`: every tensor in the released checkpoints'
-names (what engines load), one at a time from device to host, or, for LoRA runs, the adapters alone in PEFT's
+names (what engines load), one at a time, through host memory or, for an engine on the learner's accelerator
+(`weights_device`), as arrays on that device it takes by DLPack; for LoRA runs, the adapters alone in PEFT's
 format. The rollout engine calls it whenever the parameters it is handed change, and the time it takes is
 logged per iteration (`time_weight_sync_s`).
 """
@@ -66,8 +67,9 @@ class ServingEngine(Protocol):
 
     def generate(self, requests: Sequence[EngineRequest], sampling: EngineSampling) -> list[EngineOutput]: ...
 
-    def load_weights(self, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
-        """Replace the served weights with these checkpoint-named tensors (every tensor of the model)."""
+    def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
+        """Replace the served weights with these checkpoint-named tensors (every tensor of the model): host
+        arrays, or arrays on the engine's `weights_device` when it names one (a `jax.Device`)."""
 
     def load_adapter(self, directory: pathlib.Path, version: int) -> None:
         """Serve the base weights with the PEFT adapter in `directory` from now on."""
@@ -150,9 +152,10 @@ class ServingSampler:
         from guijax.models.weights import hf_entries
 
         counts = [0, 0]
+        device = getattr(self.engine, "weights_device", None)  # an engine on the learner's accelerator
 
         def tensors():
-            for name, _, _, read in hf_entries(params, self.cfg, self.weight_dtype):
+            for name, _, _, read in hf_entries(params, self.cfg, self.weight_dtype, device):
                 array = read()
                 counts[0] += 1
                 counts[1] += array.nbytes

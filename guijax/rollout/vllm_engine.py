@@ -1,13 +1,15 @@
 """vLLM behind `guijax.rollout.serving.ServingEngine`: the rollouts' sampler on CUDA, in the learner's process.
 
 vLLM is an optional extra (`pip install vllm`, which brings its own CUDA PyTorch); nothing here imports it
-until an engine is built. The engine starts from the policy's Hugging Face directory and is then handed
-the learner's parameters after every update through its model's `load_weights` (checkpoint names, no disk
-round trip), its prefix cache and (where vLLM has one) its cache of vision-encoder outputs reset, so neither
-KV nor screenshot features computed with the old weights are reused; LoRA runs hand it the adapter directory
-instead (the vision tower is frozen under LoRA, so its cached features stay valid). Prompts go in as the trainer's token ids, each screenshot's image-pad run cut to
-one token for vLLM to expand with its own image processor; `ServingSampler` then checks that vLLM's
-expanded prompt is the trainer's token for token.
+until an engine is built. The engine starts from the policy's Hugging Face directory and is then handed the
+learner's parameters after every update through its model's `load_weights` (checkpoint names, no disk round
+trip; on the GPU they share, JAX's arrays are handed over by DLPack, not through host memory), and its
+prefix cache and (where vLLM has one) its cache of vision-encoder outputs are reset, so neither KV nor
+screenshot features computed with the old weights are reused. LoRA runs hand it the adapter directory instead
+(the vision tower is frozen under LoRA, so its cached features stay valid). Prompts go in as the trainer's
+token ids, each screenshot's image-pad run cut to one token for vLLM to expand with its own image processor;
+`ServingSampler` then checks that vLLM's expanded prompt is the trainer's token for token. One GPU per
+engine: the model must live in this process for `load_weights` to reach it.
 
 Its log-probs are `processed_logprobs`: after temperature and logit bias, as the JAX sampler's are (the
 serving sampler refuses top-k/top-p, after which vLLM's would be of the truncated distribution).
@@ -25,6 +27,7 @@ import os
 import pathlib
 from typing import Any, Iterable, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -43,10 +46,13 @@ def require_vllm() -> Any:
     return vllm
 
 
-def _torch_tensor(array: np.ndarray) -> Any:
-    """A host numpy array as a torch tensor without a copy (bfloat16 through its bits)."""
+def _torch_tensor(array: Any) -> Any:
+    """An array as a torch tensor without a copy: a JAX array on the GPU (or CPU) by DLPack, where it lies; a
+    host numpy array in place (bfloat16 through its bits)."""
     import torch
 
+    if isinstance(array, jax.Array):
+        return torch.from_dlpack(array)
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(array))
@@ -78,6 +84,9 @@ class VllmEngine:
             kwargs["mm_processor_kwargs"] = {"max_pixels": max_pixels}
         self._vllm = vllm
         self.llm = vllm.LLM(**kwargs)
+        # vLLM runs on this process's first GPU, which is JAX's first too: weights are handed over there
+        gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+        self.weights_device = gpus[0] if gpus else None
         self.image_token_id = image_token_id
         self._lora: Any = None
 
@@ -103,8 +112,12 @@ class VllmEngine:
                            "features from the old vision tower; upgrade vLLM or freeze the tower "
                            "(--config.model.frozen=\"('visual',)\")")
 
-    def load_weights(self, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
         self._model().load_weights((name, _torch_tensor(array)) for name, array in tensors)
+        if self.weights_device is not None:  # vLLM's copies out of JAX's buffers finish before JAX reuses them
+            import torch
+
+            torch.cuda.synchronize()
         self._reset_caches(self.vision_trained)
 
     def load_adapter(self, directory: pathlib.Path, version: int) -> None:

@@ -64,6 +64,21 @@ def test_sync_hands_the_engine_the_learners_weights_by_checkpoint_name(learner, 
     assert engine.loads == ["weights"]
 
 
+def test_an_engine_on_the_learners_device_takes_arrays_there(learner, proc):
+    """Without a trip through host memory: each tensor arrives as an array on the engine's device, in the
+    checkpoint's layout, and the engine ends up with the learner's weights."""
+    module, params = learner
+    engine = _engine(learner, proc)
+    engine.weights_device = jax.devices()[0]
+    ServingSampler(engine, module.cfg, _sampling(proc), proc.tokenizer).sync_weights(params, 0)
+    assert engine.received and all(isinstance(a, jax.Array) and a.devices() == {jax.devices()[0]}
+                                   for a in engine.received)
+    chex.assert_trees_all_close(engine.params, params)
+    host = ServingSampler(_engine(learner, proc), module.cfg, _sampling(proc), proc.tokenizer)
+    host.sync_weights(params, 0)
+    assert all(isinstance(a, np.ndarray) for a in host.engine.received)
+
+
 def test_greedy_samples_equal_the_jax_samplers_on_screenshot_prompts(learner, proc):
     """Same weights, same preprocessing: the engine path (prompts cut to one pad per screenshot and expanded
     again, screenshots reprocessed) samples what the JAX sampler samples from the trainer's own inputs."""

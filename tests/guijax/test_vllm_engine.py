@@ -145,6 +145,12 @@ def test_the_vllm_adapter_sends_the_trainers_prompts_and_reads_the_answers(stand
     loaded = llm.model.loaded["model.norm.weight"]
     assert str(loaded.dtype) == "torch.bfloat16" and loaded.float().numpy().tolist() == weights.astype(np.float32).tolist()
     assert llm.resets == ["prefix", "encoder"]  # the vision tower trains: its cached features are stale too
+    on_device = jax.numpy.arange(6, dtype=jax.numpy.bfloat16).reshape(3, 2)  # a JAX array: taken by DLPack
+    engine.load_weights([("model.embed_tokens.weight", on_device)])
+    taken = llm.model.loaded["model.embed_tokens.weight"]
+    assert str(taken.dtype) == "torch.bfloat16" and taken.float().numpy().tolist() == np.asarray(
+        on_device, np.float32).tolist()
+    del llm.resets[2:]
     engine.load_adapter(tmp_path / "v000003", 3)
     assert llm.resets[2:] == ["prefix"]
     engine.generate(requests[1:], sampling)

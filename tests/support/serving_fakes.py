@@ -26,11 +26,15 @@ class JaxServingEngine:
         self.base = weights.load_tensors(weights.ArrayReader(dict(initial)), module)
         self.params = self.base
         self.loads: list[str] = []  # "weights" / "adapter v{n}" in the order they came
+        self.received: list[Any] = []  # the arrays of the last weight push, as handed over
+        self.weights_device: Any = None  # set to a jax.Device to take pushed weights as arrays there
         self.requests: list[list[EngineRequest]] = []
         self._samplers: dict[Any, Sampler] = {}
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
+        tensors = list(tensors)
+        self.received = [a for _, a in tensors]
         self.base = weights.load_tensors(weights.ArrayReader({name: np.array(a) for name, a in tensors}),
                                          self.module.clone(lora=None))
         self.params = self.base
