@@ -71,6 +71,15 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
             out.append(f"rollout.backend='vllm' takes rollout.engine_memory_fraction={share:g} of the GPU and JAX "
                        f"preallocates {jax_share:g} of it: start the run with XLA_PYTHON_CLIENT_MEM_FRACTION="
                        f"{max(0.95 - share, 0.05):.2f} in the environment (or lower the engine's share)")
+    if backend != "jax":
+        from guijax.methods import REGISTRY
+
+        named = [config.method] + (list(config.compare.methods) if "methods" in config.stages else [])
+        own = sorted({m for m in named if m in REGISTRY and not REGISTRY[m].rl})
+        if own:
+            out.append(f"rollout.backend={backend!r} samples the RL trainer's rollouts, and {', '.join(own)} "
+                       "train(s) in stages of their own that sample with the JAX sampler: use "
+                       "--config.rollout.backend=jax for them")
     if backend != "jax" and (config.rollout.top_k or config.rollout.top_p < 1.0):
         out.append(f"rollout.backend={backend!r} returns log-probs of the top-k/top-p-truncated distribution, the "
                    "learner scores the whole one: set rollout.top_k=0 and rollout.top_p=1.0")

@@ -147,6 +147,10 @@ def test_preflight_names_the_serving_engine_to_install(monkeypatch):
         "start the run with XLA_PYTHON_CLIENT_MEM_FRACTION=0.55 in the environment (or lower the engine's share)"]
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     assert preflight.problems(_config(**{"rollout.backend": "vllm"})) == []
+    seagent = launch.resolve("seagent_cpu", ["rollout.backend=vllm"])  # its phases sample on their own
+    assert preflight.problems(seagent) == [
+        "rollout.backend='vllm' samples the RL trainer's rollouts, and seagent train(s) in stages of their own "
+        "that sample with the JAX sampler: use --config.rollout.backend=jax for them"]
 
 
 def test_cli_fails_at_start_with_one_line_per_unmet_need(tmp_path):
