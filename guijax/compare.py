@@ -4,7 +4,9 @@
 
 Each seed is a full run of the recipe (its own base policy, expert stage, LEVEL-1, and every method trained
 from that base policy with the same budget) in WORKDIR/seed_N, resumable like any run. The aggregate goes to
-WORKDIR/compare.md and compare.json. `--config.key=value` overrides apply to every seed.
+WORKDIR/compare.md and compare.json. `--config.key=value` overrides apply to every seed. `--aggregate_only`
+runs nothing: it aggregates the `table.json` (and `csr.json`) each WORKDIR/seed_N already holds, e.g. seeds
+run on different machines or by `python -m guijax.launch --config.seed=N` and gathered there.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ FLAGS = flags.FLAGS  # --config and --workdir are guijax.launch's flags
 flags.DEFINE_string("seeds", "0,1,2", "comma-separated seeds")
 flags.DEFINE_string("methods", "all", "comma-separated methods of guijax.methods.REGISTRY, or 'all' (every method the "
                     "recipe's stages can feed: those reading the select stage need a recipe that runs it)")
+
+flags.DEFINE_bool("aggregate_only", False, "run nothing; aggregate the tables WORKDIR/seed_N already holds")
 
 COLUMNS = ("expert_only", "train", "held_out", "overall")
 
@@ -75,7 +79,7 @@ def csr_markdown(result: dict[str, dict[str, Any]], seeds: Sequence[int]) -> str
 
 
 def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: Sequence[str],
-        workdir: pathlib.Path) -> dict[str, Any]:
+        workdir: pathlib.Path, aggregate_only: bool = False) -> dict[str, Any]:
     from guijax.methods import REGISTRY
     from guijax.pipeline.registry import run_stages
 
@@ -84,13 +88,21 @@ def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: S
         raise ValueError(f"unknown methods {unknown}; available: {sorted(REGISTRY)}")
     tables, continuation = [], []
     for seed in seeds:
-        config = launch.resolve(config_name, overrides + [f"seed={seed}", f"compare.methods={tuple(methods)!r}"])
-        if "table" not in config.stages or "methods" not in config.stages:
-            raise ValueError(f"recipe {config_name} has no 'methods' and 'table' stages to compare")
         seed_dir = workdir / f"seed_{seed}"
-        print(f"compare: seed {seed} -> {seed_dir}")
-        run_stages(config, seed_dir)
-        tables.append(json.loads((seed_dir / "table.json").read_text()))
+        if aggregate_only:
+            if not (seed_dir / "table.json").exists():
+                raise ValueError(f"--aggregate_only: no {seed_dir / 'table.json'} (seed {seed} has not been run there)")
+        else:
+            config = launch.resolve(config_name, overrides + [f"seed={seed}", f"compare.methods={tuple(methods)!r}"])
+            if "table" not in config.stages or "methods" not in config.stages:
+                raise ValueError(f"recipe {config_name} has no 'methods' and 'table' stages to compare")
+            print(f"compare: seed {seed} -> {seed_dir}")
+            run_stages(config, seed_dir)
+        table = json.loads((seed_dir / "table.json").read_text())
+        missing = [m for m in methods if m not in table]
+        if aggregate_only and missing:  # a run of other methods: the means would silently cover fewer seeds
+            raise ValueError(f"{seed_dir / 'table.json'} has no row for {missing} (its rows: {sorted(table)})")
+        tables.append(table)
         if (seed_dir / "csr.json").exists():
             continuation.append(json.loads((seed_dir / "csr.json").read_text()))
     result = aggregate(tables)
@@ -123,7 +135,7 @@ def main(argv: list[str]) -> None:
     workdir = pathlib.Path(FLAGS.workdir or f"runs/compare_{FLAGS.config}")
     workdir.mkdir(parents=True, exist_ok=True)
     logging.set_verbosity(logging.WARNING)
-    run(FLAGS.config, _OVERRIDES, seeds, methods, workdir)
+    run(FLAGS.config, _OVERRIDES, seeds, methods, workdir, aggregate_only=FLAGS.aggregate_only)
 
 
 _OVERRIDES: list[str] = []

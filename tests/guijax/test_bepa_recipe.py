@@ -363,3 +363,23 @@ def test_compare_all_means_every_method_the_recipes_stages_can_feed():
     assert "bepa" in plain and not {"arpo", "rft", "dpo", "kto"} & set(plain)  # bepa_cpu runs no select stage
     with_select = feedable_methods(tuple(stages) + ("select",), REGISTRY)
     assert {"arpo", "rft", "dpo", "kto"} <= set(with_select) and set(plain) < set(with_select)
+
+
+def test_compare_aggregates_tables_already_run_without_running(tmp_path):
+    """`--aggregate_only`: the seeds' tables as they lie in WORKDIR/seed_N, nothing run; a missing seed or a
+    table without one of the methods is named."""
+    import json
+
+    from guijax import compare
+
+    for seed, rate in ((0, 0.5), (1, 1.0)):
+        (tmp_path / f"seed_{seed}").mkdir()
+        (tmp_path / f"seed_{seed}" / "table.json").write_text(json.dumps(
+            {"base policy": {"train": 0.25, "held_out": 0.0, "overall": 0.2}, "grpo": {"train": rate, "overall": rate}}))
+    result = compare.run("grpo_cpu", [], [0, 1], ["grpo"], tmp_path, aggregate_only=True)
+    assert result["grpo"]["train"] == {"mean": 0.75, "std": 0.25, "n": 2}
+    assert "| grpo | – | 75.0 ± 25.0 |" in (tmp_path / "compare.md").read_text()
+    with pytest.raises(ValueError, match="no .*seed_2/table.json"):
+        compare.run("grpo_cpu", [], [0, 2], ["grpo"], tmp_path, aggregate_only=True)
+    with pytest.raises(ValueError, match=r"has no row for \['bepa'\]"):
+        compare.run("grpo_cpu", [], [0, 1], ["grpo", "bepa"], tmp_path, aggregate_only=True)
