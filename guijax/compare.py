@@ -117,6 +117,17 @@ def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: S
     return result
 
 
+def tabled_methods(workdir: pathlib.Path, seeds: Sequence[int]) -> list[str]:
+    """The methods with a row in every seed's WORKDIR/seed_N/table.json (a missing table is named)."""
+    rows = []
+    for seed in seeds:
+        path = workdir / f"seed_{seed}" / "table.json"
+        if not path.exists():
+            raise ValueError(f"--aggregate_only: no {path} (seed {seed} has not been run there)")
+        rows.append(set(json.loads(path.read_text())) - {"base policy"})
+    return sorted(set.intersection(*rows)) if rows else []
+
+
 def feedable_methods(stages: Sequence[str], registry: Mapping[str, Any]) -> list[str]:
     """'all': every registered method whose input stages the recipe runs (with the command's overrides), so
     adding the `select` stage brings in ARPO and the offline methods."""
@@ -128,11 +139,13 @@ def main(argv: list[str]) -> None:
     from guijax.methods import REGISTRY
 
     seeds = [int(s) for s in FLAGS.seeds.split(",") if s.strip()]
-    if FLAGS.methods == "all":
+    workdir = pathlib.Path(FLAGS.workdir or f"runs/compare_{FLAGS.config}")
+    if FLAGS.aggregate_only and FLAGS.methods == "all":  # the methods the seeds' tables all hold
+        methods = tabled_methods(workdir, seeds)
+    elif FLAGS.methods == "all":
         methods = feedable_methods(launch.resolve(FLAGS.config, _OVERRIDES).stages, REGISTRY)
     else:
         methods = [m.strip() for m in FLAGS.methods.split(",") if m.strip()]
-    workdir = pathlib.Path(FLAGS.workdir or f"runs/compare_{FLAGS.config}")
     workdir.mkdir(parents=True, exist_ok=True)
     logging.set_verbosity(logging.WARNING)
     run(FLAGS.config, _OVERRIDES, seeds, methods, workdir, aggregate_only=FLAGS.aggregate_only)

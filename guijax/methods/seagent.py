@@ -91,6 +91,7 @@ class SEAgent(Method):
     losses = ("grpo",)
     normalizations = ("sequence", "token")
     rl = False
+    samples_on_its_own = True
 
     @property
     def reads(self) -> tuple[str, ...]:

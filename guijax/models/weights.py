@@ -362,8 +362,8 @@ def hf_entries(params: Any, cfg: ModelConfig, dtype: Any | None = None, device: 
         reads = _layer_values(value, rule) if device is None else _layer_arrays(value, rule, device)
         for name, read in zip(rule.hf_names, reads):
 
-            def fetch(read=read, layout=rule.layout, out_dtype=out_dtype):
-                return _to_checkpoint_layout(read(), layout, cfg).astype(out_dtype)
+            def fetch(read=read, layout=rule.layout, out_dtype=out_dtype):  # cast first: a narrower transpose
+                return _to_checkpoint_layout(read().astype(out_dtype), layout, cfg)
 
             entries.append((name, shape, out_dtype, fetch))
     entries.sort(key=lambda entry: entry[0])
@@ -371,9 +371,12 @@ def hf_entries(params: Any, cfg: ModelConfig, dtype: Any | None = None, device: 
 
 
 def _layer_arrays(value: jax.Array, rule: TensorRule, device: jax.Device) -> list[Callable[[], jax.Array]]:
-    """`_layer_values` kept on `device`: the whole leaf or one layer of a stacked one, gathered there."""
+    """`_layer_values` kept on `device`: the whole leaf or one layer of a stacked one, gathered there (across
+    hosts through the host, as `_host_value` does: a process cannot address other hosts' shards)."""
     def on(x: jax.Array) -> jax.Array:
-        return x if x.sharding.device_set == {device} else jax.device_put(x, device)
+        if x.sharding.device_set == {device}:
+            return x
+        return jax.device_put(x if x.is_fully_addressable else _host_value(x), device)
 
     if not rule.stack:
         return [lambda: on(value)]

@@ -113,11 +113,17 @@ class VllmEngine:
                            "(--config.model.frozen=\"('visual',)\")")
 
     def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
-        self._model().load_weights((name, _torch_tensor(array)) for name, array in tensors)
-        if self.weights_device is not None:  # vLLM's copies out of JAX's buffers finish before JAX reuses them
-            import torch
+        def handed():
+            for name, array in tensors:
+                yield name, _torch_tensor(array)
+                # resumed when vLLM asks for the next tensor: its copies out of this one (a JAX buffer handed
+                # over by DLPack, which JAX may reuse once the array is dropped) finish first
+                if isinstance(array, jax.Array) and self.weights_device is not None:
+                    import torch
 
-            torch.cuda.synchronize()
+                    torch.cuda.synchronize()
+
+        self._model().load_weights(handed())
         self._reset_caches(self.vision_trained)
 
     def load_adapter(self, directory: pathlib.Path, version: int) -> None:

@@ -376,6 +376,7 @@ def test_compare_aggregates_tables_already_run_without_running(tmp_path):
         (tmp_path / f"seed_{seed}").mkdir()
         (tmp_path / f"seed_{seed}" / "table.json").write_text(json.dumps(
             {"base policy": {"train": 0.25, "held_out": 0.0, "overall": 0.2}, "grpo": {"train": rate, "overall": rate}}))
+    assert compare.tabled_methods(tmp_path, [0, 1]) == ["grpo"]  # `--methods=all` with --aggregate_only
     result = compare.run("grpo_cpu", [], [0, 1], ["grpo"], tmp_path, aggregate_only=True)
     assert result["grpo"]["train"] == {"mean": 0.75, "std": 0.25, "n": 2}
     assert "| grpo | – | 75.0 ± 25.0 |" in (tmp_path / "compare.md").read_text()

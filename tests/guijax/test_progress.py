@@ -149,8 +149,11 @@ def test_preflight_names_the_serving_engine_to_install(monkeypatch):
     assert preflight.problems(_config(**{"rollout.backend": "vllm"})) == []
     seagent = launch.resolve("seagent_cpu", ["rollout.backend=vllm"])  # its phases sample on their own
     assert preflight.problems(seagent) == [
-        "rollout.backend='vllm' samples the RL trainer's rollouts, and seagent train(s) in stages of their own "
-        "that sample with the JAX sampler: use --config.rollout.backend=jax for them"]
+        "rollout.backend='vllm' samples the RL trainer's rollouts, and seagent sample(s) rollouts in stages of their "
+        "own, with the JAX sampler: use --config.rollout.backend=jax for them"]
+    offline = launch.resolve("bepa_cpu", ["rollout.backend=vllm", "stages=('base_model', 'tasks', 'expert', 'methods')",
+                                          "compare.methods=('grpo', 'sft')"])  # the SFT baseline samples nothing
+    assert preflight.problems(offline) == []
 
 
 def test_cli_fails_at_start_with_one_line_per_unmet_need(tmp_path):
