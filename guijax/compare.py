@@ -90,8 +90,7 @@ def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: S
     for seed in seeds:
         seed_dir = workdir / f"seed_{seed}"
         if aggregate_only:
-            if not (seed_dir / "table.json").exists():
-                raise ValueError(f"--aggregate_only: no {seed_dir / 'table.json'} (seed {seed} has not been run there)")
+            _run_table(workdir, seed)
         else:
             config = launch.resolve(config_name, overrides + [f"seed={seed}", f"compare.methods={tuple(methods)!r}"])
             if "table" not in config.stages or "methods" not in config.stages:
@@ -119,13 +118,16 @@ def run(config_name: str, overrides: list[str], seeds: Sequence[int], methods: S
 
 def tabled_methods(workdir: pathlib.Path, seeds: Sequence[int]) -> list[str]:
     """The methods with a row in every seed's WORKDIR/seed_N/table.json (a missing table is named)."""
-    rows = []
-    for seed in seeds:
-        path = workdir / f"seed_{seed}" / "table.json"
-        if not path.exists():
-            raise ValueError(f"--aggregate_only: no {path} (seed {seed} has not been run there)")
-        rows.append(set(json.loads(path.read_text())) - {"base policy"})
+    rows = [set(json.loads(_run_table(workdir, seed).read_text())) - {"base policy"} for seed in seeds]
     return sorted(set.intersection(*rows)) if rows else []
+
+
+def _run_table(workdir: pathlib.Path, seed: int) -> pathlib.Path:
+    """WORKDIR/seed_N/table.json of a seed already run; `--aggregate_only` names one that is missing."""
+    path = workdir / f"seed_{seed}" / "table.json"
+    if not path.exists():
+        raise ValueError(f"--aggregate_only: no {path} (seed {seed} has not been run there)")
+    return path
 
 
 def feedable_methods(stages: Sequence[str], registry: Mapping[str, Any]) -> list[str]:

@@ -86,6 +86,13 @@ def _images_per_row(input_ids: np.ndarray, attention_mask: np.ndarray, image_gri
     return np.asarray(bounds)
 
 
+def vision_placeholder_ids(cfg: ModelConfig) -> list[int]:
+    """The input-only vision tokens (image/video pad, vision start/end) in the vocabulary: what a sampler with
+    `suppress_vision_tokens` never samples, this one or a serving engine."""
+    return [i for i in (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
+            if i is not None and 0 <= i < cfg.vocab_size]
+
+
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
     for b in sorted(buckets):
         if n <= b:
@@ -292,8 +299,7 @@ class Sampler:
         head = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
         head = head.astype(self.module.dtype)
 
-        suppressed = [i for i in (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id,
-                                  cfg.vision_end_token_id) if i is not None and 0 <= i < cfg.vocab_size]
+        suppressed = vision_placeholder_ids(cfg)
         blocked = jnp.zeros((cfg.vocab_size,), jnp.float32)
         if sc.suppress_vision_tokens and suppressed:
             blocked = blocked.at[jnp.asarray(suppressed)].set(-jnp.inf)

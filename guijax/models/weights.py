@@ -10,6 +10,7 @@ copy of the model per device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, Callable
@@ -333,12 +334,14 @@ def _take_layer(x: jax.Array, index: jax.Array) -> jax.Array:
     return jax.lax.dynamic_slice(x, start, (1,) * k + x.shape[k:]).reshape(x.shape[k:])
 
 
-def _layer_values(value: jax.Array, rule: TensorRule) -> list[Callable[[], np.ndarray]]:
-    """Host reads of each checkpoint tensor of a leaf: the whole leaf, or one layer of a stacked one at a
-    time (a stacked 7B MLP kernel is 7.6 GB in float32; one layer is what the writer holds)."""
+def _layer_values(value: jax.Array, rule: TensorRule, fetch: Callable[[jax.Array], Any] = _host_value
+                  ) -> list[Callable[[], Any]]:
+    """Reads of each checkpoint tensor of a leaf, by `fetch` (to the host by default): the whole leaf, or one
+    layer of a stacked one at a time (a stacked 7B MLP kernel is 7.6 GB in float32; one layer is what the
+    writer holds)."""
     if not rule.stack:
-        return [lambda: _host_value(value)]
-    return [lambda i=i: _host_value(_take_layer(value, np.asarray(np.unravel_index(i, rule.stack), np.int32)))
+        return [lambda: fetch(value)]
+    return [lambda i=i: fetch(_take_layer(value, np.asarray(np.unravel_index(i, rule.stack), np.int32)))
             for i in range(len(rule.hf_names))]
 
 
@@ -359,7 +362,8 @@ def hf_entries(params: Any, cfg: ModelConfig, dtype: Any | None = None, device: 
         rule = flax_to_hf(path, cfg)
         out_dtype = _numpy_dtype(dtype if dtype is not None else value.dtype)
         shape = _hf_shape(value.shape[len(rule.stack):], rule.layout, cfg)
-        reads = _layer_values(value, rule) if device is None else _layer_arrays(value, rule, device)
+        reads = _layer_values(value, rule, _host_value if device is None else functools.partial(_on_device,
+                                                                                                device=device))
         for name, read in zip(rule.hf_names, reads):
 
             def fetch(read=read, layout=rule.layout, out_dtype=out_dtype):  # cast first: a narrower transpose
@@ -370,18 +374,12 @@ def hf_entries(params: Any, cfg: ModelConfig, dtype: Any | None = None, device: 
     return entries
 
 
-def _layer_arrays(value: jax.Array, rule: TensorRule, device: jax.Device) -> list[Callable[[], jax.Array]]:
-    """`_layer_values` kept on `device`: the whole leaf or one layer of a stacked one, gathered there (across
-    hosts through the host, as `_host_value` does: a process cannot address other hosts' shards)."""
-    def on(x: jax.Array) -> jax.Array:
-        if x.sharding.device_set == {device}:
-            return x
-        return jax.device_put(x if x.is_fully_addressable else _host_value(x), device)
-
-    if not rule.stack:
-        return [lambda: on(value)]
-    return [lambda i=i: on(_take_layer(value, np.asarray(np.unravel_index(i, rule.stack), np.int32)))
-            for i in range(len(rule.hf_names))]
+def _on_device(x: jax.Array, device: jax.Device) -> jax.Array:
+    """`x` whole on `device`: gathered there (across hosts through the host, as `_host_value` does: a process
+    cannot address other hosts' shards)."""
+    if x.sharding.device_set == {device}:
+        return x
+    return jax.device_put(x if x.is_fully_addressable else _host_value(x), device)
 
 
 def save_params(directory: str, params: Any, cfg: ModelConfig, dtype: Any | None = None) -> list[str]:

@@ -30,7 +30,7 @@ from absl import logging
 
 from guijax.models.config import ModelConfig
 from guijax.models.lora import LoraConfig
-from guijax.sampling import SampleOutput, SamplingConfig
+from guijax.sampling import SampleOutput, SamplingConfig, vision_placeholder_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +210,7 @@ class ServingSampler:
                                  f"{len(shots)} given")
         sc = self.config
         seed = int(jax.random.randint(rng, (), 0, 2 ** 31 - 1))
-        banned = tuple(i for i in (self.cfg.image_token_id, self.cfg.video_token_id, self.cfg.vision_start_token_id,
-                                   self.cfg.vision_end_token_id)
-                       if sc.suppress_vision_tokens and i is not None and 0 <= i < self.cfg.vocab_size)
+        banned = tuple(vision_placeholder_ids(self.cfg)) if sc.suppress_vision_tokens else ()
         sampling = EngineSampling(sc.temperature, sc.top_p, sc.top_k, sc.max_new_tokens, tuple(sc.stop_token_ids),
                                   banned, seed)
         requests = [EngineRequest(ids, tuple(np.asarray(s) for s in shots)) for ids, shots in zip(prompts, images)]
