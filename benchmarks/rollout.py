@@ -18,7 +18,7 @@ an hour a trainer turns over and how much of that time it sits waiting on enviro
     (5 full-HD screenshots: about 13,900 tokens) measures a GUI decode; its prefill skips the vision tower.
 
   python benchmarks/rollout.py --parts sampler --sampler-preset qwen2_5_vl_7b --sampler-dtype bfloat16 \
-      --batches 8,64 --prompt-len 13952 --new-tokens 64 --repeats 3
+      --batches 8,64 --prompt-len 13952 --new-tokens 256 --prefill-rows 8 --repeats 2
 (c) e2e: a fresh tiny checkpoint, desk tasks and (optionally, --sft-steps) a scripted-expert SFT warm start
     via guijax.pipeline, then guijax.trainer.Trainer.iterate() --warmup-iterations times untimed and once
     timed. Figures come from the metrics the trainer already logs: episodes/hour = episodes * 3600 /
@@ -44,7 +44,7 @@ import pathlib
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
@@ -107,11 +107,13 @@ def decode_bytes_per_step(cfg, params: Any, batch: int, kv_tokens: float, cache_
 
 
 def bench_sampler(preset: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int,
-                  dtype: str = "float32") -> list[dict[str, Any]]:
-    """Sampler speed per batch size; on a GPU/TPU with a known spec bandwidth, decode against its roofline."""
+                  dtype: str = "float32", prefill_rows: int = 0,
+                  on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+    """Sampler speed per batch size; on a GPU/TPU with a known spec bandwidth, decode against its roofline.
+    `on_row` gets the rows so far after each batch size (a 7B run is long: what finished is kept)."""
     from guijax.models import weights
     from guijax.models.config import get_preset
-    from guijax.sampling import Sampler, SamplingConfig
+    from guijax.sampling import Sampler, SamplingConfig, vision_placeholder_ids
 
     cfg = get_preset(preset)
     jdtype = jnp.dtype(dtype)
@@ -120,13 +122,15 @@ def bench_sampler(preset: str, batches: list[int], prompt_len: int, new_tokens: 
         params = weights.init_params(module, jax.random.PRNGKey(0))
     params = jax.device_put(params, jax.devices()[0])
     bandwidth = bc.spec_bandwidth(jax.devices()[0].device_kind) if jax.default_backend() != "cpu" else None
-    common = dict(temperature=1.0, stop_token_ids=(-1,), prompt_buckets=(prompt_len,))
+    common = dict(temperature=1.0, stop_token_ids=(-1,), prompt_buckets=(prompt_len,), prefill_rows=prefill_rows)
     full = Sampler(module, SamplingConfig(max_new_tokens=new_tokens, **common))
     prefill = Sampler(module, SamplingConfig(max_new_tokens=1, **common))
     rs = np.random.RandomState(0)
     rows = []
     for b in batches:
         ids = rs.randint(0, cfg.vocab_size - 16, (b, prompt_len)).astype(np.int32)
+        ids[np.isin(ids, vision_placeholder_ids(cfg))] = 0  # text prompts: no image-pad token without its image
+        print(f"sampler batch {b}: compiling and timing", file=sys.stderr, flush=True)
         key = jax.random.PRNGKey(b)
         out_holder = {}
 
@@ -142,19 +146,22 @@ def bench_sampler(preset: str, batches: list[int], prompt_len: int, new_tokens: 
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
             rows.append({"batch": b, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
-                         "error": str(err).splitlines()[0]})
+                         "prefill_rows": prefill_rows, "error": str(err).splitlines()[0]})
             out_holder.clear()
+            on_row(rows)
             continue
         tf, tp = bc.median(t_full), bc.median(t_pre)
         decode = b * (new_tokens - 1) / (tf - tp) if tf > tp and new_tokens > 1 else None
         need = decode_bytes_per_step(cfg, params, b, prompt_len + new_tokens / 2, jnp.dtype(full.cache_dtype).itemsize)
         roofline = b * bandwidth / need["total"] if bandwidth else None
         rows.append({"batch": b, "prompt_len": prompt_len, "new_tokens": new_tokens, "generated": generated,
+                     "prefill_rows": prefill_rows,
                      "dtype": dtype, "generate_s": tf, "prefill_s": tp, "times_s": [round(x, 5) for x in t_full],
                      "tokens_per_s": generated / tf, "decode_tokens_per_s": decode,
                      "decode_bytes_per_step": need, "hbm_bytes_per_s": bandwidth,
                      "roofline_decode_tokens_per_s": roofline,
                      "roofline_fraction": decode / roofline if decode and roofline else None})
+        on_row(rows)
     return rows
 
 
@@ -267,7 +274,8 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("sampler"):
         s = res["sampler"]
         out += [f"**(b) sampler**, {res['sampler_preset']} preset, prompt {s[0]['prompt_len']} tokens, "
-                f"{s[0]['new_tokens']} new tokens per row:", "",
+                f"{s[0]['new_tokens']} new tokens per row"
+                + (f", prefill {s[0]['prefill_rows']} rows at a time" if s[0].get("prefill_rows") else "") + ":", "",
                 "| batch | generate (s) | tokens/s | prefill (s) | decode tokens/s | decode roofline (HBM) | of roofline |",
                 "|---:|---:|---:|---:|---:|---:|---:|"]
         for r in s:
@@ -313,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="8,32,128")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prefill-rows", type=int, default=0,
+                   help="the sampler's prefill_rows: rows per prefill pass, every row then decoding together (0: one pass)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--e2e-preset", default="tiny")
     p.add_argument("--e2e-workers", type=int, default=8)
@@ -340,8 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         res["env"] = bench_env(a.env_steps)
         print(f"env: {res['env']['steps_per_second_per_core']:,.0f} steps/s/core", file=sys.stderr, flush=True)
     if "sampler" in parts:
+        def keep(rows):
+            res["sampler"] = rows
+            bc.write_outputs(a.json, a.markdown, res, markdown(res))
+
         res["sampler"] = bench_sampler(a.sampler_preset, [int(b) for b in a.batches.split(",") if b],
-                                       a.prompt_len, a.new_tokens, a.repeats, a.sampler_dtype)
+                                       a.prompt_len, a.new_tokens, a.repeats, a.sampler_dtype, a.prefill_rows, keep)
         for r in res["sampler"]:
             print(f"sampler batch {r['batch']}: " + (r["error"] if "error" in r else f"{r['tokens_per_s']:,.0f} tokens/s"),
                   file=sys.stderr, flush=True)

@@ -523,14 +523,20 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     sampler = Sampler(module, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens,
                                              prompt_buckets=tuple(config.pipeline.length_buckets),
                                              patch_bucket=config.pipeline.patch_bucket, vision_blocks=blocks,
-                                             pad_images_with_rows=images_padded_with_rows(config)), mesh=mesh)
+                                             pad_images_with_rows=images_padded_with_rows(config),
+                                             prefill_rows=config.rollout.get("prefill_rows", 0)), mesh=mesh)
     boxed = weights.abstract_params(module)
     params = _abstract(nn.unbox(boxed), sharding.param_shardings(boxed, mesh))
     shape = batch_shape(config, model_cfg)
     length = prompt_tokens(config, model_cfg)
-    # the screenshots as the sampler lays them out: one layout, or per-device blocks of rows / blocks rows each
+    # the screenshots as the sampler lays them out: one layout, or per-device blocks of rows / blocks rows each;
+    # with prefill in chunks, one such layout per chunk (the dry run's screenshots are all alike)
     bucket = image_bucket if sampler.config.pad_images_with_rows else None
-    vision = host_batch(dataclasses.replace(shape, rows=rows), model_cfg, blocks, image_bucket=bucket)["vision"]
+    chunks = sampler._row_split(rows)[1]
+    vision = host_batch(dataclasses.replace(shape, rows=rows // chunks), model_cfg, blocks,
+                        image_bucket=bucket)["vision"]
+    if chunks > 1:
+        vision = jax.tree.map(lambda v: jax.ShapeDtypeStruct((chunks, *np.shape(v)), v.dtype), vision)
     i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
     args = (params, i32(rows, length), i32(rows, length), i32(3, rows, length), i32(rows), vision,
             jax.eval_shape(lambda: jax.random.PRNGKey(0)))
@@ -555,7 +561,9 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
 def plan_sampler_rows(config: ml_collections.ConfigDict, model_cfg: Any) -> dict[str, Any]:
     """The most prompts one sampler program holds beside the parameters on the target: compiled at one and
     two rows per data-parallel device, the difference is what a row costs (KV cache and activations); the
-    estimate, rounded down to a power of two (the sampler pads batches to one), is compiled to confirm."""
+    estimate, rounded down to a power of two (the sampler pads batches to one), is compiled to confirm. With
+    `rollout.prefill_rows` a row past those costs less (its prefill activations are a chunk's), so the
+    estimate errs low."""
     target_mesh = _target_mesh(config)
     target, mesh, _ = target_mesh
     ways = sharding.data_parallel_size(mesh)

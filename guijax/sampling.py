@@ -18,8 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from guijax.models.config import ModelConfig
 from guijax.models.positions import mrope_positions, vision_layout
-from guijax.models.vision_blocks import is_blocked
-from guijax.models.qwen2_5_vl import Qwen2_5_VL, default_cache_dtype, init_cache
+from guijax.models.qwen2_5_vl import KVCache, Qwen2_5_VL, constrain_cache, default_cache_dtype, init_cache
 from guijax.sharding import DATA_AXES, data_parallel_size
 
 DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -54,6 +53,12 @@ class SamplingConfig:
     # prompt with five full-HD screenshots is ~16k tokens, so the rows that fit beside the parameters are
     # planned by `python -m guijax.launch --dry_run` and a larger batch is generated in chunks of this size.
     max_rows: int = 0
+    # Rows per prefill pass (0: all in one). Prefill's transients grow with rows x prompt (a 7B model's MLP
+    # at 64 prompts of ~14k tokens: ~68 GB) while decode's only working set is the KV cache, so a large batch
+    # fills the cache a few rows at a time and then decodes every row together (unlike `max_rows`, which
+    # decodes each chunk on its own, at a smaller batch). With a data-parallel mesh each device's rows are cut
+    # alike, so no chunk leaves its device.
+    prefill_rows: int = 0
     # > 1: when the rows split over the data-parallel devices, the screenshots come in this many per-device blocks,
     # each laid out over its own rows' images (guijax.models.vision_blocks), so the tower's gathers stay on
     # their device instead of being replicated (the training step's `pipeline.vision_per_device`)
@@ -223,11 +228,9 @@ class Sampler:
             put = lambda *spec: NamedSharding(self.mesh, P(*spec))  # noqa: E731
 
             def shardings(params_, ids, mask, positions, next_position, vision, rng):
-                # per-device vision blocks split along their leading block axis like the rows; one layout replicated
-                blocked = split and is_blocked(vision)
+                # per-device vision blocks split along their block axis like the rows; one layout replicated
                 ins = (params, put(rows, None), put(rows, None), put(None, rows, None), put(rows),
-                       jax.tree.map(lambda v: put(rows, *[None] * (np.ndim(v) - 1)) if blocked else repl, vision),
-                       repl)
+                       self._vision_shardings(vision, ids.shape[0], split), repl)
                 return ins, (put(rows, None), put(rows, None), put(rows), put(rows))
             return shardings
 
@@ -245,33 +248,67 @@ class Sampler:
         next_position = np.where(mask.any(1), positions.max(axis=(0, 2)) + 1, 0).astype(np.int32)
         vision = None
         if pixel_values is not None:
-            blocks = self.config.vision_blocks
-            if (blocks > 1 and self.mesh is not None and blocks == data_parallel_size(self.mesh)
-                    and ids.shape[0] % blocks == 0):
-                vision = self._vision_blocks(input_ids, attention_mask, np.asarray(pixel_values, np.float32),
-                                             np.asarray(image_grid_thw), blocks)
-            else:
-                [(pix, grid)] = self._pad_vision([(np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw))],
-                                                 ids.shape[0])
+            pixels, grids = np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw)
+            devices, chunks, per = self._row_split(ids.shape[0])
+            blocked = self._vision_blocked(ids.shape[0])
+            if chunks == 1 and not blocked:
+                [(pix, grid)] = self._pad_vision([(pixels, grids)], ids.shape[0])
                 vision = vision_layout(grid, self.cfg.vision).inputs(pix)
+            else:  # one layout per prefill chunk, or per (chunk, device) with per-device blocks
+                order = np.arange(ids.shape[0]).reshape(devices, chunks, per).transpose(1, 0, 2)
+                groups = order.reshape(chunks * devices, per) if blocked else order.reshape(chunks, devices * per)
+                vision = self._vision_groups(input_ids, attention_mask, pixels, grids, groups.tolist())
+                if chunks > 1 and blocked:  # [chunk, device, ...]
+                    vision = {k: v.reshape((chunks, devices) + v.shape[1:]) for k, v in vision.items()}
         return ids, mask, positions, next_position, vision
 
-    def _vision_blocks(self, input_ids, attention_mask, pixels: np.ndarray, grids: np.ndarray,
-                       blocks: int) -> dict[str, np.ndarray]:
-        """Per-device vision blocks: block b lays out the images of rows [b * n, (b + 1) * n), every block padded to
-        one shape (`_pad_vision`)."""
+    def _row_split(self, rows: int) -> tuple[int, int, int]:
+        """(devices, chunks, per): the rows as [devices, chunks, per], devices the data-parallel ones holding them
+        (1 without a mesh or when the rows do not divide over them), chunks the prefill passes (`prefill_rows`):
+        the fewest that divide each device's rows into passes of at most `prefill_rows` rows in all."""
+        devices = 1
+        if self.mesh is not None and rows % data_parallel_size(self.mesh) == 0:
+            devices = data_parallel_size(self.mesh)
+        local, limit = rows // devices, self.config.prefill_rows
+        chunks = 1
+        if limit and rows > limit:
+            chunks = next((c for c in range(2, local + 1) if local % c == 0 and rows // c <= limit), local)
+        return devices, chunks, local // chunks
+
+    def _vision_blocked(self, rows: int) -> bool:
+        """Whether the screenshots come in per-device blocks (`vision_blocks` equal to the data-parallel devices
+        the rows divide over)."""
+        blocks = self.config.vision_blocks
+        return (blocks > 1 and self.mesh is not None and blocks == data_parallel_size(self.mesh)
+                and rows % blocks == 0)
+
+    def _vision_shardings(self, vision: Any, rows: int, split: bool) -> Any:
+        """Per-device blocks split like the rows along their block axis (after the prefill-chunk axis, when there
+        is one); a single layout, or one per prefill chunk, replicated."""
+        if vision is None:
+            return None
+        repl = NamedSharding(self.mesh, P())
+        if not (split and self._vision_blocked(rows)):
+            return jax.tree.map(lambda v: repl, vision)
+        lead = (None,) if self._row_split(rows)[1] > 1 else ()
+        return jax.tree.map(lambda v: NamedSharding(self.mesh, P(*lead, DATA_AXES, *[None] * (np.ndim(v) - 1 - len(lead)))),
+                            vision)
+
+    def _vision_groups(self, input_ids, attention_mask, pixels: np.ndarray, grids: np.ndarray,
+                       groups: list[list[int]]) -> dict[str, np.ndarray]:
+        """One vision layout per group of rows, over those rows' images in row order, every group padded to one
+        shape (`_pad_vision`) and stacked on a leading axis (`stack_blocks`)."""
         from guijax.models.vision_blocks import stack_blocks
 
-        rows = input_ids.shape[0]
-        if rows % blocks:
-            raise ValueError(f"{rows} rows do not split into {blocks} vision blocks")
         images = _images_per_row(input_ids, attention_mask, grids, self.cfg)
         starts = np.concatenate([[0], np.cumsum(np.prod(grids, axis=1))])
-        per = rows // blocks
-        parts = [(pixels[starts[images[b * per]]:starts[images[(b + 1) * per]]],
-                  grids[images[b * per]:images[(b + 1) * per]]) for b in range(blocks)]
+        parts = []
+        for rows in groups:
+            pix = [pixels[starts[images[r]]:starts[images[r + 1]]] for r in rows]
+            parts.append((np.concatenate(pix) if pix else pixels[:0],
+                          np.concatenate([grids[images[r]:images[r + 1]] for r in rows]).reshape(-1, 3)))
         return stack_blocks([vision_layout(grid, self.cfg.vision).inputs(pix)
-                             for pix, grid in self._pad_vision(parts, per)])
+                             for pix, grid in self._pad_vision(parts, len(groups[0]))])
 
     def _pad_vision(self, parts: list[tuple[np.ndarray, np.ndarray]], rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each part's (pixels, grids), the screenshots of `rows` rows, padded to one shape: with screenshots of one
@@ -291,11 +328,8 @@ class Sampler:
     def _generate(self, params, ids, mask, positions, next_position, vision, rng):
         cfg, sc = self.cfg, self.config
         b, prompt_len = ids.shape
-        total = prompt_len + sc.max_new_tokens
-        cache = init_cache(cfg, b, total, self.cache_dtype)
         kv_mask = jnp.concatenate([mask, jnp.zeros((b, sc.max_new_tokens), mask.dtype)], axis=1)
-        hidden, cache = self.module.apply({"params": params}, ids, positions, mask, vision, cache=cache,
-                                          cache_index=0, kv_mask=kv_mask, return_logits=False)
+        last_hidden, cache = self._prefill(params, ids, mask, positions, vision, kv_mask)
         head = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
         head = head.astype(self.module.dtype)
 
@@ -333,9 +367,47 @@ class Sampler:
                                          cache=cache, cache_index=slot, kv_mask=kv_mask, return_logits=False)
             return step + 1, tokens, logps, lengths, done, h[:, -1], cache, kv_mask, rng
 
-        state = (jnp.int32(0), tokens, logps, jnp.zeros((b,), jnp.int32), done, hidden[:, -1], cache, kv_mask, rng)
+        state = (jnp.int32(0), tokens, logps, jnp.zeros((b,), jnp.int32), done, last_hidden, cache, kv_mask, rng)
         _, tokens, logps, lengths, done, *_ = jax.lax.while_loop(cond, body, state)
         return tokens, logps, lengths, done
+
+    def _prefill(self, params, ids, mask, positions, vision, kv_mask) -> tuple[jax.Array, KVCache]:
+        """Each row's last prompt hidden state [b, hidden] and the cache filled with the prompts: in one pass, or
+        `prefill_rows` at a time (chunk c: rows [d, c, :] of every device d's [chunks, per]), each pass writing
+        its rows of the cache in place."""
+        b, total = ids.shape[0], kv_mask.shape[1]
+        devices, chunks, per = self._row_split(b)
+        if chunks == 1:
+            hidden, cache = self.module.apply({"params": params}, ids, positions, mask, vision,
+                                              cache=init_cache(self.cfg, b, total, self.cache_dtype), cache_index=0,
+                                              kv_mask=kv_mask, return_logits=False)
+            return hidden[:, -1], cache
+
+        def take(x, axis, c):  # chunk c's rows of x, whose rows lie along `axis`
+            split = x.reshape(x.shape[:axis] + (devices, chunks, per) + x.shape[axis + 1:])
+            part = jax.lax.dynamic_index_in_dim(split, c, axis + 1, keepdims=False)
+            return part.reshape(x.shape[:axis] + (devices * per,) + x.shape[axis + 1:])
+
+        def put(full, part, axis, c):  # write chunk c's rows into full, in place
+            split = full.reshape(full.shape[:axis] + (devices, chunks, per) + full.shape[axis + 1:])
+            part = part.reshape(part.shape[:axis] + (devices, 1, per) + part.shape[axis + 1:]).astype(full.dtype)
+            start = [0] * split.ndim
+            start[axis + 1] = c
+            return jax.lax.dynamic_update_slice(split, part, start).reshape(full.shape)
+
+        def one_pass(c, carry):
+            cache, last = carry
+            hidden, part = self.module.apply(
+                {"params": params}, take(ids, 0, c), take(positions, 1, c), take(mask, 0, c),
+                None if vision is None else jax.tree.map(lambda v: v[c], vision),
+                cache=init_cache(self.cfg, devices * per, total, self.cache_dtype), cache_index=0,
+                kv_mask=take(kv_mask, 0, c), return_logits=False)
+            cache = KVCache(*(put(f, p, 1, c) for f, p in zip(cache, part)))
+            return constrain_cache(cache), put(last, hidden[:, -1], 0, c)
+
+        last = jnp.zeros((b, self.cfg.hidden_size), self.module.dtype)
+        cache, last = jax.lax.fori_loop(0, chunks, one_pass, (init_cache(self.cfg, b, total, self.cache_dtype), last))
+        return last, cache
 
     def generate(self, params: Any, rng: jax.Array, input_ids, attention_mask=None, pixel_values=None,
                  image_grid_thw=None, **_ignored) -> SampleOutput:
@@ -394,8 +466,7 @@ class Sampler:
         rows = DATA_AXES if ids.shape[0] % data_parallel_size(self.mesh) == 0 else None
         put = lambda x, *spec: jax.device_put(x, NamedSharding(self.mesh, P(*spec)))  # noqa: E731
         if vision is not None:
-            vision = ({k: put(v, rows, *[None] * (np.ndim(v) - 1)) for k, v in vision.items()}
-                      if rows is not None and is_blocked(vision) else put(vision))
+            vision = jax.device_put(vision, self._vision_shardings(vision, ids.shape[0], rows is not None))
         return (put(ids, rows, None), put(mask, rows, None), put(positions, None, rows, None),
                 put(next_position, rows), vision)
 

@@ -163,6 +163,9 @@ class Rollout:
     top_k: int = ranged(0, low=0)  # 0: off
     max_new_tokens: int = ranged(256, low=1)
     max_sampler_rows: int = ranged(0, low=0)  # rows per sampler program (0: all live episodes at once); see --dry_run
+    # rows per prefill pass within a sampler program (0: all at once); every row then decodes together. Long
+    # screenshot prompts make prefill's transients, not the KV cache, what stops a large batch fitting
+    prefill_rows: int = ranged(0, low=0)
     # the screenshots of a sampler call (when of one size) padded with blank ones to its rows x the screenshots per
     # row rounded up: a few programs per row count | exact: one program per screenshot count
     sampler_image_buckets: Literal["rows", "exact"] = "rows"

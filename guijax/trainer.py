@@ -79,6 +79,7 @@ def sampling_config(config: ml_collections.ConfigDict, processor: Any, temperatu
                           max_new_tokens=config.rollout.max_new_tokens, stop_token_ids=stops,
                           prompt_buckets=tuple(config.pipeline.length_buckets),
                           patch_bucket=config.pipeline.patch_bucket, max_rows=config.rollout.max_sampler_rows,
+                          prefill_rows=config.rollout.get("prefill_rows", 0),
                           pad_images_with_rows=images_padded_with_rows(config),
                           vision_blocks=sharding.local_vision_blocks(config, mesh))
 

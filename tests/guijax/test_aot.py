@@ -472,3 +472,14 @@ def test_the_tpu_compiler_refuses_a_program_over_the_budget_it_is_given():
     assert refusal["required_bytes_per_device"] == pytest.approx(peak, rel=0.01)
     assert refusal["compiler_available_bytes"] == 64 * 2 ** 20
     assert aot.compiled_bytes(retried) == aot.compiled_bytes(roomy)
+
+
+@pytest.mark.parametrize("per_device", [False, True])
+def test_the_dry_run_compiles_the_sampler_with_prefill_in_chunks(per_device):
+    """16 rows over 8 devices prefilled 8 at a time compile: two chunks, each with its own vision layout (or
+    per-device blocks of it). (At grpo_cpu's 160-token prompts the prefill is not what fills memory; the
+    saving at long prompts is tested on the sampler itself.)"""
+    overrides = ["mesh.num_devices=8", f"pipeline.vision_per_device={per_device}", "dry_run.topology=",
+                 "rollout.prefill_rows=8"]
+    chunked = aot.compile_sampler(launch.resolve("grpo_cpu", overrides), get_preset("small"), rows=16)
+    assert chunked["compiled"] is True and chunked["vision_blocks"] == (8 if per_device else 1)

@@ -255,8 +255,6 @@ def test_per_device_vision_blocks_sample_what_one_layout_samples(checkpoint):
     mask = np.concatenate([inputs["attention_mask"], np.eye(2, inputs["input_ids"].shape[1], dtype=np.int64)])
     vision = blocked._prepare(ids, mask, inputs["pixel_values"], inputs["image_grid_thw"])[-1]
     assert vision["pixel_values"].shape[0] == 4 and vision["pixel_values"].ndim == 3  # one block per device
-    with pytest.raises(ValueError, match="do not split into 3 vision blocks"):
-        blocked._vision_blocks(ids, mask, inputs["pixel_values"], inputs["image_grid_thw"], 3)
 
 
 def _one_size_prompts(rows: int, seed: int = 0):
@@ -340,3 +338,79 @@ def test_max_rows_generates_in_chunks_with_each_rows_own_images(checkpoint):
     assert bounds.tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="does not match"):
         sampling._images_per_row(inputs["input_ids"], inputs["attention_mask"], GRIDS[::-1], CFG)
+
+
+def _six_image_rows():
+    four, two = _prompts_twice(), _prompts()
+    return {k: np.concatenate([four[k], two[k]]) for k in four}
+
+
+def test_prefill_in_row_chunks_samples_what_one_pass_samples(checkpoint):
+    """6 image rows (run as 8) prefilled 2, 4 or 3 (-> 2) rows at a time, then decoded together: the one-pass
+    tokens and log-probs, greedy and sampled; each chunk's vision layout holds its own rows' screenshots."""
+    path, _ = checkpoint
+    policy = policy_lib.from_pretrained(path)
+    inputs = _six_image_rows()
+    for temperature in (0.0, 1.0):
+        sc = sampling.SamplingConfig(temperature=temperature, max_new_tokens=5, stop_token_ids=(-5,), patch_bucket=64)
+        whole = sampling.Sampler(policy.module, sc).generate(policy.params, jax.random.PRNGKey(1), **inputs)
+        for limit, chunks in ((2, 4), (4, 2), (3, 4)):
+            sampler = sampling.Sampler(policy.module, dataclasses.replace(sc, prefill_rows=limit))
+            assert sampler._row_split(8) == (1, chunks, 8 // chunks)
+            out = sampler.generate(policy.params, jax.random.PRNGKey(1), **inputs)
+            np.testing.assert_array_equal(out.tokens, whole.tokens)
+            np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-5)
+    sampler = sampling.Sampler(policy.module, dataclasses.replace(sc, prefill_rows=4))
+    ids = np.concatenate([inputs["input_ids"], np.zeros((2, inputs["input_ids"].shape[1]), np.int64)])
+    mask = np.concatenate([inputs["attention_mask"], np.eye(2, inputs["input_ids"].shape[1], dtype=np.int64)])
+    vision = sampler._prepare(ids, mask, inputs["pixel_values"], inputs["image_grid_thw"])[-1]
+    # chunk 0: rows 0-3 (4 screenshots), chunk 1: rows 4-5 and two text rows (2, padded with 2 blanks)
+    assert vision["pixel_values"].ndim == 3 and vision["pixel_values"].shape[0] == 2
+    chex.assert_trees_all_close(vision["pixel_values"][0][:int(GRIDS.prod(1).sum()) * 2],
+                                np.concatenate([inputs["pixel_values"][:40]] * 2))
+    assert sampling.Sampler(policy.module, sc)._row_split(8) == (1, 1, 8)  # prefill_rows 0: one pass
+
+
+def test_prefill_in_row_chunks_on_a_mesh_keeps_each_devices_rows(checkpoint):
+    """On a 4-way data-parallel mesh, 8 image rows prefilled 4 at a time take rows [d, c] of each device d's two
+    chunks; with one replicated vision layout or with per-device blocks, the single-device tokens."""
+    path, _ = checkpoint
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
+    single = policy_lib.from_pretrained(path)
+    sharded = policy_lib.from_pretrained(path, mesh=mesh)
+    inputs = _prompts_twice()
+    inputs = {k: np.concatenate([inputs[k], inputs[k]]) for k in inputs}  # 8 rows, 8 screenshots
+    sc = sampling.SamplingConfig(temperature=0.0, max_new_tokens=4, stop_token_ids=(-5,), patch_bucket=64)
+    a = sampling.Sampler(single.module, sc).generate(single.params, jax.random.PRNGKey(0), **inputs)
+    for blocks in (1, 4):
+        chunked = sampling.Sampler(sharded.module, dataclasses.replace(sc, prefill_rows=4, vision_blocks=blocks),
+                                   mesh=mesh)
+        assert chunked._row_split(8) == (4, 2, 1) and chunked._row_split(6) == (1, 2, 3)
+        b = chunked.generate(sharded.params, jax.random.PRNGKey(0), **inputs)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+        vision = chunked._prepare(inputs["input_ids"], inputs["attention_mask"], inputs["pixel_values"],
+                                  inputs["image_grid_thw"])[-1]
+        assert vision["pixel_values"].shape[:2 if blocks > 1 else 1] == ((2, 4) if blocks > 1 else (2,))
+
+
+def test_prefill_in_row_chunks_holds_less_at_its_peak():
+    """Compiled (not run) for 16 text prompts of 2,048 tokens with the small preset: prefilling 4 rows at a time
+    needs well under the temporaries of one 16-row prefill (its activations scale with the rows per pass)."""
+    import flax.linen as nn
+    from guijax.models import weights
+
+    module = weights.build_module(PRESETS["small"], dtype=jnp.float32, param_dtype=jnp.float32)
+    params = nn.unbox(jax.eval_shape(lambda: weights.init_params(module, jax.random.PRNGKey(0))))
+    rows, length = 16, 2048
+    i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
+
+    def temporaries(prefill_rows):
+        sampler = sampling.Sampler(module, sampling.SamplingConfig(max_new_tokens=8, prompt_buckets=(length,),
+                                                                   prefill_rows=prefill_rows))
+        compiled = sampler._programs[True].lower(params, i32(rows, length), i32(rows, length), i32(3, rows, length),
+                                                 i32(rows), None, jax.eval_shape(lambda: jax.random.PRNGKey(0))
+                                                 ).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temporaries(4) < 0.7 * temporaries(0)
