@@ -10,7 +10,7 @@
 # array_record, ml_collections or portpicker) needs them first, e.g. as wheels: pip install --target DIR
 # *.whl and PYTHONPATH=DIR; the script adds the repository itself to PYTHONPATH.
 # SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default: what has not run on
-# a GPU yet, machine,vs_torch_gui_0_5b,sampler_7b,grpo_gpu_frozen_tower_scan,vs_torch_gui_3b). Also:
+# a GPU yet or has changed since, machine,sampler_7b,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan). Also:
 #   gpu_tests: the GPU-only tests (cuDNN attention, Pallas kernels);
 #   grpo_gpu_step: the 7B step training every parameter (84.43 GiB: an H200, not an H100);
 #   vs_torch_0_5b: the 0.5B update against PyTorch on text rows;
@@ -19,12 +19,12 @@
 #   train_step_gui_0_5b: the 0.5B update on a row of 5 full-HD screenshots;
 #   vs_torch_gui_0_5b, vs_torch_gui_3b: GUI rows against PyTorch, one side after the other (the 3B in bf16);
 #   profile_gui_0_5b: a kernel-level profile of the 0.5B GUI step;
-#   sampler_7b: the 7B sampler's decode at batch 64 and 8 with screenshot-length prompts (prefilled 8 rows at a
+#   sampler_7b: the 7B sampler's decode at batch 8 and 64 with screenshot-length prompts (prefilled 8 rows at a
 #     time) against its roofline; each batch size's row is written as it finishes.
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS [PARTS]]}
 budget=${2:-560}
-parts=${3:-machine,vs_torch_gui_0_5b,sampler_7b,grpo_gpu_frozen_tower_scan,vs_torch_gui_3b}
+parts=${3:-machine,sampler_7b,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan}
 mkdir -p "$out"
 log="$out/log.txt"
 start=$(date +%s)
@@ -74,7 +74,7 @@ run_part() {
       --screenshots 5 --seq 0 --remat full --steps 2 --top 25 --dtype bfloat16 \
       --json "$out/profile_step_gui_0_5b.json" --md "$out/profile_step_gui_0_5b.md" ;;
     sampler_7b) part sampler_7b 420 python3 benchmarks/rollout.py --parts sampler --sampler-preset qwen2_5_vl_7b \
-      --sampler-dtype bfloat16 --batches 64,8 --prompt-len 13952 --new-tokens 256 --prefill-rows 8 --repeats 1 \
+      --sampler-dtype bfloat16 --batches 8,64 --prompt-len 13952 --new-tokens 256 --prefill-rows 8 --repeats 1 \
       --json "$out/rollout_sampler_7b.json" --markdown "$out/rollout_sampler_7b.md" ;;
     vs_torch_0_5b) part vs_torch_0_5b 120 python3 benchmarks/vs_torch.py --device cuda --dtype bfloat16 \
       --preset qwen2_5_0_5b --batch 8 --seq 1024 --repeats 7 --json="$out/vs_torch_qwen2_5_0_5b.json" \

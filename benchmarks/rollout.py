@@ -9,8 +9,10 @@ an hour a trainer turns over and how much of that time it sits waiting on enviro
 (b) sampler: guijax.sampling.Sampler tokens/s at each --batches size with --sampler-preset (weights and
     compute in --sampler-dtype), text-only prompts of --prompt-len random tokens, --new-tokens sampled per
     row (temperature 1, no stop token, so every row generates them all). tokens/s = batch * new_tokens /
-    generate() time (prefill included); a second sampler with max_new_tokens=1 times the prefill, so decode
-    tokens/s = batch * (new - 1) / (t_generate - t_prefill). One untimed call compiles; median of --repeats.
+    its generation program's time (prefill included); a second sampler with max_new_tokens=1 times the
+    prefill, so decode tokens/s = batch * (new - 1) / (t_generate - t_prefill). Both programs are compiled
+    ahead of time (their compile seconds are reported), so no untimed call runs a long prefill just to
+    compile; median of --repeats. Batch sizes are powers of two (the sampler pads to one).
     On a GPU/TPU whose spec-sheet HBM bandwidth is known, decode is set against its roofline: a decode step
     reads every decoder and LM-head weight once and each row's KV cache (prompt + half the new tokens on
     average), so batch / (those bytes / bandwidth) tokens/s is the most any sampler can reach. Decode cost
@@ -18,7 +20,7 @@ an hour a trainer turns over and how much of that time it sits waiting on enviro
     (5 full-HD screenshots: about 13,900 tokens) measures a GUI decode; its prefill skips the vision tower.
 
   python benchmarks/rollout.py --parts sampler --sampler-preset qwen2_5_vl_7b --sampler-dtype bfloat16 \
-      --batches 8,64 --prompt-len 13952 --new-tokens 256 --prefill-rows 8 --repeats 2
+      --batches 8,64 --prompt-len 13952 --new-tokens 256 --prefill-rows 8 --repeats 1
 (c) e2e: a fresh tiny checkpoint, desk tasks and (optionally, --sft-steps) a scripted-expert SFT warm start
     via guijax.pipeline, then guijax.trainer.Trainer.iterate() --warmup-iterations times untimed and once
     timed. Figures come from the metrics the trainer already logs: episodes/hour = episodes * 3600 /
@@ -130,26 +132,30 @@ def bench_sampler(preset: str, batches: list[int], prompt_len: int, new_tokens: 
     for b in batches:
         ids = rs.randint(0, cfg.vocab_size - 16, (b, prompt_len)).astype(np.int32)
         ids[np.isin(ids, vision_placeholder_ids(cfg))] = 0  # text prompts: no image-pad token without its image
+        if b & (b - 1):
+            raise SystemExit(f"--batches: {b} is not a power of two (the sampler pads batches to one)")
         print(f"sampler batch {b}: compiling and timing", file=sys.stderr, flush=True)
         key = jax.random.PRNGKey(b)
-        out_holder = {}
 
-        def gen(s=full):
-            out_holder["out"] = s.generate(params, key, ids)
-            return out_holder["out"].tokens
+        def compiled(sampler):  # compiled ahead of time, so no untimed call runs a (long) prefill to compile
+            args = jax.device_put((params, *sampler._prepare(ids, np.ones_like(ids), None, None), key))
+            t0 = time.perf_counter()
+            program = sampler._programs[True].lower(*args).compile()
+            return (lambda: program(*args)), time.perf_counter() - t0
 
         try:
-            t_full = bc.time_calls(gen, repeats)
-            generated = int(out_holder["out"].lengths.sum())
-            t_pre = bc.time_calls(lambda: gen(prefill), repeats)
+            run_full, compile_full = compiled(full)
+            t_full = bc.time_calls(run_full, repeats, warmup=0)
+            run_pre, compile_pre = compiled(prefill)
+            t_pre = bc.time_calls(run_pre, repeats, warmup=0)
         except jax.errors.JaxRuntimeError as err:  # a batch too large for the device: say so, keep the others
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
             rows.append({"batch": b, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
                          "prefill_rows": prefill_rows, "error": str(err).splitlines()[0]})
-            out_holder.clear()
             on_row(rows)
             continue
+        generated = b * new_tokens  # no stop token: every row generates them all
         tf, tp = bc.median(t_full), bc.median(t_pre)
         decode = b * (new_tokens - 1) / (tf - tp) if tf > tp and new_tokens > 1 else None
         need = decode_bytes_per_step(cfg, params, b, prompt_len + new_tokens / 2, jnp.dtype(full.cache_dtype).itemsize)
@@ -158,6 +164,7 @@ def bench_sampler(preset: str, batches: list[int], prompt_len: int, new_tokens: 
                      "prefill_rows": prefill_rows,
                      "dtype": dtype, "generate_s": tf, "prefill_s": tp, "times_s": [round(x, 5) for x in t_full],
                      "tokens_per_s": generated / tf, "decode_tokens_per_s": decode,
+                     "compile_s": {"generate": compile_full, "prefill": compile_pre},
                      "decode_bytes_per_step": need, "hbm_bytes_per_s": bandwidth,
                      "roofline_decode_tokens_per_s": roofline,
                      "roofline_fraction": decode / roofline if decode and roofline else None})

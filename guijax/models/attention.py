@@ -20,8 +20,10 @@ Backends (`implementation`):
   and sum in float32 (online softmax), and tiles whose mask is empty are skipped with `lax.cond`. A
   `custom_vjp` saves only the output and the per-row logsumexp and recomputes each tile's scores in the
   backward pass, so neither direction holds more than one [b, h, block_q, block_k] score tile per step.
-  Lengths that fit one tile run the same arithmetic without the scans and the skip test. Runs on every
-  platform and partitions under `jit` like any other JAX code.
+  Fewer queries than block_q (a KV-cache decode step) widen the key tile to keep its area, so a decode
+  query reads a cache of up to block_q x block_k keys as one tile: a loop step and its skip test cost more
+  than a thin tile's arithmetic. Lengths that fit one tile run the same arithmetic without the scans and
+  the skip test. Runs on every platform and partitions under `jit` like any other JAX code.
 * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (cuDNN flash attention) with the padding
   given as `query_seq_lengths` / `key_value_seq_lengths`, never as a mask. It applies only when
     - the default backend is a GPU and q/k/v are float16 or bfloat16 with head_dim a multiple of 8, <= 128;
@@ -196,6 +198,8 @@ def _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     bq, bk = max(1, min(block_q, sq)), max(1, min(block_k, sk))
+    if bq < block_q:  # few queries (a decode step): wider key tiles, the same score-tile area, fewer tiles
+        bk = max(1, min(sk, block_q * block_k // bq))
     nq, nk = -(-sq // bq), -(-sk // bk)
 
     def blocks(x: jax.Array, n: int, size: int, fill: int = 0) -> jax.Array:

@@ -91,7 +91,8 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, mask: MaskSpec, cache: KVCache | None, cache_index, layer):
         """With a cache, the new keys/values go to slots cache_index.. of layer `layer` and the attention
-        reads that layer's whole (updated) cache."""
+        reads that layer's whole (updated) cache; a prefill into an empty cache (a mask over the new tokens
+        alone) attends the new keys, square and causal as in training, so cuDNN or splash can take it."""
         cfg = self.cfg
         b, s, _ = x.shape
         hd = cfg.head_dim
@@ -109,8 +110,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             cache = KVCache(_write_layer(cache.k, k, layer, cache_index), _write_layer(cache.v, v, layer, cache_index))
-            k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)
-            v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
+            if mask.kv_segment_ids.shape[1] != s:  # else a prefill into an empty cache: the new keys are all
+                k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)
+                v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
         out = attention(q, k.astype(q.dtype), v.astype(q.dtype), causal=True, q_segment_ids=mask.q_segment_ids,
                         kv_segment_ids=mask.kv_segment_ids, q_positions=mask.q_positions,
                         kv_positions=mask.kv_positions, implementation=self.attention_impl,
@@ -338,6 +340,11 @@ class Qwen2_5_VL(nn.Module):
         s = input_ids.shape[1]
         if cache is None:  # segment ids as given: 1 per row, or 1, 2, ... for the examples of a packed row
             segments = attention_mask.astype(jnp.int32)
+            mask = MaskSpec(segments, segments)
+        elif isinstance(cache_index, int) and cache_index == 0:
+            # prefill into an empty cache: every key is a new token, so the prompt attends itself (positions
+            # 0..s-1 on both sides); `kv_mask` then marks the prompt's tokens, as `attention_mask` does
+            segments = (attention_mask != 0).astype(jnp.int32)
             mask = MaskSpec(segments, segments)
         else:
             segments = (attention_mask != 0).astype(jnp.int32)

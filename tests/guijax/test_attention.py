@@ -414,3 +414,61 @@ def test_vision_forward_memory_for_one_1080p_screenshot_is_far_below_dense():
     assert temp("reference") > dense_scores
     blockwise = temp("xla")
     assert blockwise < dense_scores / 8, (blockwise, dense_scores)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr, nested ones included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def test_a_decode_query_reads_a_long_cache_as_one_tile():
+    """One query against 4,096 cached keys in 512-key tiles: one tile of 4,096 keys (no scan, no skip test,
+    no while loop; per-tile loop steps dominated a GPU decode), the reference's output all the same; a
+    square call still loops over its tiles."""
+    rs = np.random.RandomState(0)
+    b, sk, h, kvh, d = 2, 4096, 4, 2, 16
+    q = jnp.asarray(rs.randn(b, 1, h, d), jnp.float32)
+    k, v = (jnp.asarray(rs.randn(b, sk, kvh, d), jnp.float32) for _ in range(2))
+    kv_seg = jnp.asarray(np.arange(sk)[None] < np.array([[3000], [4096]]), jnp.int32)
+    kw = dict(causal=True, q_segment_ids=jnp.ones((b, 1), jnp.int32), kv_segment_ids=kv_seg,
+              q_positions=jnp.full((b, 1), 2999, jnp.int32),
+              kv_positions=jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (b, sk)))
+    decode = jax.make_jaxpr(lambda q, k, v: attention(q, k, v, implementation="xla", **kw))(q, k, v)
+    assert not _primitives(decode.jaxpr) & {"scan", "while", "cond"}
+    chex.assert_trees_all_close(attention(q, k, v, implementation="xla", **kw),
+                                attention(q, k, v, implementation="reference", **kw), atol=1e-5)
+    square = jax.make_jaxpr(lambda x: attention(x, x, x, causal=True, implementation="xla"))(k[:, :1024])
+    assert "scan" in _primitives(square.jaxpr)
+
+
+def test_a_prefill_into_an_empty_cache_attends_the_prompt_alone(monkeypatch):
+    """At cache_index 0 the decoder's attention gets the prompt's own keys with default positions (square and
+    causal, what cuDNN and splash take); a decode step gets the whole cache with its slots."""
+    import guijax.models.qwen2_5_vl as qwen
+
+    cfg = PRESETS["tiny"]
+    b, s, extra = 2, 9, 3
+    ids = jnp.ones((b, s), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (3, b, s))
+    module = Qwen2_5_VL(cfg)
+    params = module.init(jax.random.PRNGKey(0), ids, positions, jnp.ones((b, s), jnp.int32))
+    calls = []
+
+    def recording(q, k, v, **kw):
+        calls.append((q.shape[1], k.shape[1], kw["q_positions"] is None and kw["kv_positions"] is None))
+        return attention(q, k, v, **kw)
+
+    monkeypatch.setattr(qwen, "attention", recording)
+    kv_mask = jnp.concatenate([jnp.ones((b, s), jnp.int32), jnp.zeros((b, extra), jnp.int32)], 1)
+    _, cache = module.apply(params, ids, positions, jnp.ones((b, s), jnp.int32), cache=init_cache(cfg, b, s + extra),
+                            cache_index=0, kv_mask=kv_mask)
+    assert set(calls) == {(s, s, True)}
+    calls.clear()
+    module.apply(params, ids[:, :1], positions[:, :, :1] + s, jnp.ones((b, 1), jnp.int32), cache=cache,
+                 cache_index=s, kv_mask=kv_mask.at[:, s].set(1))
+    assert set(calls) == {(1, s + extra, False)}
