@@ -10,6 +10,7 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -50,6 +51,22 @@ _KIND_ALIASES = (
 )
 
 
+def source_commit() -> str | None:
+    """The checkout's commit, with "+changes" when tracked files differ from it; None outside a git checkout
+    (a device machine gets the working tree without its history)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return None
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+changes" if changed else "")
+
+
 def machine_info() -> dict[str, Any]:
     dev = jax.devices()[0]
     try:
@@ -64,14 +81,15 @@ def machine_info() -> dict[str, Any]:
         "backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
         "cpu_count": os.cpu_count(), "cpus_usable": affinity, "load_average_at_start": load,
         "machine": platform.machine(), "processor": platform.processor() or None, "host": platform.node(),
-        "python": platform.python_version(), "jax": jax.__version__,
+        "python": platform.python_version(), "jax": jax.__version__, "commit": source_commit(),
     }
 
 
 def machine_line(info: dict[str, Any]) -> str:
     return (f"{info['host']}: {info['machine']}, {info['cpus_usable']}/{info['cpu_count']} CPUs usable, "
             f"backend {info['backend']} ({info['device_kind']} x{info['device_count']}), jax {info['jax']}, "
-            f"load average at start {info['load_average_at_start']}")
+            f"load average at start {info['load_average_at_start']}"
+            + (f", commit {info['commit']}" if info.get("commit") else ""))
 
 
 def default_dtype() -> str:

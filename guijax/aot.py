@@ -546,6 +546,7 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
                         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     start = time.perf_counter()
     out = {"rows": rows, "prompt_tokens": length, "new_tokens": config.rollout.max_new_tokens, "vision_blocks": blocks,
+           "prefill_chunks": chunks,
            "kv_cache_bytes_per_row": 2 * model_cfg.num_hidden_layers * (length + config.rollout.max_new_tokens)
            * model_cfg.num_key_value_heads * model_cfg.head_dim * jnp.dtype(sampler.cache_dtype).itemsize}
     _, compiled, compiler = _compile(target, lambda: program.lower(*args))

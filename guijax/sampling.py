@@ -1,7 +1,8 @@
-"""Batched multimodal sampling with a KV cache: one prefill over left-aligned prompts, then a jitted decode
+"""Batched multimodal sampling with a KV cache: one prefill over right-padded prompts, then a jitted decode
 loop that stops when every row has emitted a stop token or `max_new_tokens` is reached.
 
-Prompts are left-padded to a length bucket and images padded to a patch-count bucket, so a run compiles a
+Prompts are right-padded to a length bucket (the layout cuDNN's flash attention takes for the prefill) and
+images padded to a patch-count bucket, so a run compiles a
 handful of programs rather than one per batch. Returned log-probs are those of the behaviour distribution,
 softmax(logits / temperature) before top-k / top-p truncation (what the PPO ratio's denominator needs;
 the trainer scores tokens at the same temperature).
@@ -137,17 +138,24 @@ def pad_to_image_bucket(pixel_values: np.ndarray, grid_thw: np.ndarray, count: i
     return np.concatenate([pixel_values, blank]), np.concatenate([grid_thw, np.repeat(size, extra, axis=0)])
 
 
-def left_align(input_ids: np.ndarray, attention_mask: np.ndarray, length: int, pad_id: int = 0):
-    """Move each row's valid tokens to the right end of a `length`-wide row (left padding)."""
+def pad_right(input_ids: np.ndarray, attention_mask: np.ndarray, length: int, pad_id: int = 0):
+    """Move each row's valid tokens to the start of a `length`-wide row (right padding): what cuDNN's flash
+    attention takes as sequence lengths, so a prefill on a GPU can run it. Decoding then writes every row's
+    new tokens at the same slots past `length`, after its padding, which the cache's mask leaves out."""
     b = input_ids.shape[0]
     ids = np.full((b, length), pad_id, dtype=np.int32)
     mask = np.zeros((b, length), dtype=np.int32)
     for i in range(b):
         valid = input_ids[i][attention_mask[i].astype(bool)]
-        if valid.size:
-            ids[i, length - valid.size:] = valid
-            mask[i, length - valid.size:] = 1
+        ids[i, :valid.size] = valid
+        mask[i, :valid.size] = 1
     return ids, mask
+
+
+def _last_token(hidden: jax.Array, mask: jax.Array) -> jax.Array:
+    """[b, hidden]: each right-padded row's hidden state at its last real token."""
+    last = jnp.maximum(jnp.sum(mask != 0, axis=1) - 1, 0)
+    return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
 
 
 def pad_images(pixel_values: np.ndarray, grid_thw: np.ndarray, multiple: int, merge: int):
@@ -243,7 +251,7 @@ class Sampler:
         input_ids = np.asarray(input_ids)
         attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
         length = bucket_for(int(attention_mask.sum(1).max()), self.config.prompt_buckets)
-        ids, mask = left_align(input_ids, attention_mask, length)
+        ids, mask = pad_right(input_ids, attention_mask, length)
         positions, _ = mrope_positions(ids, mask, image_grid_thw if pixel_values is not None else None, self.cfg)
         next_position = np.where(mask.any(1), positions.max(axis=(0, 2)) + 1, 0).astype(np.int32)
         vision = None
@@ -265,7 +273,8 @@ class Sampler:
     def _row_split(self, rows: int) -> tuple[int, int, int]:
         """(devices, chunks, per): the rows as [devices, chunks, per], devices the data-parallel ones holding them
         (1 without a mesh or when the rows do not divide over them), chunks the prefill passes (`prefill_rows`):
-        the fewest that divide each device's rows into passes of at most `prefill_rows` rows in all."""
+        the fewest that divide each device's rows into passes of at most `prefill_rows` rows in all (at least
+        one row per device: with fewer `prefill_rows` than devices, each pass holds one row per device)."""
         devices = 1
         if self.mesh is not None and rows % data_parallel_size(self.mesh) == 0:
             devices = data_parallel_size(self.mesh)
@@ -381,7 +390,7 @@ class Sampler:
             hidden, cache = self.module.apply({"params": params}, ids, positions, mask, vision,
                                               cache=init_cache(self.cfg, b, total, self.cache_dtype), cache_index=0,
                                               kv_mask=kv_mask, return_logits=False)
-            return hidden[:, -1], cache
+            return _last_token(hidden, mask), cache
 
         def take(x, axis, c):  # chunk c's rows of x, whose rows lie along `axis`
             split = x.reshape(x.shape[:axis] + (devices, chunks, per) + x.shape[axis + 1:])
@@ -403,7 +412,7 @@ class Sampler:
                 cache=init_cache(self.cfg, devices * per, total, self.cache_dtype), cache_index=0,
                 kv_mask=take(kv_mask, 0, c), return_logits=False)
             cache = KVCache(*(put(f, p, 1, c) for f, p in zip(cache, part)))
-            return constrain_cache(cache), put(last, hidden[:, -1], 0, c)
+            return constrain_cache(cache), put(last, _last_token(hidden, take(mask, 0, c)), 0, c)
 
         last = jnp.zeros((b, self.cfg.hidden_size), self.module.dtype)
         cache, last = jax.lax.fori_loop(0, chunks, one_pass, (init_cache(self.cfg, b, total, self.cache_dtype), last))

@@ -198,8 +198,9 @@ def _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     bq, bk = max(1, min(block_q, sq)), max(1, min(block_k, sk))
-    if bq < block_q:  # few queries (a decode step): wider key tiles, the same score-tile area, fewer tiles
-        bk = max(1, min(sk, block_q * block_k // bq))
+    if bq < block_q:  # few queries (a decode step): wider key tiles, at most the same score-tile area, as
+        widest = max(1, block_q * block_k // bq)  # few as that allows, balanced so little is padded
+        bk = -(-sk // -(-sk // widest))
     nq, nk = -(-sq // bq), -(-sk // bk)
 
     def blocks(x: jax.Array, n: int, size: int, fill: int = 0) -> jax.Array:

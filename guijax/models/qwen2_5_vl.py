@@ -110,7 +110,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             cache = KVCache(_write_layer(cache.k, k, layer, cache_index), _write_layer(cache.v, v, layer, cache_index))
-            if mask.kv_segment_ids.shape[1] != s:  # else a prefill into an empty cache: the new keys are all
+            if mask.kv_positions is not None:  # else a prefill into an empty cache: the new keys are all
                 k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)
                 v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
         out = attention(q, k.astype(q.dtype), v.astype(q.dtype), causal=True, q_segment_ids=mask.q_segment_ids,
@@ -322,7 +322,9 @@ class Qwen2_5_VL(nn.Module):
         vision: pixel_values + the VisionLayout arrays, or None for text-only; optionally `token_features`,
         the feature each image-pad token takes when the pixels hold each distinct image once (see `embed`).
         Cache mode: `cache` holds [layers, b, L, kvh, hd] keys and values, the s new tokens are written at slots
-        cache_index..cache_index+s, and `kv_mask` [b, L] marks the valid slots (prompt padding excluded).
+        cache_index..cache_index+s, and `kv_mask` [b, L] marks the valid slots (prompt padding excluded). At a
+        static cache_index of 0 (a prefill into an empty cache) the prompt attends itself under
+        `attention_mask`, and `kv_mask` is not read.
         Returns (logits or hidden [b, s, ...], new cache or None).
         """
         image_features = token_features = deepstack = None
@@ -341,7 +343,7 @@ class Qwen2_5_VL(nn.Module):
         if cache is None:  # segment ids as given: 1 per row, or 1, 2, ... for the examples of a packed row
             segments = attention_mask.astype(jnp.int32)
             mask = MaskSpec(segments, segments)
-        elif isinstance(cache_index, int) and cache_index == 0:
+        elif isinstance(cache_index, (int, np.integer)) and cache_index == 0:
             # prefill into an empty cache: every key is a new token, so the prompt attends itself (positions
             # 0..s-1 on both sides); `kv_mask` then marks the prompt's tokens, as `attention_mask` does
             segments = (attention_mask != 0).astype(jnp.int32)

@@ -483,3 +483,4 @@ def test_the_dry_run_compiles_the_sampler_with_prefill_in_chunks(per_device):
                  "rollout.prefill_rows=8"]
     chunked = aot.compile_sampler(launch.resolve("grpo_cpu", overrides), get_preset("small"), rows=16)
     assert chunked["compiled"] is True and chunked["vision_blocks"] == (8 if per_device else 1)
+    assert chunked["prefill_chunks"] == 2

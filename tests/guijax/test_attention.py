@@ -444,6 +444,12 @@ def test_a_decode_query_reads_a_long_cache_as_one_tile():
                                 attention(q, k, v, implementation="reference", **kw), atol=1e-5)
     square = jax.make_jaxpr(lambda x: attention(x, x, x, causal=True, implementation="xla"))(k[:, :1024])
     assert "scan" in _primitives(square.jaxpr)
+    # small tiles: 1,100 keys in two balanced tiles of 550 (at most 32 x 32 keys each), the reference's output
+    kw = {**kw, "kv_segment_ids": kv_seg[:, :1100], "kv_positions": kw["kv_positions"][:, :1100],
+          "q_positions": jnp.full((b, 1), 1050, jnp.int32)}
+    small = dict(implementation="xla", block_q=32, block_k=32)
+    chex.assert_trees_all_close(attention(q, k[:, :1100], v[:, :1100], **small, **kw),
+                                attention(q, k[:, :1100], v[:, :1100], implementation="reference", **kw), atol=1e-5)
 
 
 def test_a_prefill_into_an_empty_cache_attends_the_prompt_alone(monkeypatch):

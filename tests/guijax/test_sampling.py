@@ -218,8 +218,8 @@ def test_prompt_bucketing_and_errors():
     assert sampling.bucket_for(65, (64, 128)) == 128
     with pytest.raises(ValueError, match="exceeds the largest prompt bucket 128"):
         sampling.bucket_for(129, (64, 128))
-    ids, mask = sampling.left_align(np.array([[5, 6, 0], [7, 0, 0]]), np.array([[1, 1, 0], [1, 0, 0]]), 4)
-    assert ids.tolist() == [[0, 0, 5, 6], [0, 0, 0, 7]] and mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 1]]
+    ids, mask = sampling.pad_right(np.array([[0, 5, 6], [7, 0, 0]]), np.array([[0, 1, 1], [1, 0, 0]]), 4)
+    assert ids.tolist() == [[5, 6, 0, 0], [7, 0, 0, 0]] and mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
 
 
 def test_sharded_sampling_matches_single_device(checkpoint):

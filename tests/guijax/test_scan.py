@@ -145,7 +145,9 @@ def test_remat_policies_give_equal_gradients(scanned_params, reference_gradients
     value, grads = reference_gradients
     (remat_value, _), remat_grads = _loss(weights.build_module(CFG, remat_policy=policy), inputs)(params)
     assert float(remat_value) == pytest.approx(float(value), rel=1e-6)
-    chex.assert_trees_all_close(remat_grads, grads, atol=1e-5, rtol=1e-5)
+    # recomputed activations sum in another order: float32 gradients then differ by a few 1e-5 (the
+    # embedding's summed ones, up to ~6, by ~1e-4 of themselves); a wrong recomputation differs by far more
+    chex.assert_trees_all_close(remat_grads, grads, atol=5e-5, rtol=1e-4)
 
 
 def _saved_residuals(policy: str, scan: bool) -> list[str]:
