@@ -10,7 +10,8 @@
 # array_record, ml_collections or portpicker) needs them first, e.g. as wheels: pip install --target DIR
 # *.whl and PYTHONPATH=DIR; the script adds the repository itself to PYTHONPATH.
 # SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default: what has not run on
-# a GPU yet or has changed since, machine,sampler_7b,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan). Also:
+# a GPU yet or has changed since, machine,sampler_7b,vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,
+# grpo_gpu_frozen_tower_scan). Also:
 #   gpu_tests: the GPU-only tests (cuDNN attention, Pallas kernels);
 #   grpo_gpu_step: the 7B step training every parameter (84.43 GiB: an H200, not an H100);
 #   vs_torch_0_5b: the 0.5B update against PyTorch on text rows;
@@ -18,13 +19,15 @@
 #     (unrolled, or its layers under scan) or as LoRA r128;
 #   train_step_gui_0_5b: the 0.5B update on a row of 5 full-HD screenshots;
 #   vs_torch_gui_0_5b, vs_torch_gui_3b: GUI rows against PyTorch, one side after the other (the 3B in bf16);
+#   vs_torch_gui_0_5b_cudnn: the 0.5B GUI rows with cuDNN attention named: no run-time layout check (a lax.cond
+#     per attention call under `auto`) before each attention;
 #   profile_gui_0_5b: a kernel-level profile of the 0.5B GUI step;
 #   sampler_7b: the 7B sampler's decode at batch 8 and 64 with screenshot-length prompts (prefilled 8 rows at a
 #     time) against its roofline; each batch size's row is written as it finishes.
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS [PARTS]]}
 budget=${2:-560}
-parts=${3:-machine,sampler_7b,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan}
+parts=${3:-machine,sampler_7b,vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan}
 mkdir -p "$out"
 log="$out/log.txt"
 start=$(date +%s)
@@ -66,6 +69,10 @@ run_part() {
       --preset qwen2_5_0_5b --batch 1 --screenshots 5 --remat full --sequential --repeats 5 \
       --json="$out/vs_torch_gui_qwen2_5_0_5b.json" \
       --markdown="$out/vs_torch_gui_qwen2_5_0_5b.md" ;;
+    vs_torch_gui_0_5b_cudnn) part vs_torch_gui_0_5b_cudnn 160 python3 benchmarks/vs_torch.py --device cuda \
+      --dtype bfloat16 --preset qwen2_5_0_5b --batch 1 --screenshots 5 --remat full --sequential --attention cudnn \
+      --repeats 5 --json="$out/vs_torch_gui_qwen2_5_0_5b_cudnn.json" \
+      --markdown="$out/vs_torch_gui_qwen2_5_0_5b_cudnn.md" ;;
     vs_torch_gui_3b) part vs_torch_gui_3b 300 python3 benchmarks/vs_torch.py --device cuda --dtype bfloat16 \
       --param-dtype bfloat16 --sequential --preset qwen2_5_vl_3b --batch 1 --screenshots 5 --remat full \
       --torch-checkpointing --repeats 3 --json="$out/vs_torch_gui_qwen2_5_vl_3b.json" \
@@ -80,7 +87,8 @@ run_part() {
       --preset qwen2_5_0_5b --batch 8 --seq 1024 --repeats 7 --json="$out/vs_torch_qwen2_5_0_5b.json" \
       --markdown="$out/vs_torch_qwen2_5_0_5b.md" ;;
     *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, grpo_gpu_frozen_tower, grpo_gpu_frozen_tower_scan, grpo_gpu_lora," \
-            "train_step_gui_0_5b, vs_torch_gui_0_5b, vs_torch_gui_3b, profile_gui_0_5b, sampler_7b, vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
+            "train_step_gui_0_5b, vs_torch_gui_0_5b, vs_torch_gui_0_5b_cudnn, vs_torch_gui_3b, profile_gui_0_5b, sampler_7b," \
+            "vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
   esac
 }
 for name in ${parts//,/ }; do run_part "$name"; done

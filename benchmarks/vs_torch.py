@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sequential", action="store_true",
                    help="torch's timed steps first, its device memory freed, then guijax's (models too large to "
                         "share one GPU); default: the two alternate step by step")
+    p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
+                   help="guijax's attention backend (the recipes' model.attention): auto on a GPU checks at run time, "
+                        "in a lax.cond per call, that the rows suit cuDNN; cudnn skips that check (rows that do not "
+                        "suit it give NaN)")
     p.add_argument("--layers", default="scan", choices=("scan", "unrolled"),
                    help="guijax's decoder layers under scan or unrolled (the recipes' model.scan_layers)")
     p.add_argument("--json", default=str(bc.RESULTS / f"vs_torch_{bc.jax.default_backend()}.json"))
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     model = torch_model(cfg, a.attn)
     torch_params = sum(q.numel() for q in model.parameters())
     module = weights.build_module(cfg, dtype=jnp.dtype(a.dtype), param_dtype=jnp.dtype(a.param_dtype),
-                                  scan_layers=a.layers == "scan", remat_policy=a.remat)
+                                  scan_layers=a.layers == "scan", remat_policy=a.remat, attention_impl=a.attention)
     host_params = params_from_torch(model, module)  # on the host: the torch model may leave the device first
     if a.param_dtype == "bfloat16":  # torch's AdamW keeps its moments in the parameters' dtype, as guijax does here
         model = model.to(torch.bfloat16)
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         **({"screenshots": a.screenshots, "screenshot_hw": list(hw), "response": a.response,
             "used_tokens_per_row": used, "patches": gui["patches"], "image_tokens_per_screenshot":
             gui["image_tokens_per_screenshot"]} if a.screenshots else {}),
-        "layers": a.layers, "remat": a.remat, "torch_checkpointing": a.torch_checkpointing,
+        "layers": a.layers, "remat": a.remat, "attention": a.attention, "torch_checkpointing": a.torch_checkpointing,
         "param_dtype": a.param_dtype, "sequential": a.sequential,
         "torch_device": a.device,
         "model": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
@@ -301,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "| trainer | step (s) | tokens/s | CPU s per step |",
         "|---|---:|---:|---:|",
-        f"| guijax (JAX {jax.__version__}, layers {a.layers}, remat {a.remat}) | {jt:.4f} | {tokens / jt:,.0f} | "
+        f"| guijax (JAX {jax.__version__}, layers {a.layers}, remat {a.remat}"
+        f"{'' if a.attention == 'auto' else ', attention ' + a.attention}) | {jt:.4f} | {tokens / jt:,.0f} | "
         f"{bc.median(jax_cpu):.3f} |",
         f"| PyTorch {torch.__version__} + transformers {transformers.__version__}"
         f"{', gradient checkpointing' if a.torch_checkpointing else ''} | {tt:.4f} | {tokens / tt:,.0f} | "
