@@ -175,7 +175,9 @@ def print_rollout_plan(plan: dict[str, Any], config: ml_collections.ConfigDict) 
           f"KV cache {format_bytes(one['kv_cache_bytes_per_row'])} per prompt")
     if plan["rows"]:
         now = config.rollout.max_sampler_rows or "all live episodes"
-        print(f"  sampler: {plan['rows']} prompts per program fit (checked: peak "
+        passes = plan["checked"].get("prefill_chunks", 1)
+        prefill = f", their prefill in {passes} passes (rollout.prefill_rows)" if passes > 1 else ""
+        print(f"  sampler: {plan['rows']} prompts per program fit{prefill} (checked: peak "
               f"{format_bytes(plan['checked']['peak_bytes_per_device'])}); rollout.max_sampler_rows is {now}")
 
 

@@ -484,3 +484,15 @@ def test_the_dry_run_compiles_the_sampler_with_prefill_in_chunks(per_device):
     chunked = aot.compile_sampler(launch.resolve("grpo_cpu", overrides), get_preset("small"), rows=16)
     assert chunked["compiled"] is True and chunked["vision_blocks"] == (8 if per_device else 1)
     assert chunked["prefill_chunks"] == 2
+
+
+def test_the_printed_sampler_plan_says_when_the_prefill_runs_in_passes(capsys):
+    config = launch.resolve("grpo_cpu", ["rollout.prefill_rows=8"])
+    one = {"compiled": True, "prompt_tokens": 160, "new_tokens": 48, "peak_bytes_per_device": 2 ** 30,
+           "kv_cache_bytes_per_row": 2 ** 20}
+    for passes, shown in ((4, "their prefill in 4 passes (rollout.prefill_rows)"), (1, None)):
+        launch.print_rollout_plan({"at_one_row_per_device": one, "rows": 32,
+                                   "checked": {**one, "prefill_chunks": passes}}, config)
+        out = capsys.readouterr().out
+        assert "32 prompts per program fit" in out
+        assert (shown in out) if shown else ("passes" not in out)
