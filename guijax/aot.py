@@ -563,8 +563,8 @@ def plan_sampler_rows(config: ml_collections.ConfigDict, model_cfg: Any) -> dict
     """The most prompts one sampler program holds beside the parameters on the target: compiled at one and
     two rows per data-parallel device, the difference is what a row costs (KV cache and activations); the
     estimate, rounded down to a power of two (the sampler pads batches to one), is compiled to confirm. With
-    `rollout.prefill_rows` a row past those costs less (its prefill activations are a chunk's), so the
-    estimate errs low."""
+    `rollout.prefill_rows` a row past those costs less (its prefill activations are a chunk's), so from
+    there the rows double while the compiled program fits, up to an iteration's episodes."""
     target_mesh = _target_mesh(config)
     target, mesh, _ = target_mesh
     ways = sharding.data_parallel_size(mesh)
@@ -590,5 +590,16 @@ def plan_sampler_rows(config: ml_collections.ConfigDict, model_cfg: Any) -> dict
     while rows > ways and (not checked["compiled"] or not checked["fits"]):
         rows //= 2
         checked = compile_sampler(config, model_cfg, rows, target_mesh)
+    if config.rollout.get("prefill_rows", 0) and checked["compiled"] and checked["fits"]:
+        # with the prefill in passes a row past them adds its KV cache alone, less than the one- and
+        # two-row compiles counted: double while the program still fits, up to every episode of an iteration
+        episodes = config.rollout.group_size * config.rollout.tasks_per_iteration
+        most = ways * (1 << max(0, -(-episodes // ways) - 1).bit_length())
+        while rows < most:
+            trial = compile_sampler(config, model_cfg, rows * 2, target_mesh)
+            if not (trial["compiled"] and trial["fits"]) or "refused_under_budget" in trial:
+                break
+            rows, checked = rows * 2, trial
+            plan["grown_with_prefill_passes"] = True
     plan["checked"] = checked
     return {**plan, "rows": rows}

@@ -422,6 +422,27 @@ def test_the_sampler_plan_counts_only_programs_that_fit(monkeypatch, one, two, w
         assert plan["checked"] is one
 
 
+def test_with_prefill_passes_the_sampler_plan_doubles_while_the_program_fits(monkeypatch):
+    """One row 40, two 60 (20 a row): the estimate is 4 rows (80); with rollout.prefill_rows the compiled peaks
+    (4: 80, 8: 88, 16: 96, 32: 104 of 100) let it double to 16; without, it stays at 4; and never past an
+    iteration's episodes (grpo_cpu's 4 x 4 with 16 tasks: 64; with 2 tasks: 8 rows)."""
+    target = aot.Target("tpu", [object()], 100, True, "")
+    monkeypatch.setattr(aot, "_target_mesh", lambda config: (target, "mesh", 1))
+    monkeypatch.setattr(aot.sharding, "data_parallel_size", lambda mesh: 1)
+    peaks = {1: 40, 2: 60, 4: 80, 8: 88, 16: 96, 32: 104}
+    made = []
+    monkeypatch.setattr(aot, "compile_sampler", lambda config, model_cfg, rows, tm: made.append(rows) or
+                        _sampler_report(peaks[rows], peaks[rows] <= 100))
+    for overrides, want, compiled in ((["rollout.prefill_rows=4", "rollout.tasks_per_iteration=16"], 16,
+                                       [1, 2, 4, 8, 16, 32]), ([], 4, [1, 2, 4]),
+                                      (["rollout.prefill_rows=4", "rollout.tasks_per_iteration=2",
+                                        "rollout.group_size=4"], 8, [1, 2, 4, 8])):
+        made.clear()
+        plan = aot.plan_sampler_rows(launch.resolve("grpo_cpu", overrides), None)
+        assert plan["rows"] == want and made == compiled
+        assert plan["checked"]["peak_bytes_per_device"] == peaks[want]
+
+
 @pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
 def test_gpu_proxies_and_tpu_targets_get_their_compilers_memory_budget():
     gpu = aot.compile_target(launch.resolve("grpo_gpu", []), 1)
