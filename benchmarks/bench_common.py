@@ -56,6 +56,10 @@ def source_commit() -> str | None:
     (a device machine gets the working tree without its history)."""
     root = pathlib.Path(__file__).resolve().parent.parent
     try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=10)
+        if top.returncode or pathlib.Path(top.stdout.strip()).resolve() != root:
+            return None  # not a checkout of its own (a copy inside another repository says nothing about this one)
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
         if head.returncode:

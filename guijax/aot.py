@@ -592,9 +592,11 @@ def plan_sampler_rows(config: ml_collections.ConfigDict, model_cfg: Any) -> dict
         checked = compile_sampler(config, model_cfg, rows, target_mesh)
     if config.rollout.get("prefill_rows", 0) and checked["compiled"] and checked["fits"]:
         # with the prefill in passes a row past them adds its KV cache alone, less than the one- and
-        # two-row compiles counted: double while the program still fits, up to every episode of an iteration
-        episodes = config.rollout.group_size * config.rollout.tasks_per_iteration
-        most = ways * (1 << max(0, -(-episodes // ways) - 1).bit_length())
+        # two-row compiles counted: double while the program still fits, up to the prompts one sampler call
+        # holds (an iteration's episodes, in rounds of the environment pool's workers)
+        prompts = min(config.rollout.group_size * config.rollout.tasks_per_iteration, config.env.num_workers)
+        most = ways * (1 << max(0, -(-prompts // ways) - 1).bit_length())
+        plan["rows_cap"] = most
         while rows < most:
             trial = compile_sampler(config, model_cfg, rows * 2, target_mesh)
             if not (trial["compiled"] and trial["fits"]) or "refused_under_budget" in trial:

@@ -423,6 +423,9 @@ class Sampler:
         input_ids = np.asarray(input_ids)
         attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
         rows = input_ids.shape[0]
+        empty = np.flatnonzero(attention_mask.sum(1) == 0)
+        if empty.size:
+            raise ValueError(f"prompt rows {empty.tolist()} hold no tokens (attention_mask all 0): nothing to continue")
         limit = self.config.max_rows
         if limit and rows > limit:
             return self._generate_in_chunks(params, rng, input_ids, attention_mask, pixel_values, image_grid_thw)

@@ -113,9 +113,13 @@ class Attention(nn.Module):
             if mask.kv_positions is not None:  # else a prefill into an empty cache: the new keys are all
                 k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)
                 v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
+        # a decode step's cache slots as positions are beyond cuDNN and splash: a recipe naming either still samples
+        impl = self.attention_impl
+        if mask.kv_positions is not None and impl in ("cudnn", "splash"):
+            impl = "xla"
         out = attention(q, k.astype(q.dtype), v.astype(q.dtype), causal=True, q_segment_ids=mask.q_segment_ids,
                         kv_segment_ids=mask.kv_segment_ids, q_positions=mask.q_positions,
-                        kv_positions=mask.kv_positions, implementation=self.attention_impl,
+                        kv_positions=mask.kv_positions, implementation=impl,
                         block_q=self.attention_block, block_k=self.attention_block)
         out = checkpoint_name(out.reshape(b, s, -1), ATTENTION_OUT)
         return proj(cfg.hidden_size, ("q_heads", "embed"), "o_proj", False)(out), cache

@@ -424,8 +424,9 @@ def test_the_sampler_plan_counts_only_programs_that_fit(monkeypatch, one, two, w
 
 def test_with_prefill_passes_the_sampler_plan_doubles_while_the_program_fits(monkeypatch):
     """One row 40, two 60 (20 a row): the estimate is 4 rows (80); with rollout.prefill_rows the compiled peaks
-    (4: 80, 8: 88, 16: 96, 32: 104 of 100) let it double to 16; without, it stays at 4; and never past an
-    iteration's episodes (grpo_cpu's 4 x 4 with 16 tasks: 64; with 2 tasks: 8 rows)."""
+    (4: 80, 8: 88, 16: 96, 32: 104 of 100) let it double to 16; without, it stays at 4; and never past the
+    prompts one sampler call holds (an iteration's episodes, at most the environment workers: 2 tasks x 4 is 8
+    rows; 16 tasks x 4 with 6 workers, 8)."""
     target = aot.Target("tpu", [object()], 100, True, "")
     monkeypatch.setattr(aot, "_target_mesh", lambda config: (target, "mesh", 1))
     monkeypatch.setattr(aot.sharding, "data_parallel_size", lambda mesh: 1)
@@ -433,10 +434,12 @@ def test_with_prefill_passes_the_sampler_plan_doubles_while_the_program_fits(mon
     made = []
     monkeypatch.setattr(aot, "compile_sampler", lambda config, model_cfg, rows, tm: made.append(rows) or
                         _sampler_report(peaks[rows], peaks[rows] <= 100))
-    for overrides, want, compiled in ((["rollout.prefill_rows=4", "rollout.tasks_per_iteration=16"], 16,
-                                       [1, 2, 4, 8, 16, 32]), ([], 4, [1, 2, 4]),
+    for overrides, want, compiled in ((["rollout.prefill_rows=4", "rollout.tasks_per_iteration=16", "env.num_workers=64"],
+                                       16, [1, 2, 4, 8, 16, 32]), ([], 4, [1, 2, 4]),
                                       (["rollout.prefill_rows=4", "rollout.tasks_per_iteration=2",
-                                        "rollout.group_size=4"], 8, [1, 2, 4, 8])):
+                                        "rollout.group_size=4", "env.num_workers=64"], 8, [1, 2, 4, 8]),
+                                      (["rollout.prefill_rows=4", "rollout.tasks_per_iteration=16",
+                                        "env.num_workers=6"], 8, [1, 2, 4, 8])):
         made.clear()
         plan = aot.plan_sampler_rows(launch.resolve("grpo_cpu", overrides), None)
         assert plan["rows"] == want and made == compiled
@@ -517,3 +520,6 @@ def test_the_printed_sampler_plan_says_when_the_prefill_runs_in_passes(capsys):
         out = capsys.readouterr().out
         assert "32 prompts per program fit" in out
         assert (shown in out) if shown else ("passes" not in out)
+    launch.print_rollout_plan({"at_one_row_per_device": one, "rows": 32, "rows_cap": 32,
+                               "grown_with_prefill_passes": True, "checked": {**one, "prefill_chunks": 4}}, config)
+    assert "as many as one sampler call can hold; more might fit" in capsys.readouterr().out

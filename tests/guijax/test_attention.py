@@ -254,14 +254,20 @@ def test_vision_windows_batched_equal_the_dense_window_mask():
     chex.assert_trees_all_close(grads, ref_grads, atol=1e-4, rtol=1e-4)
 
 
-def test_decoder_blockwise_equals_reference_with_and_without_cache():
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_decoder_blockwise_equals_reference_with_and_without_cache(padding):
+    """Prefill into the cache then one decode step, after the prompt's padding (right: the sampler's layout,
+    the step written after a gap of padded slots) or before it (left)."""
     cfg = PRESETS["tiny"]
     rs = np.random.RandomState(8)
     b, s, extra = 2, 11, 4
     ids = jnp.asarray(rs.randint(0, 900, (b, s)), jnp.int32)
     mask = np.ones((b, s), np.int32)
-    mask[1, :4] = 0  # left padding, as the sampler lays prompts out
+    mask[1, :4] = 0
+    if padding == "right":
+        mask = mask[:, ::-1].copy()
     positions = jnp.asarray(np.broadcast_to(np.maximum(np.cumsum(mask, 1) - 1, 0), (3, b, s)), jnp.int32)
+    next_position = positions.max(axis=(0, 2)) + 1
     ref_module = Qwen2_5_VL(cfg, attention_impl="reference")
     params = ref_module.init(jax.random.PRNGKey(0), ids, positions, jnp.asarray(mask))
     kv_mask = jnp.asarray(np.concatenate([mask, np.zeros((b, extra), np.int32)], 1))
@@ -271,8 +277,8 @@ def test_decoder_blockwise_equals_reference_with_and_without_cache():
         full, _ = module.apply(params, ids, positions, jnp.asarray(mask))
         cached, cache = module.apply(params, ids, positions, jnp.asarray(mask), cache=init_cache(cfg, b, s + extra),
                                      cache_index=0, kv_mask=kv_mask)
-        step, _ = module.apply(params, ids[:, :1], positions[:, :, -1:] + 1, jnp.ones((b, 1), jnp.int32),
-                               cache=cache, cache_index=s, kv_mask=kv_mask.at[:, s].set(1))
+        step, _ = module.apply(params, ids[:, :1], jnp.broadcast_to(next_position[None, :, None], (3, b, 1)),
+                               jnp.ones((b, 1), jnp.int32), cache=cache, cache_index=s, kv_mask=kv_mask.at[:, s].set(1))
         results[impl] = (full, cached, step)
     valid = mask.astype(bool)
     for a, r in zip(results["xla"], results["reference"]):
@@ -448,6 +454,8 @@ def test_a_decode_query_reads_a_long_cache_as_one_tile():
     kw = {**kw, "kv_segment_ids": kv_seg[:, :1100], "kv_positions": kw["kv_positions"][:, :1100],
           "q_positions": jnp.full((b, 1), 1050, jnp.int32)}
     small = dict(implementation="xla", block_q=32, block_k=32)
+    tiled = jax.make_jaxpr(lambda k: attention(q, k, k, **small, **kw))(k[:, :1100])
+    assert "f32[2,2,550,2,16]" in str(tiled) and "1024" not in str(tiled)  # [tiles, b, keys, kv heads, d]
     chex.assert_trees_all_close(attention(q, k[:, :1100], v[:, :1100], **small, **kw),
                                 attention(q, k[:, :1100], v[:, :1100], implementation="reference", **kw), atol=1e-5)
 
@@ -467,7 +475,7 @@ def test_a_prefill_into_an_empty_cache_attends_the_prompt_alone(monkeypatch):
 
     def recording(q, k, v, **kw):
         calls.append((q.shape[1], k.shape[1], kw["q_positions"] is None and kw["kv_positions"] is None))
-        return attention(q, k, v, **kw)
+        return attention(q, k, v, **{**kw, "implementation": "xla"})
 
     monkeypatch.setattr(qwen, "attention", recording)
     kv_mask = jnp.concatenate([jnp.ones((b, s), jnp.int32), jnp.zeros((b, extra), jnp.int32)], 1)
@@ -478,3 +486,15 @@ def test_a_prefill_into_an_empty_cache_attends_the_prompt_alone(monkeypatch):
     module.apply(params, ids[:, :1], positions[:, :, :1] + s, jnp.ones((b, 1), jnp.int32), cache=cache,
                  cache_index=s, kv_mask=kv_mask.at[:, s].set(1))
     assert set(calls) == {(1, s + extra, False)}
+    # a recipe naming cuDNN or splash: its decode steps (cache slots as positions) take the blockwise path
+    named = []
+    monkeypatch.setattr(qwen, "attention", lambda q, k, v, **kw: named.append(kw["implementation"]) or
+                        attention(q, k, v, **{**kw, "implementation": "xla"}))
+    for impl in ("cudnn", "splash"):
+        Qwen2_5_VL(cfg, attention_impl=impl).apply(params, ids[:, :1], positions[:, :, :1] + s,
+                                                   jnp.ones((b, 1), jnp.int32), cache=cache, cache_index=s,
+                                                   kv_mask=kv_mask.at[:, s].set(1))
+        Qwen2_5_VL(cfg, attention_impl=impl).apply(params, ids, positions, jnp.ones((b, s), jnp.int32),
+                                                   cache=init_cache(cfg, b, s + extra), cache_index=0, kv_mask=kv_mask)
+    layers = cfg.num_hidden_layers
+    assert named == (["xla"] * layers + ["cudnn"] * layers) + (["xla"] * layers + ["splash"] * layers)

@@ -305,6 +305,17 @@ def test_the_recipe_chooses_the_samplers_image_buckets():
         assert trainer.sampling_config(config, processor, 1.0).pad_images_with_rows is with_rows
 
 
+def test_a_prompt_row_without_tokens_is_refused(checkpoint):
+    path, _ = checkpoint
+    policy = policy_lib.from_pretrained(path)
+    sampler = sampling.Sampler(policy.module, sampling.SamplingConfig(max_new_tokens=2))
+    ids = np.ones((3, 5), np.int64)
+    mask = np.ones_like(ids)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"prompt rows \[1\] hold no tokens"):
+        sampler.generate(policy.params, jax.random.PRNGKey(0), input_ids=ids, attention_mask=mask)
+
+
 def test_odd_batches_pad_to_a_power_of_two_and_keep_their_rows(checkpoint):
     """3 text rows run as 4 (one dummy row dropped): same greedy tokens as rows sampled alone."""
     path, _ = checkpoint
