@@ -444,6 +444,9 @@ def test_with_prefill_passes_the_sampler_plan_doubles_while_the_program_fits(mon
         plan = aot.plan_sampler_rows(launch.resolve("grpo_cpu", overrides), None)
         assert plan["rows"] == want and made == compiled
         assert plan["checked"]["peak_bytes_per_device"] == peaks[want]
+    made.clear()  # on OSWorld servers the workers are the servers: grpo_gpu's 32
+    plan = aot.plan_sampler_rows(launch.resolve("grpo_gpu", ["rollout.prefill_rows=4"]), None)
+    assert plan["rows"] == 16 and plan["rows_cap"] == 32 and made == [1, 2, 4, 8, 16, 32]
 
 
 @pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
