@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prefill-rows", type=int, default=0,
-                   help="the sampler's prefill_rows: rows per prefill pass, every row then decoding together (0: one pass)")
+                   help="the sampler's prefill_rows: rows per prefill pass, every row then decoding together "
+                        "(0: one pass)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--e2e-preset", default="tiny")
     p.add_argument("--e2e-workers", type=int, default=8)

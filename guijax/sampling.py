@@ -2,10 +2,9 @@
 loop that stops when every row has emitted a stop token or `max_new_tokens` is reached.
 
 Prompts are right-padded to a length bucket (the layout cuDNN's flash attention takes for the prefill) and
-images padded to a patch-count bucket, so a run compiles a
-handful of programs rather than one per batch. Returned log-probs are those of the behaviour distribution,
-softmax(logits / temperature) before top-k / top-p truncation (what the PPO ratio's denominator needs;
-the trainer scores tokens at the same temperature).
+images padded to a patch-count bucket, so a run compiles a handful of programs rather than one per batch.
+Returned log-probs are those of the behaviour distribution, softmax(logits / temperature) before top-k /
+top-p truncation (what the PPO ratio's denominator needs; the trainer scores tokens at the same temperature).
 """
 from __future__ import annotations
 
@@ -300,8 +299,8 @@ class Sampler:
         if not (split and self._vision_blocked(rows)):
             return jax.tree.map(lambda v: repl, vision)
         lead = (None,) if self._row_split(rows)[1] > 1 else ()
-        return jax.tree.map(lambda v: NamedSharding(self.mesh, P(*lead, DATA_AXES, *[None] * (np.ndim(v) - 1 - len(lead)))),
-                            vision)
+        split_blocks = lambda v: P(*lead, DATA_AXES, *[None] * (np.ndim(v) - 1 - len(lead)))  # noqa: E731
+        return jax.tree.map(lambda v: NamedSharding(self.mesh, split_blocks(v)), vision)
 
     def _vision_groups(self, input_ids, attention_mask, pixels: np.ndarray, grids: np.ndarray,
                        groups: list[list[int]]) -> dict[str, np.ndarray]:

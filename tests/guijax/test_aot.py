@@ -434,8 +434,8 @@ def test_with_prefill_passes_the_sampler_plan_doubles_while_the_program_fits(mon
     made = []
     monkeypatch.setattr(aot, "compile_sampler", lambda config, model_cfg, rows, tm: made.append(rows) or
                         _sampler_report(peaks[rows], peaks[rows] <= 100))
-    for overrides, want, compiled in ((["rollout.prefill_rows=4", "rollout.tasks_per_iteration=16", "env.num_workers=64"],
-                                       16, [1, 2, 4, 8, 16, 32]), ([], 4, [1, 2, 4]),
+    for overrides, want, compiled in ((["rollout.prefill_rows=4", "rollout.tasks_per_iteration=16",
+                                        "env.num_workers=64"], 16, [1, 2, 4, 8, 16, 32]), ([], 4, [1, 2, 4]),
                                       (["rollout.prefill_rows=4", "rollout.tasks_per_iteration=2",
                                         "rollout.group_size=4", "env.num_workers=64"], 8, [1, 2, 4, 8]),
                                       (["rollout.prefill_rows=4", "rollout.tasks_per_iteration=16",
