@@ -594,9 +594,9 @@ def plan_sampler_rows(config: ml_collections.ConfigDict, model_cfg: Any) -> dict
         # with the prefill in passes a row past them adds its KV cache alone, less than the one- and
         # two-row compiles counted: double while the program still fits, up to the prompts one sampler call
         # holds (an iteration's episodes, in rounds of the environment pool's workers)
-        env = config.env
-        workers = len(env.server_urls) if env.kind == "osworld" else env.num_workers  # one per server off the desk
-        prompts = min(config.rollout.group_size * config.rollout.tasks_per_iteration, workers)
+        from guijax.pipeline.run import env_workers
+
+        prompts = min(config.rollout.group_size * config.rollout.tasks_per_iteration, env_workers(config.env))
         most = ways * (1 << max(0, -(-prompts // ways) - 1).bit_length())
         plan["rows_cap"] = most
         while rows < most:

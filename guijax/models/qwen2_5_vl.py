@@ -108,15 +108,15 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, name="q_norm", **kw)(q)
             k = RMSNorm(cfg.rms_norm_eps, name="k_norm", **kw)(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # keys at cache slots (a decode step); else training, or a prefill into an empty cache (its keys all new)
+        decoding = mask.kv_positions is not None
         if cache is not None:
             cache = KVCache(_write_layer(cache.k, k, layer, cache_index), _write_layer(cache.v, v, layer, cache_index))
-            if mask.kv_positions is not None:  # else a prefill into an empty cache: the new keys are all
+            if decoding:
                 k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)
                 v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
-        # a decode step's cache slots as positions are beyond cuDNN and splash: a recipe naming either still samples
-        impl = self.attention_impl
-        if mask.kv_positions is not None and impl in ("cudnn", "splash"):
-            impl = "xla"
+        # cache slots as positions are beyond cuDNN and splash: a recipe naming either still decodes
+        impl = "xla" if decoding and self.attention_impl in ("cudnn", "splash") else self.attention_impl
         out = attention(q, k.astype(q.dtype), v.astype(q.dtype), causal=True, q_segment_ids=mask.q_segment_ids,
                         kv_segment_ids=mask.kv_segment_ids, q_positions=mask.q_positions,
                         kv_positions=mask.kv_positions, implementation=impl,
@@ -347,17 +347,17 @@ class Qwen2_5_VL(nn.Module):
         if cache is None:  # segment ids as given: 1 per row, or 1, 2, ... for the examples of a packed row
             segments = attention_mask.astype(jnp.int32)
             mask = MaskSpec(segments, segments)
-        elif isinstance(cache_index, (int, np.integer)) and cache_index == 0:
-            # prefill into an empty cache: every key is a new token, so the prompt attends itself (positions
-            # 0..s-1 on both sides); `kv_mask` then marks the prompt's tokens, as `attention_mask` does
-            segments = (attention_mask != 0).astype(jnp.int32)
-            mask = MaskSpec(segments, segments)
         else:
             segments = (attention_mask != 0).astype(jnp.int32)
-            b, total = input_ids.shape[0], cache.k.shape[2]
-            slots = jnp.broadcast_to(cache_index + jnp.arange(s, dtype=jnp.int32), (b, s))
-            mask = MaskSpec(segments, (kv_mask != 0).astype(jnp.int32), slots,
-                            jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total)))
+            if isinstance(cache_index, (int, np.integer)) and cache_index == 0:
+                # prefill into an empty cache: every key is a new token, so the prompt attends itself (positions
+                # 0..s-1 on both sides); `kv_mask` then marks the prompt's tokens, as `attention_mask` does
+                mask = MaskSpec(segments, segments)
+            else:
+                b, total = input_ids.shape[0], cache.k.shape[2]
+                slots = jnp.broadcast_to(cache_index + jnp.arange(s, dtype=jnp.int32), (b, s))
+                mask = MaskSpec(segments, (kv_mask != 0).astype(jnp.int32), slots,
+                                jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total)))
         x, new_cache = self._run_layers(x, cos, sin, mask, cache, cache_index, deepstack)
         x = self.norm(x)
         if not return_logits:

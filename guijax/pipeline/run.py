@@ -21,6 +21,12 @@ def adapter_dir(model_dir: pathlib.Path) -> pathlib.Path:
     return model_dir.with_name(model_dir.name + "_adapter")
 
 
+
+def env_workers(env: ml_collections.ConfigDict) -> int:
+    """The environment workers a run's pool holds, so the most episodes one rollout round (one sampler call)
+    steps together: one per desktop server on OSWorld, `env.num_workers` on the desk."""
+    return len(env.server_urls) if env.kind == "osworld" else env.num_workers
+
 @dataclasses.dataclass
 class Run:
     config: ml_collections.ConfigDict
@@ -127,7 +133,6 @@ class Run:
             if e.kind == "desk":
                 factories = DeskFactory(tuple(e.screen), e.step_limit, self.streams.seed_for("env"), e.popups,
                                         e.step_latency_s)
-                workers = e.num_workers
             elif e.kind == "osworld":
                 import os
 
@@ -138,9 +143,9 @@ class Run:
                                      "or `python -m envs.server`) per rollout worker")
                 token = os.environ.get(e.server_token_env) if e.server_token_env else None
                 factories = [RemoteFactory(url, token, e.step_limit, tuple(e.cache_dirs)) for url in e.server_urls]
-                workers = len(factories)
             else:
                 raise ValueError(f"unknown env.kind {e.kind!r}; choose 'desk' or 'osworld'")
+            workers = env_workers(e)
             if e.fleet == "ray":
                 from envs.ray_pool import RayEnvPool
 

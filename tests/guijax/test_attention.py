@@ -15,6 +15,7 @@ from guijax.models.positions import vision_layout
 from guijax.models.processor import ImageProcessor
 from guijax.models.qwen2_5_vl import Qwen2_5_VL, init_cache
 from guijax.models.vision import VisionTower
+from jaxprs import equations  # tests/support
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -424,12 +425,7 @@ def test_vision_forward_memory_for_one_1080p_screenshot_is_far_below_dense():
 
 def _primitives(jaxpr) -> set[str]:
     """Every primitive of a jaxpr, nested ones included."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
-            names |= _primitives(sub)
-    return names
+    return {eqn.primitive.name for eqn in equations(jaxpr)}
 
 
 def test_a_decode_query_reads_a_long_cache_as_one_tile():

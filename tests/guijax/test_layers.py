@@ -9,17 +9,12 @@ import numpy as np
 from guijax.models import layers
 from guijax.models import lora as lora_lib
 from guijax.models import rows
+from jaxprs import equations  # tests/support
 
 
 def _dot_generals(jaxpr) -> list:
     """Every dot_general equation of a jaxpr, nested calls included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
-            found += _dot_generals(sub)
-    return found
+    return [eqn for eqn in equations(jaxpr) if eqn.primitive.name == "dot_general"]
 
 
 def test_rows_matmul_equals_the_einsum_in_values_and_gradients():
