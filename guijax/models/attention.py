@@ -38,7 +38,8 @@ Backends (`implementation`):
   vision segments need no rewriting. It applies when the target is a TPU and positions are the defaults.
 * "auto": on a TPU, splash when it applies (a sequence of at least one 128-token tile) and "xla" otherwise;
   on a GPU when the cuDNN static conditions hold, a `lax.cond` checks the row layout at run time and takes
-  cuDNN when it holds and "xla" otherwise; everywhere else "xla".
+  cuDNN when it holds and "xla" otherwise, each device for its own rows (`guijax.models.local_rows`);
+  everywhere else "xla".
 
 The target platform is the default backend, or the one `compiling_for` names while tracing: the dry run
 compiles a TPU recipe on a machine without TPUs, and tests run the splash kernel in the Pallas interpreter
@@ -56,6 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from guijax.models import splash_attention
+from guijax.models.local_rows import on_local_rows
 
 PAD_SEGMENT = 0
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
@@ -144,8 +146,15 @@ def attention(
             raise ValueError(f"cudnn attention does not apply: {reason}")
         return jnp.where(_right_padded(q_seg, kv_seg), _cudnn(q, k, v, q_seg, kv_seg, causal, scale), jnp.nan)
     if implementation == "auto" and not reason:
-        return lax.cond(jnp.all(_right_padded(q_seg, kv_seg)),
-                        lambda: _cudnn(q, k, v, q_seg, kv_seg, causal, scale), blockwise)
+        # each device checks and runs its own rows: under the partitioner, cuDNN's custom partitioning inside
+        # the branch gathered every device's rows to each one (no reason given means default positions)
+        def local(q, k, v, q_seg, kv_seg):
+            q_pos, kv_pos = _ids(None, *q_seg.shape, None), _ids(None, *kv_seg.shape, None)
+            return lax.cond(jnp.all(_right_padded(q_seg, kv_seg)),
+                            lambda: _cudnn(q, k, v, q_seg, kv_seg, causal, scale),
+                            lambda: _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, scale, block_q, block_k))
+
+        return on_local_rows(local, q, k, v, (q_seg, kv_seg), row_axis)
     return blockwise()
 
 

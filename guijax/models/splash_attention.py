@@ -11,7 +11,7 @@ conventions to it:
   those keys, and padding queries, which see only padding keys (their own position included, so no row of
   the softmax is empty), are set to 0 afterwards as everywhere else;
 * a Pallas call is one custom call XLA cannot partition, so under a mesh (`jax.set_mesh`, as the trainer
-  traces) it runs inside `shard_map`: rows split as the logical axis the caller names (`row_axis`) maps under
+  traces) it runs inside `shard_map` (`guijax.models.local_rows`): rows split as the logical axis the caller names (`row_axis`) maps under
   the rules in context ("batch": the data-parallel axes; the vision tower's windows inside its per-device
   vmap: nothing, the vmap's `spmd_axis_name` splitting the blocks), as far as they divide; heads over `tensor`
   when both head counts divide it; everything else whole on each device.
@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
-from jax.sharding import PartitionSpec as P
 
-from guijax.sharding import DATA_AXES, fit_spec, logical_spec
+from guijax.models.local_rows import on_local_rows
 
 LANES = 128  # a TPU vector register's lane count: the kernel's key tile is a multiple of it
-TENSOR_AXIS = "tensor"
 
 
 def unsupported(platform: str, default_positions: bool) -> str:
@@ -73,25 +70,11 @@ def _local(q, k, v, q_seg, kv_seg, *, causal: bool, tile: int, interpret: bool) 
 def splash_attention(q, k, v, q_seg, kv_seg, *, causal: bool, scale: float, block: int, row_axis: str = "batch",
                      interpret: bool = False) -> jax.Array:
     """`attention` on the splash kernel; ids int32 [b, s] with 0 for padding. Returns [b, sq, h, d]."""
-    b, sq, h, _ = q.shape
-    sk, kvh = k.shape[1], k.shape[2]
+    sq, sk = q.shape[1], k.shape[1]
     tile = tile_size(block, sq, sk)
     pad_q, pad_k = -sq % tile, -sk % tile
     seq_pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
     qp, q_ids = seq_pad((q * scale).astype(q.dtype), pad_q), seq_pad(q_seg, pad_q)
     kp, vp, kv_ids = seq_pad(k, pad_k), seq_pad(v, pad_k), seq_pad(kv_seg, pad_k)
     local = functools.partial(_local, causal=causal, tile=tile, interpret=interpret)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        out = local(qp, kp, vp, q_ids, kv_ids)
-    else:
-        rules = nn.get_logical_axis_rules()
-        axes = logical_spec((row_axis,), rules)[0] if rules else tuple(a for a in DATA_AXES if a in mesh.axis_names)
-        rows = fit_spec((b,), P(axes), mesh)[0]
-        split_heads = TENSOR_AXIS in mesh.axis_names and h % mesh.shape[TENSOR_AXIS] == 0 \
-            and kvh % mesh.shape[TENSOR_AXIS] == 0
-        heads = TENSOR_AXIS if split_heads else None
-        spec, ids = P(rows, None, heads, None), P(rows, None)
-        out = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, ids, ids), out_specs=spec,
-                            check_vma=False)(qp, kp, vp, q_ids, kv_ids)  # the kernel declares no varying axes
-    return out[:, :sq]
+    return on_local_rows(local, qp, kp, vp, (q_ids, kv_ids), row_axis)[:, :sq]

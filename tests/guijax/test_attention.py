@@ -494,3 +494,45 @@ def test_a_prefill_into_an_empty_cache_attends_the_prompt_alone(monkeypatch):
                                                    cache=init_cache(cfg, b, s + extra), cache_index=0, kv_mask=kv_mask)
     layers = cfg.num_hidden_layers
     assert named == (["xla"] * layers + ["cudnn"] * layers) + (["xla"] * layers + ["splash"] * layers)
+
+
+def test_auto_on_a_gpu_mesh_checks_and_runs_each_devices_rows_apart(monkeypatch):
+    """Traced for a GPU on 8 devices (data 2 x fsdp 2 x tensor 2), `auto` runs its run-time layout check and
+    its branch inside shard_map, each device on its own rows and heads: no device gathers another's rows (the
+    partitioner had gathered every row into cuDNN's branch on each device). cuDNN's branch, stood in for here
+    by the reference, is traced on one row and 2 of the 4 heads; with right- and left-padded rows (the latter
+    on a device whose check sends it to the blockwise branch), values and gradients are the reference's."""
+    import guijax.models.attention as attention_lib
+    from guijax import sharding
+    from guijax.models.attention import compiling_for
+
+    taken = []
+
+    def cudnn_stand_in(q, k, v, q_seg, kv_seg, causal, scale):
+        taken.append(q.shape)
+        return attention_lib._reference(q, k, v, q_seg, kv_seg, attention_lib._ids(None, *q_seg.shape, None),
+                                        attention_lib._ids(None, *kv_seg.shape, None), causal, scale)
+
+    monkeypatch.setattr(attention_lib, "_cudnn", cudnn_stand_in)
+    rs = np.random.RandomState(4)
+    q, k, v = _qkv(rs, 4, 64, 64, 4, 2, 16, jnp.bfloat16)
+    seg = np.ones((4, 64), np.int32)
+    seg[0, 40:] = 0  # right-padded rows on the first device pair, a left-padded row on the second
+    seg[3, :10] = 0
+    kw = dict(causal=True, q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg), block_q=16,
+              block_k=16)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
+
+    def loss(q, k, v, impl):
+        return jnp.sum(attention(q, k, v, implementation=impl, **kw).astype(jnp.float32) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    with compiling_for("gpu"), sharding.rules_context(mesh):
+        jaxpr = str(jax.make_jaxpr(grad, static_argnums=3)(q, k, v, "auto"))
+        hlo = jax.jit(grad, static_argnums=3).lower(q, k, v, "auto").compile().as_text()
+        got = jax.jit(grad, static_argnums=3)(q, k, v, "auto")
+    assert "shard_map" in jaxpr and "in_specs=(P(('data', 'fsdp'), None, 'tensor', None)" in jaxpr
+    assert taken and all(shape == (1, 64, 2, 16) for shape in taken)  # one row and 2 of 4 heads per device
+    assert "all-gather" not in hlo
+    want = grad(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), "reference")
+    chex.assert_trees_all_close(tuple(g.astype(jnp.float32) for g in got), want, atol=0.1, rtol=0.05)
