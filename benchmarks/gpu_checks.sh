@@ -10,10 +10,11 @@
 # array_record, ml_collections or portpicker) needs them first, e.g. as wheels: pip install --target DIR
 # *.whl and PYTHONPATH=DIR; the script adds the repository itself to PYTHONPATH.
 # SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default: what has not run on
-# a GPU yet or has changed since, machine,sampler_7b,vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,
+# a GPU yet or has changed since, machine,grpo_gpu_scan,sampler_7b,vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,
 # grpo_gpu_frozen_tower_scan). Also:
 #   gpu_tests: the GPU-only tests (cuDNN attention, Pallas kernels);
 #   grpo_gpu_step: the 7B step training every parameter (84.43 GiB: an H200, not an H100);
+#   grpo_gpu_scan: the same with its layers under scan (69.77 GiB compiled by XLA:GPU without a GPU: one H100);
 #   vs_torch_0_5b: the 0.5B update against PyTorch on text rows;
 #   grpo_gpu_frozen_tower, grpo_gpu_frozen_tower_scan, grpo_gpu_lora: the 7B step with the vision tower frozen
 #     (unrolled, or its layers under scan) or as LoRA r128;
@@ -27,7 +28,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS [PARTS]]}
 budget=${2:-560}
-parts=${3:-machine,sampler_7b,vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan}
+parts=${3:-machine,grpo_gpu_scan,sampler_7b,vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan}
 mkdir -p "$out"
 log="$out/log.txt"
 start=$(date +%s)
@@ -53,6 +54,9 @@ run_part() {
       -m gpu tests/guijax/test_attention.py tests/guijax/test_kernels.py ;;
     grpo_gpu_step) part grpo_gpu_step 330 python3 benchmarks/recipe_step.py --config=grpo_gpu --steps=3 \
       --json="$out/recipe_step_grpo_gpu.json" --markdown="$out/recipe_step_grpo_gpu.md" ;;
+    grpo_gpu_scan) part grpo_gpu_scan 220 python3 benchmarks/recipe_step.py --config=grpo_gpu \
+      --config.model.scan_layers=True --steps=3 --json="$out/recipe_step_grpo_gpu_scan.json" \
+      --markdown="$out/recipe_step_grpo_gpu_scan.md" ;;
     grpo_gpu_frozen_tower) part grpo_gpu_frozen_tower 220 python3 benchmarks/recipe_step.py --config=grpo_gpu \
       --config.model.frozen='("visual",)' --steps=3 --json="$out/recipe_step_grpo_gpu_frozen_tower.json" \
       --markdown="$out/recipe_step_grpo_gpu_frozen_tower.md" ;;
@@ -86,7 +90,8 @@ run_part() {
     vs_torch_0_5b) part vs_torch_0_5b 120 python3 benchmarks/vs_torch.py --device cuda --dtype bfloat16 \
       --preset qwen2_5_0_5b --batch 8 --seq 1024 --repeats 7 --json="$out/vs_torch_qwen2_5_0_5b.json" \
       --markdown="$out/vs_torch_qwen2_5_0_5b.md" ;;
-    *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, grpo_gpu_frozen_tower, grpo_gpu_frozen_tower_scan, grpo_gpu_lora," \
+    *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, grpo_gpu_scan, grpo_gpu_frozen_tower," \
+            "grpo_gpu_frozen_tower_scan, grpo_gpu_lora," \
             "train_step_gui_0_5b, vs_torch_gui_0_5b, vs_torch_gui_0_5b_cudnn, vs_torch_gui_3b, profile_gui_0_5b, sampler_7b," \
             "vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
   esac

@@ -138,9 +138,9 @@ def bench_sampler(preset: str, batches: list[int], prompt_len: int, new_tokens: 
         key = jax.random.PRNGKey(b)
 
         def compiled(sampler):  # compiled ahead of time, so no untimed call runs a (long) prefill to compile
-            args = jax.device_put((params, *sampler._prepare(ids, np.ones_like(ids), None, None), key))
+            args = jax.device_put((params, *sampler.inputs(ids), key))
             t0 = time.perf_counter()
-            program = sampler._programs[True].lower(*args).compile()
+            program = sampler.program(len(ids)).lower(*args).compile()
             return (lambda: program(*args)), time.perf_counter() - t0
 
         try:

@@ -28,7 +28,7 @@ from train_step import model_config  # noqa: E402  (benchmarks/train_step.py: pr
 
 def temp_gib(preset: str, screenshots: int, text_only: bool, scan: bool, remat: str) -> float | str:
     config = launch.resolve("grpo_gpu", ["train.minibatch_size=1", f"model.remat={remat}",
-                                         f"rollout.max_images={screenshots}"])
+                                         f"rollout.max_images={screenshots}", "dry_run.compiler=tpu_proxy"])
     cfg = model_config(preset)
     _, mesh, _ = aot._target_mesh(config)
     module = weights.build_module(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, remat_policy=remat,

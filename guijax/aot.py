@@ -7,11 +7,12 @@ bucket that holds them), with parameters, optimiser state and batch laid out on 
 the compiled program's `memory_analysis()` and `cost_analysis()`.
 
 Targets: a TPU topology (`dry_run.topology`, e.g. "v5p:4x4x4"), compiled by the TPU compiler itself when
-`libtpu` is installed (`pip install -e '.[tpu-compile]'`), remat included. GPU recipes cannot be compiled for
-CUDA without a GPU, so they are compiled for one TPU v5p chip as a proxy, and the report says so; the proxy's
-compiler is given the GPU's memory as its budget, since it spends whatever memory it is told it has. Without
-libtpu the fallback is this machine's CPU devices, whose figures are upper bounds: XLA:CPU's memory analysis
-does not account for rematerialisation.
+`libtpu` is installed (`pip install -e '.[tpu-compile]'`), remat included. GPU recipes are compiled by XLA:GPU
+itself for compile-only H100s where JAX's CUDA plugin is installed (`pip install -e '.[gpu-compile]'`, no GPU
+needed; `guijax.gpu_target`); elsewhere, or with `dry_run.compiler='tpu_proxy'`, for one TPU v5p chip per GPU
+as a proxy, and the report says so; the proxy's compiler is given the GPU's memory as its budget, since it
+spends whatever memory it is told it has. Without either the fallback is this machine's CPU devices, whose
+figures are upper bounds: XLA:CPU's memory analysis does not account for rematerialisation.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from guijax import sharding
+from guijax import gpu_target, sharding
 
 # UI-TARS-1.5's preprocessor keeps screenshots up to 16384 merged 28x28 patches: a 1920x1080 screen is
 # encoded at 1932x1092 (10,764 patches, 2,691 image tokens) instead of being downscaled.
@@ -48,6 +49,8 @@ GPU_PROXY_FACTOR = 1.153
 BUDGET_RETRY_GROWTH = 1.25
 # v5p topologies standing in for a GPU recipe's devices (one chip per GPU, as many chips as GPUs)
 GPU_PROXY_TOPOLOGIES = {1: "v5p:1x1x1", 2: "v5p:1x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2"}
+# the GPU the GPU recipes are compiled for by XLA:GPU (guijax.gpu_target); CAPACITY holds its memory
+GPU_TARGET = "h100"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,15 +230,29 @@ def has_libtpu() -> bool:
 
 
 def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Target:
-    """The recipe's compile target: its TPU topology, one v5p chip standing in for each GPU, or this CPU."""
+    """The recipe's compile target: its TPU topology; for a GPU recipe XLA:GPU itself where JAX's CUDA plugin
+    is installed, else one v5p chip standing in for each GPU; or this CPU."""
     accelerator = config.get("accelerator", "")
     topology = config.dry_run.topology
+    compiler = config.dry_run.get("compiler", "target")
+    if (not topology and accelerator == "gpu" and compiler == "target" and num_devices <= gpu_target.GPUS_PER_HOST
+            and gpu_target.plugin_installed()):
+        if config.dry_run.compiler_memory_gib:
+            raise ValueError("dry_run.compiler_memory_gib is the TPU compiler's budget, and this dry run compiles "
+                             "with XLA:GPU (JAX's CUDA plugin is installed); leave it at 0, or set "
+                             "dry_run.compiler='tpu_proxy' to compile for the v5p proxy under that budget")
+        devices = gpu_target.devices(GPU_TARGET, num_devices)
+        gpus = "one H100" if num_devices == 1 else f"{num_devices} H100s"
+        return Target(f"xla:gpu for {gpus} (compile-only devices)", devices, CAPACITY[GPU_TARGET], True,
+                      "XLA:GPU's own figures, compiled for a described H100 without one (no autotuning); they "
+                      "depend on the jax version, which should be the GPU machine's",
+                      attention_platform="gpu")
     if not topology and accelerator == "gpu":
         if num_devices not in GPU_PROXY_TOPOLOGIES:
             raise ValueError(f"no v5p proxy for {num_devices} GPUs (mesh.num_devices); the proxies are for "
                              f"{sorted(GPU_PROXY_TOPOLOGIES)} GPUs, or set dry_run.topology")
         topology = GPU_PROXY_TOPOLOGIES[num_devices]
-    on_cpu = config.dry_run.get("compiler", "target") == "cpu"
+    on_cpu = compiler == "cpu"
     if topology and has_libtpu() and not on_cpu:
         from jax.experimental import topologies
 
@@ -249,7 +266,8 @@ def compile_target(config: ml_collections.ConfigDict, num_devices: int) -> Targe
             gpus = "one H100" if len(devices) == 1 else f"{len(devices)} H100s"
             budget = own or int(CAPACITY["h100"] / GPU_PROXY_FACTOR) // 2 ** 20 * 2 ** 20
             return Target(f"tpu {topology} (proxy for {gpus})", devices, CAPACITY["h100"], True,
-                          "no CUDA compiler runs without a GPU: compiled for one TPU v5p chip per GPU as a proxy, "
+                          "compiled for one TPU v5p chip per GPU as a proxy (XLA:GPU compiles here with JAX's "
+                          "CUDA plugin installed, for one host of up to 8 GPUs, unless dry_run.compiler='tpu_proxy'), "
                           f"with the compiler's memory budget set to {budget // 2 ** 20} MiB, and checked "
                           f"against the H100's 80 GB after scaling by {GPU_PROXY_FACTOR} (XLA:GPU held that much "
                           "more than the proxy's figure for grpo_gpu's step, neither compiler pressed for memory; "
@@ -353,7 +371,8 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
         batch["ref_logp"] = batch["old_logp"]
     batch = _abstract(batch, sharding.batch_shardings(batch, mesh))
     start = time.perf_counter()
-    report = {"compile_target": target.name, "exact": target.exact, "note": target.note, "devices": num_devices,
+    report = {"compile_target": target.name, "exact": target.exact, "note": target.note, "jax": jax.__version__,
+              "devices": num_devices,
               "mesh": dict(zip(sharding.MESH_AXES, mesh.devices.shape)), "batch": shape.as_dict(),
               "remat": config.model.remat, "attention": config.model.attention,
               "attention_traced_for": target.attention_platform or jax.default_backend(), "logprob_impl": step_cfg.impl,
@@ -532,7 +551,7 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     # the screenshots as the sampler lays them out: one layout, or per-device blocks of rows / blocks rows each;
     # with prefill in chunks, one such layout per chunk (the dry run's screenshots are all alike)
     bucket = image_bucket if sampler.config.pad_images_with_rows else None
-    chunks = sampler._row_split(rows)[1]
+    chunks = sampler.prefill_passes(rows)
     vision = host_batch(dataclasses.replace(shape, rows=rows // chunks), model_cfg, blocks,
                         image_bucket=bucket)["vision"]
     if chunks > 1:
@@ -540,7 +559,7 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)  # noqa: E731
     args = (params, i32(rows, length), i32(rows, length), i32(3, rows, length), i32(rows), vision,
             jax.eval_shape(lambda: jax.random.PRNGKey(0)))
-    program = sampler._programs[split]
+    program = sampler.program(rows)
     in_shardings, _ = program.shardings(*args)
     args = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), args, in_shardings,
                         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
@@ -562,9 +581,11 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
 def plan_sampler_rows(config: ml_collections.ConfigDict, model_cfg: Any) -> dict[str, Any]:
     """The most prompts one sampler program holds beside the parameters on the target: compiled at one and
     two rows per data-parallel device, the difference is what a row costs (KV cache and activations); the
-    estimate, rounded down to a power of two (the sampler pads batches to one), is compiled to confirm. With
-    `rollout.prefill_rows` a row past those costs less (its prefill activations are a chunk's), so from
-    there the rows double while the compiled program fits, up to an iteration's episodes."""
+    estimate, rounded down to a power of two (the sampler pads batches to one), is compiled to confirm, and
+    halved while it does not fit. When the second row costs nothing the compiler shows, the estimate is the
+    prompts one sampler call holds. With `rollout.prefill_rows` a row past those costs less (its prefill
+    activations are a chunk's), so from there the rows double while the compiled program fits, up to the
+    prompts one call holds."""
     target_mesh = _target_mesh(config)
     target, mesh, _ = target_mesh
     ways = sharding.data_parallel_size(mesh)
@@ -580,25 +601,28 @@ def plan_sampler_rows(config: ml_collections.ConfigDict, model_cfg: Any) -> dict
     # first's): one row per device is the plan
     if not two["fits"] or "refused_under_budget" in two:
         return {**plan, "rows": ways, "checked": one}
-    per_row = max(two["peak_bytes_per_device"] - one["peak_bytes_per_device"], 1)
-    rows_per_device = max(1, 1 + (target.capacity_bytes / target.proxy_factor - one["peak_bytes_per_device"])
-                          // per_row)
-    rows = ways * (1 << (int(rows_per_device).bit_length() - 1))
+    from guijax.pipeline.run import env_workers
+
+    # the prompts one sampler call holds: an iteration's episodes, in rounds of the environment pool's workers
+    prompts = min(config.rollout.group_size * config.rollout.tasks_per_iteration, env_workers(config.env))
+    most = ways * (1 << max(0, -(-prompts // ways) - 1).bit_length())
+    plan["rows_cap"] = most
+    per_row = two["peak_bytes_per_device"] - one["peak_bytes_per_device"]
     plan["bytes_per_row_per_device"] = int(per_row)
+    if per_row > 0:
+        rows_per_device = max(1, 1 + (target.capacity_bytes / target.proxy_factor - one["peak_bytes_per_device"])
+                              // per_row)
+        rows = ways * (1 << (int(rows_per_device).bit_length() - 1))
+    else:  # the second row cost nothing the compiler shows (it rematerialised, or reused a buffer): no estimate
+        rows = most
     checked = (compile_sampler(config, model_cfg, rows, target_mesh) if rows > 2 * ways
                else two if rows == 2 * ways else one)
     while rows > ways and (not checked["compiled"] or not checked["fits"]):
         rows //= 2
-        checked = compile_sampler(config, model_cfg, rows, target_mesh)
+        checked = two if rows == 2 * ways else compile_sampler(config, model_cfg, rows, target_mesh)
     if config.rollout.get("prefill_rows", 0) and checked["compiled"] and checked["fits"]:
         # with the prefill in passes a row past them adds its KV cache alone, less than the one- and
-        # two-row compiles counted: double while the program still fits, up to the prompts one sampler call
-        # holds (an iteration's episodes, in rounds of the environment pool's workers)
-        from guijax.pipeline.run import env_workers
-
-        prompts = min(config.rollout.group_size * config.rollout.tasks_per_iteration, env_workers(config.env))
-        most = ways * (1 << max(0, -(-prompts // ways) - 1).bit_length())
-        plan["rows_cap"] = most
+        # two-row compiles counted: double while the program still fits, up to the cap
         while rows < most:
             trial = compile_sampler(config, model_cfg, rows * 2, target_mesh)
             if not (trial["compiled"] and trial["fits"]) or "refused_under_budget" in trial:

@@ -177,7 +177,7 @@ def print_rollout_plan(plan: dict[str, Any], config: ml_collections.ConfigDict) 
         now = config.rollout.max_sampler_rows or "all live episodes"
         passes = plan["checked"].get("prefill_chunks", 1)
         prefill = f", their prefill in {passes} passes (rollout.prefill_rows)" if passes > 1 else ""
-        if plan.get("grown_with_prefill_passes") and plan["rows"] == plan.get("rows_cap"):
+        if plan["rows"] == plan.get("rows_cap"):
             prefill += " (as many as one sampler call can hold; more might fit)"
         print(f"  sampler: {plan['rows']} prompts per program fit{prefill} (checked: peak "
               f"{format_bytes(plan['checked']['peak_bytes_per_device'])}); rollout.max_sampler_rows is {now}")

@@ -245,6 +245,25 @@ class Sampler:
         return {True: MeshJit(self._generate, self.mesh, shardings_for(True)),
                 False: MeshJit(self._generate, self.mesh, shardings_for(False), rules=unsplit_rules)}
 
+    # ------------------------------------------------------------------ compiling ahead of time
+    def program(self, rows: int) -> Any:
+        """The jitted generation program for `rows` prompt rows: (params, ids, mask, positions, next_position,
+        vision, rng) -> (tokens, logprobs, lengths, stopped), the inputs after the parameters as `inputs` makes
+        them. Its `.lower(...)` takes arrays or ShapeDtypeStructs, so it compiles ahead of time."""
+        return self._programs[self.mesh is None or rows % data_parallel_size(self.mesh) == 0]
+
+    def prefill_passes(self, rows: int) -> int:
+        """The passes in which the program prefills `rows` rows (`prefill_rows`); with screenshots, the vision
+        inputs then carry one layout per pass on a leading axis."""
+        return self._row_split(rows)[1]
+
+    def inputs(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None) -> tuple:
+        """The program's inputs between the parameters and the key, (ids, mask, positions, next_position,
+        vision), for prompt rows as the processor gives them (`generate` first pads the rows to a power of
+        two), placed on the mesh when there is one."""
+        arrays = self._prepare(input_ids, attention_mask, pixel_values, image_grid_thw)
+        return arrays if self.mesh is None else self._place(arrays)
+
     # ------------------------------------------------------------------ host-side preparation
     def _prepare(self, input_ids, attention_mask, pixel_values, image_grid_thw):
         input_ids = np.asarray(input_ids)
@@ -434,13 +453,8 @@ class Sampler:
             dummy_mask = np.zeros((extra, attention_mask.shape[1]), attention_mask.dtype)
             dummy_mask[:, 0] = 1
             attention_mask = np.concatenate([attention_mask, dummy_mask])
-        ids, mask, positions, next_position, vision = self._prepare(input_ids, attention_mask, pixel_values,
-                                                                    image_grid_thw)
-        arrays = (ids, mask, positions, next_position, vision)
-        split = self.mesh is None or ids.shape[0] % data_parallel_size(self.mesh) == 0
-        if self.mesh is not None:
-            arrays = self._place(arrays)
-        tokens, logps, lengths, done = jax.device_get(self._programs[split](params, *arrays, rng))
+        arrays = self.inputs(input_ids, attention_mask, pixel_values, image_grid_thw)
+        tokens, logps, lengths, done = jax.device_get(self.program(input_ids.shape[0])(params, *arrays, rng))
         out = SampleOutput(np.asarray(tokens)[:rows], np.asarray(logps)[:rows], np.asarray(lengths)[:rows],
                            np.asarray(done)[:rows])
         if self.tokenizer is not None:

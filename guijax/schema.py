@@ -333,13 +333,15 @@ class Compare:
 class DryRun:
     """--dry_run compiles the real train step at these shapes."""
 
-    topology: str = ""  # a TPU topology such as "v5p:4x4x4"; GPU recipes are compiled for one v5p chip
+    topology: str = ""  # a TPU topology such as "v5p:4x4x4"; GPU recipes: XLA:GPU, or one v5p chip per GPU
     screenshot_hw: tuple[int, int] = ranged((1080, 1920), low=1)  # each row's screenshots (rollout.max_images)
-    # target: the recipe's (TPU topology, or the v5p proxy of a GPU recipe); cpu: this machine's XLA:CPU even
-    # where libtpu is installed, an upper bound to set against another compiler's figures for the same program
-    compiler: Literal["target", "cpu"] = "target"
+    # target: the recipe's own (a TPU topology; for a GPU recipe of up to 8 GPUs XLA:GPU where JAX's CUDA plugin
+    # is installed, else the v5p proxy); tpu_proxy: a GPU recipe's v5p proxy even where XLA:GPU is installed (for
+    # other recipes the same as target); cpu: this machine's XLA:CPU even where libtpu is installed, an upper
+    # bound to set against another compiler's figures
+    compiler: Literal["target", "tpu_proxy", "cpu"] = "target"
     # GiB per device the TPU compiler schedules and rematerialises against (0: the target's own, a TPU chip's
-    # HBM, or for a GPU proxy the GPU's memory over the proxy factor). The compiler spends memory freely up to
+    # HBM, or for a GPU proxy the GPU's memory over the proxy factor; refused by XLA:CPU and XLA:GPU). The compiler spends memory freely up to
     # its limit, so a peak says what it chose under that limit, not the least the step could need.
     compiler_memory_gib: float = ranged(0.0, low=0)
 

@@ -59,15 +59,24 @@ def _dummy_inputs(cfg: ModelConfig) -> tuple:
     return ids, jnp.zeros((3, 1, 2), jnp.int32), jnp.ones((1, 2), jnp.int32), vision
 
 
+def _for_init(module: Qwen2_5_VL) -> Qwen2_5_VL:
+    """The module with the blockwise attention, which runs on every platform: parameters do not depend on the
+    attention backend, and one that names cuDNN or splash cannot be traced for another machine's devices
+    (a dry run compiling for a GPU or TPU from this one)."""
+    return module.clone(attention_impl="xla") if module.attention_impl in ("cudnn", "splash") else module
+
+
 def abstract_params(module: Qwen2_5_VL) -> Any:
     """Boxed (logically partitioned) ShapeDtypeStructs of every parameter, without allocating."""
     ids, pos, mask, vision = _dummy_inputs(module.cfg)
+    module = _for_init(module)
     return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, pos, mask, vision))["params"]
 
 
 def init_params(module: Qwen2_5_VL, rng: jax.Array, mesh=None) -> Any:
     """Random parameters, created directly in their shards when a mesh is given."""
     ids, pos, mask, vision = _dummy_inputs(module.cfg)
+    module = _for_init(module)
 
     def init():
         return nn.unbox(module.init(rng, ids, pos, mask, vision)["params"])

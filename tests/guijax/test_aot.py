@@ -158,14 +158,14 @@ def test_a_gpu_recipes_proxy_figure_is_scaled_before_the_capacity_check():
     assert aot.Target("tpu", [], 100, True, "").fits(100) is True
     assert aot.GPU_PROXY_FACTOR == pytest.approx(84.43 / 73.23, abs=1e-3)
     if aot.has_libtpu():
-        found = aot.compile_target(launch.resolve("grpo_gpu", []), 1)
+        found = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy"]), 1)
         assert found.proxy_factor == aot.GPU_PROXY_FACTOR and "scaling" in found.note
 
 
 def test_a_multi_gpu_recipe_compiles_for_one_v5p_chip_per_gpu():
     """An 8-GPU node's recipe is compiled for eight v5p chips (it could not be compiled at all with the one-chip
     proxy); a GPU count with no v5p topology of that size is named."""
-    config = launch.resolve("sgcd_gpu", [])
+    config = launch.resolve("sgcd_gpu", ["dry_run.compiler=tpu_proxy"])
     with pytest.raises(ValueError, match=r"no v5p proxy for 3 GPUs \(mesh.num_devices\)"):
         aot.compile_target(config, 3)
     if aot.has_libtpu():
@@ -209,7 +209,8 @@ def test_the_dry_run_can_be_compiled_by_this_machines_cpu_where_libtpu_is_instal
     target = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=cpu"]), 1)
     assert target.name == "cpu" and target.capacity_bytes is None and "dry_run.compiler='cpu'" in target.note
     if aot.has_libtpu():
-        assert aot.compile_target(launch.resolve("grpo_gpu", []), 1).name == "tpu v5p:1x1x1 (proxy for one H100)"
+        proxy = launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy"])
+        assert aot.compile_target(proxy, 1).name == "tpu v5p:1x1x1 (proxy for one H100)"
 
 
 def test_arpo_gpu_trains_every_parameter_on_two_replicas_of_a_four_gpu_fsdp_group():
@@ -449,12 +450,31 @@ def test_with_prefill_passes_the_sampler_plan_doubles_while_the_program_fits(mon
     assert plan["rows"] == 16 and plan["rows_cap"] == 32 and made == [1, 2, 4, 8, 16, 32]
 
 
+def test_a_second_row_that_costs_nothing_plans_the_prompts_one_call_holds(monkeypatch):
+    """Two rows compiled to no more than one (the compiler rematerialised, or reused a buffer): the estimate is
+    the prompts one sampler call holds (grpo_cpu with 2 tasks x 4 episodes: 8, under its 16 workers), halved
+    while the compiled program does not fit, the two-row compile reused rather than compiled again."""
+    target = aot.Target("gpu", [object()], 100, True, "")
+    monkeypatch.setattr(aot, "_target_mesh", lambda config: (target, "mesh", 1))
+    monkeypatch.setattr(aot.sharding, "data_parallel_size", lambda mesh: 1)
+    for peaks, want, compiled in (({1: 40, 2: 40, 8: 90}, 8, [1, 2, 8]),
+                                  ({1: 40, 2: 38, 8: 130, 4: 101}, 2, [1, 2, 8, 4])):
+        made = []
+        monkeypatch.setattr(aot, "compile_sampler", lambda config, model_cfg, rows, tm: made.append(rows) or
+                            _sampler_report(peaks[rows], peaks[rows] <= 100))
+        plan = aot.plan_sampler_rows(launch.resolve("grpo_cpu", ["rollout.tasks_per_iteration=2",
+                                                                "rollout.group_size=4"]), None)
+        assert plan["rows_cap"] == 8 and plan["rows"] == want and made == compiled
+        assert plan["bytes_per_row_per_device"] == peaks[2] - peaks[1]
+
+
 @pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
 def test_gpu_proxies_and_tpu_targets_get_their_compilers_memory_budget():
-    gpu = aot.compile_target(launch.resolve("grpo_gpu", []), 1)
+    gpu = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy"]), 1)
     assert gpu.compiler_options() == {"xla_tpu_max_hbm_size_mib": 66169}  # 80 GB / 1.153 in whole MiB
     assert "budget set to 66169 MiB" in gpu.note
-    told = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler_memory_gib=10"]), 1)
+    told = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy",
+                                                          "dry_run.compiler_memory_gib=10"]), 1)
     assert told.compiler_options() == {"xla_tpu_max_hbm_size_mib": 10240}
     tpu = launch.resolve("grpo_cpu", ["dry_run.topology=v5p:1x1x1", "mesh.num_devices=1"])
     assert aot.compile_target(tpu, 1).compiler_options() is None  # a TPU chip: the compiler's own HBM
@@ -462,7 +482,8 @@ def test_gpu_proxies_and_tpu_targets_get_their_compilers_memory_budget():
                                                            "dry_run.compiler_memory_gib=0.3"]), 1).compiler_options() \
         == {"xla_tpu_max_hbm_size_mib": 307}
     with pytest.raises(ValueError, match=r"compiler_memory_gib=0.0001 is under 1 MiB"):
-        aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler_memory_gib=0.0001"]), 1)
+        aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy",
+                                                       "dry_run.compiler_memory_gib=0.0001"]), 1)
 
 
 def test_a_budget_for_a_cpu_compile_is_refused_by_name():
@@ -523,6 +544,29 @@ def test_the_printed_sampler_plan_says_when_the_prefill_runs_in_passes(capsys):
         out = capsys.readouterr().out
         assert "32 prompts per program fit" in out
         assert (shown in out) if shown else ("passes" not in out)
-    launch.print_rollout_plan({"at_one_row_per_device": one, "rows": 32, "rows_cap": 32,
-                               "grown_with_prefill_passes": True, "checked": {**one, "prefill_chunks": 4}}, config)
-    assert "as many as one sampler call can hold; more might fit" in capsys.readouterr().out
+    for passes in (4, 1):  # at the cap, grown with prefill passes or estimated there: more might fit
+        launch.print_rollout_plan({"at_one_row_per_device": one, "rows": 32, "rows_cap": 32,
+                                   "checked": {**one, "prefill_chunks": passes}}, config)
+        assert "as many as one sampler call can hold; more might fit" in capsys.readouterr().out
+    launch.print_rollout_plan({"at_one_row_per_device": one, "rows": 16, "rows_cap": 32,
+                               "checked": {**one, "prefill_chunks": 1}}, config)
+    assert "more might fit" not in capsys.readouterr().out
+
+
+def test_parameters_of_a_module_naming_cudnn_or_splash_are_traced_on_any_machine():
+    """Parameters do not depend on the attention backend, so a GPU recipe naming cuDNN (or a TPU one naming
+    splash) has its parameter shapes traced and its parameters initialised on this CPU, where neither kernel
+    applies: the same as the blockwise module's."""
+    import flax.linen as nn
+    import jax
+
+    from guijax.models import weights
+    from guijax.models.qwen2_5_vl import Qwen2_5_VL
+
+    cfg = get_preset("tiny")
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), nn.unbox(tree))  # noqa: E731
+    want = shapes(weights.abstract_params(Qwen2_5_VL(cfg)))
+    for impl in ("cudnn", "splash"):
+        assert shapes(weights.abstract_params(Qwen2_5_VL(cfg, attention_impl=impl))) == want
+    made = weights.init_params(Qwen2_5_VL(cfg, attention_impl="cudnn"), jax.random.PRNGKey(0))
+    assert shapes(made) == want

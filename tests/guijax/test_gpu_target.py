@@ -1,0 +1,118 @@
+"""GPU recipes compiled by XLA:GPU itself for compile-only H100s, where JAX's CUDA plugin is installed."""
+from __future__ import annotations
+
+import pytest
+
+from guijax import aot, gpu_target, launch
+
+
+def test_compile_only_gpus_come_as_one_host():
+    assert [gpu_target.topology_name(n) for n in (1, 4, 8)] == ["1x1x1", "1x1x4", "1x1x8"]
+    for count in (0, 16):
+        with pytest.raises(ValueError, match=f"one host of 1 to 8, not {count}.*tpu_proxy"):
+            gpu_target.topology_name(count)
+    with pytest.raises(ValueError, match=r"no XLA:GPU target description for 'b200'; known: \['h100'\]"):
+        gpu_target.devices("b200", 1)
+
+
+def test_a_gpu_recipe_compiles_for_xla_gpu_where_the_cuda_plugin_is_installed(monkeypatch):
+    """The plugin installed: the GPU recipe's target is XLA:GPU on compile-only H100s, its attention traced for
+    a GPU, no proxy factor; `dry_run.compiler=tpu_proxy` keeps the v5p proxy; a TPU compiler budget is refused
+    by name; a TPU recipe is not affected."""
+    made = []
+    monkeypatch.setattr(gpu_target, "plugin_installed", lambda: True)
+    monkeypatch.setattr(gpu_target, "devices", lambda gpu, count: made.append((gpu, count)) or ["gpu"] * count)
+    target = aot.compile_target(launch.resolve("sgcd_gpu", []), 8)
+    assert made == [("h100", 8)] and target.devices == ["gpu"] * 8
+    assert target.name == "xla:gpu for 8 H100s (compile-only devices)" and target.exact
+    assert target.attention_platform == "gpu" and target.proxy_factor == 1.0
+    assert target.capacity_bytes == aot.CAPACITY["h100"] and target.compiler_options() is None
+    assert target.fits(int(74 * 2 ** 30)) and not target.fits(int(75 * 2 ** 30))
+    with pytest.raises(ValueError, match="compiler_memory_gib is the TPU compiler's budget.*XLA:GPU.*tpu_proxy"):
+        aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler_memory_gib=10"]), 1)
+    made.clear()
+    proxy_config = launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy"])
+    proxy = aot.compile_target(proxy_config, 1)
+    if aot.has_libtpu():
+        assert proxy.name == "tpu v5p:1x1x1 (proxy for one H100)"
+    else:
+        assert proxy.name == "cpu" and "libtpu is not installed" in proxy.note
+    with pytest.raises(ValueError, match="no v5p proxy for 16 GPUs"):  # beyond one host: the proxy's rule
+        aot.compile_target(launch.resolve("grpo_gpu", []), 16)
+    assert aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=cpu"]), 1).name == "cpu"
+    tpu = launch.resolve("grpo_cpu", ["dry_run.topology=v5p:1x1x1", "mesh.num_devices=1"])
+    if aot.has_libtpu():
+        assert aot.compile_target(tpu, 1).name == "tpu v5p:1x1x1"
+    assert made == []
+
+
+def test_an_unregistered_plugin_names_the_way_out(monkeypatch):
+    """Installed but unregistered (its start-up check failed without a GPU driver): the error says how to run."""
+    from jax.experimental import topologies
+
+    def unregistered(*args, **kwargs):
+        raise NotImplementedError("topology not implemented for cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", unregistered)
+    with pytest.raises(RuntimeError, match=r"not registered \(topology not implemented for cuda\).*"
+                                           r"JAX_PLATFORMS=cpu.*dry_run.compiler='tpu_proxy'"):
+        gpu_target.devices("h100", 1)
+
+
+def _registered() -> bool:
+    if not gpu_target.plugin_installed():
+        return False
+    try:
+        gpu_target.devices("h100", 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _registered(), reason="needs JAX's CUDA plugin, registered (pip install -e '.[gpu-compile]' "
+                                               "and JAX_PLATFORMS=cpu)")
+def test_xla_gpu_compiles_a_sharded_program_for_compile_only_h100s():
+    """Two compile-only H100s: a row-sharded matmul compiles by XLA:GPU (its program is for sm_90), each device
+    holding half the rows, and its memory figures are the compiler's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = gpu_target.devices("h100", 2)
+    assert [d.device_kind for d in devices] == ["NVIDIA H100 80GB HBM3"] * 2
+    mesh = Mesh(np.asarray(devices), ("rows",))
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("rows")))
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    compiled = jax.jit(lambda x, w: x @ w).lower(x, w).compile()
+    assert compiled.memory_analysis().argument_size_in_bytes == 2048 * 1024 * 2 + 1024 * 1024 * 2
+    assert compiled.memory_analysis().output_size_in_bytes == 2048 * 1024 * 2
+    assert "gemm" in compiled.as_text()  # the GPU's matmul kernels (Triton or cuBLAS), not XLA:CPU's
+
+
+@pytest.mark.skipif(not _registered(), reason="needs JAX's CUDA plugin, registered (pip install -e '.[gpu-compile]' "
+                                               "and JAX_PLATFORMS=cpu)")
+def test_auto_attention_on_two_compile_only_h100s_keeps_each_devices_rows():
+    """XLA:GPU compiles `auto` attention over rows split across two H100s with cuDNN's fused kernel on each
+    device's own row, and no device gathers the other's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from guijax import sharding
+    from guijax.models.attention import attention, compiling_for
+
+    mesh = Mesh(np.asarray(gpu_target.devices("h100", 2)).reshape(2, 1, 1, 1), sharding.MESH_AXES)
+    rows = lambda *shape: NamedSharding(mesh, P(("data", "fsdp"), *[None] * (len(shape) - 1)))  # noqa: E731
+    q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16, sharding=rows(2, 1024, 8, 128))
+    seg = jax.ShapeDtypeStruct((2, 1024), jnp.int32, sharding=rows(2, 1024))
+
+    def loss(q, seg):
+        out = attention(q, q, q, causal=True, q_segment_ids=seg, kv_segment_ids=seg, implementation="auto")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    with compiling_for("gpu"), sharding.rules_context(mesh):
+        hlo = jax.jit(jax.grad(loss)).lower(q, seg).compile().as_text()
+    assert "__cudnn$fmha" in hlo and "bf16[1,8,1024,128]" in hlo  # one row per device
+    assert "all-gather" not in hlo
