@@ -22,7 +22,8 @@ Every parameter trains, the vision tower included, over 2-way data x 4-way FSDP:
 device (36.53 GiB with the measured GPU factor, of 74.51), where FSDP over all eight GPUs held 91.79 GiB
 (105.83: it does not fit) when the proxy's compiler had a v5p chip's 95 GiB to spend; under the GPU's budget
 it is refused (naming 65.32 GiB), and under the next budget tried, 80.77 GiB, it peaks at 80.44 GiB: it does not
-fit by the proxy (README). Not yet run on GPUs.
+fit by the proxy (README). Compiled by XLA:GPU itself for 8 H100s without a GPU (the `gpu-compile` extra, jax
+0.11.2), the step holds 87.29 GiB per device: it does not fit. Not yet run on GPUs.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 
