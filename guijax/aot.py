@@ -205,6 +205,23 @@ class Target:
         return bool(peak_bytes * self.proxy_factor <= self.capacity_bytes)
 
 
+# the platform each kernel a recipe can name needs to be traced at all
+KERNEL_PLATFORMS = {"cudnn": "gpu", "splash": "tpu"}
+
+
+def traceable(config: ml_collections.ConfigDict, target: Target) -> ml_collections.ConfigDict:
+    """The recipe as the dry run traces it for `target`: a kernel it names (`model.attention`) that the target
+    cannot trace (cuDNN on the v5p proxy or XLA:CPU, splash off a TPU) is traced as the blockwise path, as `auto`
+    is there; the report's `attention_traced` says which."""
+    named = config.model.attention
+    platform = target.attention_platform or jax.default_backend()
+    if KERNEL_PLATFORMS.get(named, platform) == platform:
+        return config
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.model.attention = "xla"
+    return config
+
+
 def compiler_memory_budget(budget_bytes: float) -> dict[str, Any]:
     """The TPU compiler's option for the memory per chip it schedules and rematerialises against, in whole MiB
     (rounded down, at least 1). Left at the chip's own HBM, the compiler keeps rematerialised activations of
@@ -358,6 +375,8 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     mesh_cfg = sharding.MeshConfig.from_run_config(config)
     num_devices = config.mesh.num_devices or jax.device_count()
     target = compile_target(config, num_devices)
+    named_attention = config.model.attention
+    config = traceable(config, target)
     mesh = Mesh(np.asarray(target.devices).reshape(mesh_cfg.shape(num_devices)), sharding.MESH_AXES)
     built = recipe_step(config, model_cfg, mesh)
     shards, step_cfg, step = built.shards, built.step_cfg, built.step
@@ -374,7 +393,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     report = {"compile_target": target.name, "exact": target.exact, "note": target.note, "jax": jax.__version__,
               "devices": num_devices,
               "mesh": dict(zip(sharding.MESH_AXES, mesh.devices.shape)), "batch": shape.as_dict(),
-              "remat": config.model.remat, "attention": config.model.attention,
+              "remat": config.model.remat, "attention": named_attention, "attention_traced": config.model.attention,
               "attention_traced_for": target.attention_platform or jax.default_backend(), "logprob_impl": step_cfg.impl,
               "vision_blocks": blocks, **({"packed": packed.as_dict()} if packed else {}),
               "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
@@ -532,6 +551,7 @@ def compile_sampler(config: ml_collections.ConfigDict, model_cfg: Any, rows: int
     from guijax.sampling import Sampler, SamplingConfig, images_padded_with_rows, image_bucket
 
     target, mesh, _ = target_mesh or _target_mesh(config)
+    config = traceable(config, target)
     param_dtype = resolve_dtype(config.model.param_dtype or config.model.dtype)
     module = weights.build_module(model_cfg, dtype=resolve_dtype(config.model.dtype), param_dtype=param_dtype,
                                   attention_impl=config.model.attention, scan_layers=config.model.scan_layers,

@@ -158,7 +158,9 @@ def print_compiled(r: dict[str, Any]) -> None:
         print(f"  compiled FLOPs per device per step: {r['flops_per_device']:.3g}"
               + (" (not counting the Pallas kernels')" if sites else ""))
     if "attention_traced_for" in r:
-        print(f"  attention: {r['attention']} traced for {r['attention_traced_for']}"
+        traced = r.get("attention_traced", r["attention"])
+        as_what = f" (as {traced}: {r['attention']} cannot be traced for it)" if traced != r["attention"] else ""
+        print(f"  attention: {r['attention']} traced for {r['attention_traced_for']}{as_what}"
               + (f"; Pallas TPU kernels at {sites} call sites of the program" if sites else ""))
 
 

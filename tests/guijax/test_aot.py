@@ -570,3 +570,20 @@ def test_parameters_of_a_module_naming_cudnn_or_splash_are_traced_on_any_machine
         assert shapes(weights.abstract_params(Qwen2_5_VL(cfg, attention_impl=impl))) == want
     made = weights.init_params(Qwen2_5_VL(cfg, attention_impl="cudnn"), jax.random.PRNGKey(0))
     assert shapes(made) == want
+
+
+def test_a_kernel_the_target_cannot_trace_is_traced_as_the_blockwise_path(capsys):
+    """cuDNN named by a GPU recipe compiled for XLA:CPU (or the v5p proxy), or splash off a TPU, is traced as
+    the blockwise path, as `auto` is there, and the report and its printout say so; a kernel the target can
+    trace, and `auto`, are traced as named. The small preset's step compiles with cuDNN named on this CPU."""
+    cpu = aot.Target("cpu", [], None, False, "")
+    gpu = aot.Target("xla:gpu", [], None, True, "", attention_platform="gpu")
+    for attention, target, traced in (("cudnn", cpu, "xla"), ("splash", gpu, "xla"), ("cudnn", gpu, "cudnn"),
+                                      ("auto", cpu, "auto")):
+        config = launch.resolve("grpo_gpu", [f"model.attention={attention}"])
+        assert aot.traceable(config, target).model.attention == traced
+        assert config.model.attention == attention  # the recipe itself is left as it was
+    report = aot.compile_train_step(launch.resolve("grpo_cpu", ["model.attention=cudnn"]), get_preset("small"))
+    assert report["compiled"] and (report["attention"], report["attention_traced"]) == ("cudnn", "xla")
+    launch.print_compiled(report)
+    assert "attention: cudnn traced for cpu (as xla: cudnn cannot be traced for it)" in capsys.readouterr().out
