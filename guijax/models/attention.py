@@ -38,8 +38,9 @@ Backends (`implementation`):
   vision segments need no rewriting. It applies when the target is a TPU and positions are the defaults.
 * "auto": on a TPU, splash when it applies (a sequence of at least one 128-token tile) and "xla" otherwise;
   on a GPU when the cuDNN static conditions hold, a `lax.cond` checks the row layout at run time and takes
-  cuDNN when it holds and "xla" otherwise, each device for its own rows (`guijax.models.local_rows`);
-  everywhere else "xla".
+  cuDNN when it holds and "xla" otherwise, each device for its own rows (`guijax.models.local_rows`; inside
+  a vmap, as over the vision tower's per-device blocks, the check is batched, so both branches run and their
+  results are selected); everywhere else "xla".
 
 The target platform is the default backend, or the one `compiling_for` names while tracing: the dry run
 compiles a TPU recipe on a machine without TPUs, and tests run the splash kernel in the Pallas interpreter
@@ -107,8 +108,8 @@ def attention(
     Segment ids and positions are [b, sq] for queries and [b, sk] for keys (see the module docstring);
     missing segment ids mean "no padding", missing positions 0..s-1. Returns [b, sq, h, d] in q's dtype.
     block_q / block_k are the "xla" tile sizes (clipped to the sequence lengths); "splash" takes the larger,
-    rounded up to whole 128-lane tiles. row_axis is the rows' logical axis name, which says how a kernel run
-    under shard_map ("splash") splits them.
+    rounded up to whole 128-lane tiles. row_axis is the rows' logical axis name, which says how a call run
+    under shard_map (splash; `auto` on a GPU) splits them.
     """
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]

@@ -22,7 +22,8 @@ TENSOR_AXIS = "tensor"
 def on_local_rows(fn: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
                   ids: tuple[jax.Array, ...], row_axis: str) -> jax.Array:
     """fn(q, k, v, *ids) -> [b, sq, h, d] on each device's rows (q [b, sq, h, d], k / v [b, sk, kvh, d], ids
-    [b, s]); called as is without a mesh in context."""
+    [b, s]); called as is without a mesh in context. Rows that do not divide over the data-parallel devices are
+    not split: every device then runs all of them (correct, at that many times the memory)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(q, k, v, *ids)

@@ -499,19 +499,21 @@ def test_a_prefill_into_an_empty_cache_attends_the_prompt_alone(monkeypatch):
 def test_auto_on_a_gpu_mesh_checks_and_runs_each_devices_rows_apart(monkeypatch):
     """Traced for a GPU on 8 devices (data 2 x fsdp 2 x tensor 2), `auto` runs its run-time layout check and
     its branch inside shard_map, each device on its own rows and heads: no device gathers another's rows (the
-    partitioner had gathered every row into cuDNN's branch on each device). cuDNN's branch, stood in for here
-    by the reference, is traced on one row and 2 of the 4 heads; with right- and left-padded rows (the latter
-    on a device whose check sends it to the blockwise branch), values and gradients are the reference's."""
+    partitioner had gathered every row into cuDNN's branch on each device). cuDNN's branch, stood in for by
+    attention that reads sequence lengths alone, is traced on one row and 2 of the 4 heads; with right- and
+    left-padded rows (the latter wrong through lengths, so only each device's own check keeps it from the
+    stand-in), values and gradients are the reference's."""
     import guijax.models.attention as attention_lib
     from guijax import sharding
     from guijax.models.attention import compiling_for
 
     taken = []
 
-    def cudnn_stand_in(q, k, v, q_seg, kv_seg, causal, scale):
-        taken.append(q.shape)
-        return attention_lib._reference(q, k, v, q_seg, kv_seg, attention_lib._ids(None, *q_seg.shape, None),
-                                        attention_lib._ids(None, *kv_seg.shape, None), causal, scale)
+    def cudnn_stand_in(q, k, v, q_seg, kv_seg, causal, scale):  # like cuDNN, it reads lengths alone: a row
+        taken.append(q.shape)  # that is not right-padded comes out wrong, so the check must route it away
+        lengths = lambda seg: jnp.sum(seg != 0, 1).astype(jnp.int32)  # noqa: E731
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="xla",
+                                            query_seq_lengths=lengths(q_seg), key_value_seq_lengths=lengths(kv_seg))
 
     monkeypatch.setattr(attention_lib, "_cudnn", cudnn_stand_in)
     rs = np.random.RandomState(4)
