@@ -205,14 +205,12 @@ class Target:
         return bool(peak_bytes * self.proxy_factor <= self.capacity_bytes)
 
 
-# the platform each kernel a recipe can name needs to be traced at all
-KERNEL_PLATFORMS = {"cudnn": "gpu", "splash": "tpu"}
-
-
 def traceable(config: ml_collections.ConfigDict, target: Target) -> ml_collections.ConfigDict:
     """The recipe as the dry run traces it for `target`: a kernel it names (`model.attention`) that the target
     cannot trace (cuDNN on the v5p proxy or XLA:CPU, splash off a TPU) is traced as the blockwise path, as `auto`
     is there; the report's `attention_traced` says which."""
+    from guijax.models.attention import KERNEL_PLATFORMS
+
     named = config.model.attention
     platform = target.attention_platform or jax.default_backend()
     if KERNEL_PLATFORMS.get(named, platform) == platform:

@@ -42,7 +42,9 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
     elif accelerator not in ("", "cpu", "gpu", "tpu"):
         out.append(f"accelerator={accelerator!r} is not one of '', cpu, gpu, tpu")
     attention = config.model.get("attention", "auto")
-    needs = {"cudnn": "gpu", "splash": "tpu"}.get(attention)
+    from guijax.models.attention import KERNEL_PLATFORMS
+
+    needs = KERNEL_PLATFORMS.get(attention)
     if needs and not _has_platform(needs):
         out.append(f"model.attention={attention!r} is a {needs.upper()} kernel and jax finds no {needs.upper()}: "
                    "use --config.model.attention=auto (it takes that kernel where one is, the blockwise path "

@@ -62,6 +62,8 @@ from guijax.models.local_rows import on_local_rows
 
 PAD_SEGMENT = 0
 IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
+# the kernels a caller can name, and the one platform each can be traced for ("xla" runs everywhere)
+KERNEL_PLATFORMS = {"cudnn": "gpu", "splash": "tpu"}
 # Finite stand-in for -inf: exp(M_INIT - m) underflows to exactly 0 and M_INIT - M_INIT stays 0, where -inf
 # would turn the running-max rescaling of an all-masked row into NaN.
 M_INIT = -1e30

@@ -19,7 +19,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from guijax.models.config import ModelConfig
-from guijax.models.attention import attention
+from guijax.models.attention import KERNEL_PLATFORMS, attention
 from guijax.models.layers import GatedMLP, Linear, RMSNorm, apply_rotary
 from guijax.models.lora import LoraConfig
 from guijax.models.moe import SparseMoE
@@ -116,7 +116,7 @@ class Attention(nn.Module):
                 k = jax.lax.dynamic_index_in_dim(cache.k, layer, 0, keepdims=False)
                 v = jax.lax.dynamic_index_in_dim(cache.v, layer, 0, keepdims=False)
         # cache slots as positions are beyond cuDNN and splash: a recipe naming either still decodes
-        impl = "xla" if decoding and self.attention_impl in ("cudnn", "splash") else self.attention_impl
+        impl = "xla" if decoding and self.attention_impl in KERNEL_PLATFORMS else self.attention_impl
         out = attention(q, k.astype(q.dtype), v.astype(q.dtype), causal=True, q_segment_ids=mask.q_segment_ids,
                         kv_segment_ids=mask.kv_segment_ids, q_positions=mask.q_positions,
                         kv_positions=mask.kv_positions, implementation=impl,

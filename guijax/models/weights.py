@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
+from guijax.models.attention import KERNEL_PLATFORMS
 from guijax.models.config import ModelConfig
 from guijax.models.lora import LoraConfig, is_adapter, split
 from guijax.models.qwen2_5_vl import Qwen2_5_VL
@@ -63,7 +64,7 @@ def _for_init(module: Qwen2_5_VL) -> Qwen2_5_VL:
     """The module with the blockwise attention, which runs on every platform: parameters do not depend on the
     attention backend, and one that names cuDNN or splash cannot be traced for another machine's devices
     (a dry run compiling for a GPU or TPU from this one)."""
-    return module.clone(attention_impl="xla") if module.attention_impl in ("cudnn", "splash") else module
+    return module.clone(attention_impl="xla") if module.attention_impl in KERNEL_PLATFORMS else module
 
 
 def abstract_params(module: Qwen2_5_VL) -> Any:
