@@ -38,9 +38,10 @@ Backends (`implementation`):
   vision segments need no rewriting. It applies when the target is a TPU and positions are the defaults.
 * "auto": on a TPU, splash when it applies (a sequence of at least one 128-token tile) and "xla" otherwise;
   on a GPU when the cuDNN static conditions hold, a `lax.cond` checks the row layout at run time and takes
-  cuDNN when it holds and "xla" otherwise, each device for its own rows (`guijax.models.local_rows`; inside
-  a vmap, as over the vision tower's per-device blocks, the check is batched, so both branches run and their
-  results are selected); everywhere else "xla".
+  cuDNN when it holds and "xla" otherwise, each device for its own rows (`guijax.models.local_rows`). Inside
+  a vmap that check would be batched, so both branches would run and their results be selected: callers
+  whose rows are right-padded by construction (the vision tower, vmapped over per-device blocks) say so with
+  `right_padded=True`, and `auto` takes cuDNN there with no check. Everywhere else "xla".
 
 The target platform is the default backend, or the one `compiling_for` names while tracing: the dry run
 compiles a TPU recipe on a machine without TPUs, and tests run the splash kernel in the Pallas interpreter
@@ -104,6 +105,7 @@ def attention(
     block_q: int = 512,
     block_k: int = 512,
     row_axis: str = "batch",
+    right_padded: bool = False,
 ) -> jax.Array:
     """Grouped-query attention. q [b, sq, h, d]; k, v [b, sk, kvh, d] with h a multiple of kvh.
 
@@ -111,7 +113,10 @@ def attention(
     missing segment ids mean "no padding", missing positions 0..s-1. Returns [b, sq, h, d] in q's dtype.
     block_q / block_k are the "xla" tile sizes (clipped to the sequence lengths); "splash" takes the larger,
     rounded up to whole 128-lane tiles. row_axis is the rows' logical axis name, which says how a call run
-    under shard_map (splash; `auto` on a GPU) splits them.
+    under shard_map (splash; `auto` on a GPU) splits them. right_padded=True is the caller's promise that
+    every row is right-padded by construction (as the vision tower's window and image rows are): `auto` on a
+    GPU then takes cuDNN with no run-time check, which under a vmap would be batched and run both branches;
+    a row that breaks the promise comes back as NaN, as with "cudnn" named.
     """
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -144,7 +149,7 @@ def attention(
                                                 interpret=interpret)
         return _zero_padding_queries(out, q_seg, q.dtype)
     reason = _cudnn_unsupported(q, k, causal, default_positions, platform)
-    if implementation == "cudnn":
+    if implementation == "cudnn" or (implementation == "auto" and right_padded and not reason):
         if reason:
             raise ValueError(f"cudnn attention does not apply: {reason}")
         return jnp.where(_right_padded(q_seg, kv_seg), _cudnn(q, k, v, q_seg, kv_seg, causal, scale), jnp.nan)

@@ -47,14 +47,21 @@ def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, window_tokens: ja
     attention window (windowed blocks) or an image frame (full-attention blocks).
 
     window_tokens [W, L] (-1 = padding) gathers the groups into rows; window_slots [N] gathers back. The rows
-    are split over the data-parallel devices, so each device attends its share of windows or images."""
+    are split over the data-parallel devices, so each device attends its share of windows or images.
+
+    Every row is right-padded by construction (a group's tokens, then -1), so the GPU's `auto` needs no
+    run-time layout check. An empty row (per-device blocks are padded with them) attends one stand-in token
+    instead of none: its output is never gathered back, so its cotangent, and with it every gradient it
+    sends, is exactly 0, and a kernel that needs a non-empty prefix (cuDNN) stays finite on it."""
     n, heads, hd = q.shape
-    valid = (window_tokens >= 0).astype(jnp.int32)
+    valid = jnp.asarray(window_tokens) >= 0
+    valid = valid.at[:, 0].set(True) if valid.shape[1] else valid
     index = jnp.maximum(window_tokens, 0)
     rows = lambda x: nn.with_logical_constraint(x, ("vision_windows", None, None, None))  # noqa: E731
     qw, kw, vw = (rows(jnp.take(x, index, axis=0)) for x in (q, k, v))
-    out = attention(qw, kw, vw, q_segment_ids=valid, kv_segment_ids=valid, implementation=implementation,
-                    row_axis="vision_windows")
+    ids = valid.astype(jnp.int32)
+    out = attention(qw, kw, vw, q_segment_ids=ids, kv_segment_ids=ids, implementation=implementation,
+                    row_axis="vision_windows", right_padded=True)
     return jnp.take(rows(out).reshape(-1, heads, hd), window_slots, axis=0)
 
 

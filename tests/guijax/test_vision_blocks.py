@@ -2,6 +2,7 @@
 over its own rows' images (the DeepStack taps of Qwen3-VL included), and stacking pads what differs."""
 from __future__ import annotations
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -67,3 +68,63 @@ def test_stacking_pads_batches_and_readdresses_their_slots():
         stack_blocks([a, dict(b, pixel_values=np.ones((8, 2)))])
     with pytest.raises(ValueError, match="block 1 has keys"):
         stack_blocks([a, {k: v for k, v in b.items() if k != "token_features"}])
+
+
+def _blocked_inputs(cfg, rs):
+    """GRIDS' two images, one per block: the smaller block's window batch is padded with empty rows."""
+    pixels = rs.randn(int(GRIDS.prod(1).sum()), cfg.vision.patch_dim).astype(np.float32)
+    sizes = GRIDS.prod(1)
+    blocks = []
+    for b, (start, size) in enumerate(zip([0, sizes[0]], sizes)):
+        block_pixels, block_grids = pad_images(pixels[start:start + size], GRIDS[b:b + 1], int(sizes.max()),
+                                               cfg.vision.spatial_merge_size)
+        blocks.append(vision_layout(block_grids, cfg.vision).inputs(block_pixels))
+    return stack_blocks(blocks)
+
+
+def test_blocked_tower_on_a_gpu_takes_cudnn_without_a_batched_check(monkeypatch):
+    """Traced for a GPU, the tower vmapped over per-device blocks runs `auto` attention as cuDNN alone: its
+    rows are right-padded by construction, so no run-time check is made (inside the vmap it was batched, and
+    the blockwise branch ran beside cuDNN on every block). cuDNN is stood in for by attention that, like it,
+    reads sequence lengths alone and whose values and gradients are not finite on a row with no key, as an
+    empty padding row was: values and gradients stay finite and equal the blockwise path's."""
+    import jax.numpy as jnp
+
+    import guijax.models.attention as attention_lib
+    from guijax.models.attention import compiling_for
+
+    cfg = PRESETS["tiny"]
+    inputs = _blocked_inputs(cfg, np.random.RandomState(1))
+    assert (inputs["window_tokens"] < 0).all(-1).any(), "the test needs an empty padding row"
+    taken, blockwise = [], []
+
+    def cudnn_stand_in(q, k, v, q_seg, kv_seg, causal, scale):
+        taken.append(q.shape)
+        q_len, kv_len = (jnp.sum(seg != 0, 1).astype(jnp.int32) for seg in (q_seg, kv_seg))
+        out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="xla",
+                                           query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+        return out / (kv_len > 0)[:, None, None, None]  # a row with no key: not finite, its gradients too
+
+    real_blockwise = attention_lib._blockwise
+
+    def recorded_blockwise(*args):
+        blockwise.append(args[0].shape)
+        return real_blockwise(*args)
+
+    module = weights.build_module(cfg, dtype=jnp.bfloat16)
+    params = weights.init_params(module, jax.random.PRNGKey(0))
+    monkeypatch.setattr(attention_lib, "_cudnn", cudnn_stand_in)
+    monkeypatch.setattr(attention_lib, "_blockwise", recorded_blockwise)
+
+    def loss(p):
+        merged = module.apply({"params": p}, method=lambda m, **v: m.encode_images(**v), **inputs).merged
+        return jnp.sum(merged.astype(jnp.float32) * jnp.cos(jnp.arange(merged.size).reshape(merged.shape)))
+
+    with compiling_for("gpu"):
+        on_gpu = jax.jit(jax.value_and_grad(loss))(params)
+    assert taken and not blockwise
+    blockwise_path = jax.jit(jax.value_and_grad(loss))(params)
+    assert blockwise
+    chex.assert_tree_all_finite(on_gpu)
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x.astype(jnp.float32), on_gpu),
+                                jax.tree.map(lambda x: x.astype(jnp.float32), blockwise_path), atol=0.05, rtol=0.05)
