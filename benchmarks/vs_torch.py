@@ -14,8 +14,9 @@ model's weights, and the two initial losses are compared as a check that the sam
            backward, clip_grad_norm_(1.0), torch.optim.AdamW; float32, torch.set_num_threads(os.cpu_count()).
 
 Both get identical batches (random tokens, every position a response token but the last) and the same
-AdamW hyper-parameters. One untimed step each (compilation / optimiser-state creation), then --repeats
-timed steps, alternating guijax and torch so a change in machine load hits both alike; the figure is
+AdamW hyper-parameters. On text rows torch's vision tower gets no gradient and its AdamW skips it, so
+guijax holds the tower frozen (`model.frozen`): the same update. One untimed step each (compilation /
+optimiser-state creation), then --repeats timed steps, alternating guijax and torch so a change in machine load hits both alike; the figure is
 the median. tokens/s = batch * seq / step time. Process CPU seconds per step are recorded too (less
 sensitive to other load, but they include spin-waiting threads). Measure on a quiet machine: under load,
 torch's OpenMP threads stall at barriers (seen on a shared 2-core box: 0.7 s to 9 s for the same step) and
@@ -182,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     optim_cfg = ts_bench.optim_config(state_dtype=a.param_dtype)
     model = torch_model(cfg, a.attn)
     torch_params = sum(q.numel() for q in model.parameters())
+    # On text rows torch's vision tower gets no gradient, and torch's AdamW skips a parameter without one (no
+    # moment update, no weight decay); the same update in guijax holds the tower frozen. GUI rows train it on
+    # both sides.
+    frozen = () if a.screenshots else ("visual",)
     module = weights.build_module(cfg, dtype=jnp.dtype(a.dtype), param_dtype=jnp.dtype(a.param_dtype),
-                                  scan_layers=a.layers == "scan", remat_policy=a.remat, attention_impl=a.attention)
+                                  scan_layers=a.layers == "scan", remat_policy=a.remat, attention_impl=a.attention,
+                                  frozen=frozen)
     host_params = params_from_torch(model, module)  # on the host: the torch model may leave the device first
     if a.param_dtype == "bfloat16":  # torch's AdamW keeps its moments in the parameters' dtype, as guijax does here
         model = model.to(torch.bfloat16)
