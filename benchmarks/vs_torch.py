@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         **({"screenshots": a.screenshots, "screenshot_hw": list(hw), "response": a.response,
             "used_tokens_per_row": used, "patches": gui["patches"], "image_tokens_per_screenshot":
             gui["image_tokens_per_screenshot"]} if a.screenshots else {}),
-        "layers": a.layers, "remat": a.remat, "attention": a.attention, "torch_checkpointing": a.torch_checkpointing,
+        "layers": a.layers, "guijax_frozen": list(frozen), "remat": a.remat, "attention": a.attention,
+        "torch_checkpointing": a.torch_checkpointing,
         "param_dtype": a.param_dtype, "sequential": a.sequential,
         "torch_device": a.device,
         "model": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,

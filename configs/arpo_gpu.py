@@ -13,7 +13,8 @@ H100 proxy (`python -m guijax.launch --config=arpo_gpu --dry_run --nodry_run_sam
 GiB per device (45.73 GiB with the measured GPU factor, of 74.51). FSDP over all eight GPUs held 93.40 GiB
 when the proxy's compiler had a v5p chip's 95 GiB to spend, and is refused under the GPU's budget of 64.62 GiB
 (naming 67.29 GiB): it does not fit by the proxy (README). Compiled by XLA:GPU itself for 8 H100s without a
-GPU (the `gpu-compile` extra, jax 0.11.2), the step holds 56.15 GiB per device: it fits. Not yet run on GPUs.
+GPU (the `gpu-compile` extra, jax 0.11.2), the step holds 51.16 GiB per device (its accumulation micro-step
+19.31 GiB): it fits. Not yet run on GPUs.
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 

@@ -23,9 +23,10 @@ device (36.53 GiB with the measured GPU factor, of 74.51), where FSDP over all e
 (105.83: it does not fit) when the proxy's compiler had a v5p chip's 95 GiB to spend; under the GPU's budget
 it is refused (naming 65.32 GiB), and under the next budget tried, 80.77 GiB, it peaks at 80.44 GiB: it does not
 fit by the proxy (README). Compiled by XLA:GPU itself for 8 H100s without a GPU (the `gpu-compile` extra, jax
-0.11.2), the step holds 87.29 GiB per device: it does not fit; with --config.model.attention=cudnn (no run-time
-check between cuDNN and the blockwise path) 42.55 GiB: it fits, but why `auto` costs that much, and how cuDNN
-takes the empty rows that pad per-device vision blocks, are not yet known (README).
+0.11.2), the step holds 43.22 GiB per device: it fits. (It held 87.29 GiB while the vision tower's `auto`
+attention checked its rows at run time inside the vmap over per-device blocks, running both branches; the
+tower's rows are right-padded by construction, so it now takes cuDNN unchecked, and the empty rows that pad
+per-device blocks attend one stand-in token; README.)
 Not yet run on GPUs.
 """
 from configs._common import base, gpu_node, uitars_on_osworld

@@ -77,6 +77,7 @@ def test_vs_torch_benchmark(tmp_path):
     assert out["ratio"] == pytest.approx(out["guijax_tokens_per_s"] / out["torch_tokens_per_s"])
     assert out["initial_loss_abs_diff"] < 1e-4  # both sides run the same model on the same weights
     assert out["target_met"] is None  # the target is for the small preset
+    assert out["guijax_frozen"] == ["visual"]  # torch's AdamW leaves the gradient-less tower alone: the same update
 
 
 @pytest.mark.slow

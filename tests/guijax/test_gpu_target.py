@@ -116,3 +116,38 @@ def test_auto_attention_on_two_compile_only_h100s_keeps_each_devices_rows():
         hlo = jax.jit(jax.grad(loss)).lower(q, seg).compile().as_text()
     assert "__cudnn$fmha" in hlo and "bf16[1,8,1024,128]" in hlo  # one row per device
     assert "all-gather" not in hlo
+
+
+@pytest.mark.skipif(not _registered(), reason="needs JAX's CUDA plugin, registered (pip install -e '.[gpu-compile]' "
+                                               "and JAX_PLATFORMS=cpu)")
+def test_vision_windows_on_two_compile_only_h100s_take_cudnn_on_each_devices_rows():
+    """The vision tower's windows on one layout over two H100s: `auto` takes cuDNN with no run-time check
+    (the rows are right-padded by construction), called by the partitioner on each device's half of the
+    windows, with no gather of the other device's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from guijax import sharding
+    from guijax.models.attention import compiling_for
+    from guijax.models.positions import window_batch
+    from guijax.models.vision import window_attention
+
+    mesh = Mesh(np.asarray(gpu_target.devices("h100", 2)).reshape(2, 1, 1, 1), sharding.MESH_AXES)
+    lengths = np.array([16, 9] * 32)  # 64 windows, every other one partial
+    tokens, slots = window_batch(lengths, 16)
+    n = int(lengths.sum())
+    # the patches whole on each device, so the gather into windows needs no communication and any gather in
+    # the program would be attention's
+    x = jax.ShapeDtypeStruct((n, 4, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+
+    def loss(q):
+        out = window_attention(q, q, q, jnp.asarray(tokens), jnp.asarray(slots), "auto")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    with compiling_for("gpu"), sharding.rules_context(mesh):
+        hlo = jax.jit(jax.grad(loss)).lower(x).compile().as_text()
+    calls = [line for line in hlo.splitlines() if "__cudnn$fmha" in line]
+    assert calls and all("bf16[32," in line and "bf16[64," not in line for line in calls), calls[:2]
+    assert "all-gather" not in hlo and "conditional" not in hlo
