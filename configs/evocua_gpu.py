@@ -20,8 +20,9 @@ the measured GPU factor). Frozen, it compiles to 55.91 GiB per device, 64.47 GiB
 at its chip's 95 GiB; under the proxy's default budget now, 60.02 GiB, 69.20 scaled: it fits (README).
 Compiled by XLA:GPU itself for 8 H100s without a GPU (the `gpu-compile` extra, jax 0.11.2): 20.49 GiB per device
 with full remat (the figures above), 40.45 GiB with the recipe's dots_saveable.
-Trained on 2-way data x 4-way FSDP instead, with full remat, it fits by the proxy too: --config.model.frozen="()"
---config.model.remat=full --config.mesh.data=2 --config.mesh.fsdp=4 compiles to 34.02 GiB per device, 39.22 GiB scaled (README).
+Trained on 2-way data x 4-way FSDP instead, with full remat, it fits by the proxy too:
+--config.model.frozen="()" --config.model.remat=full --config.mesh.data=2 --config.mesh.fsdp=4 compiles to
+34.02 GiB per device, 39.22 GiB scaled (README).
 """
 from configs._common import base, gpu_node, uitars_on_osworld
 

@@ -341,8 +341,9 @@ class DryRun:
     # bound to set against another compiler's figures
     compiler: Literal["target", "tpu_proxy", "cpu"] = "target"
     # GiB per device the TPU compiler schedules and rematerialises against (0: the target's own, a TPU chip's
-    # HBM, or for a GPU proxy the GPU's memory over the proxy factor; refused by XLA:CPU and XLA:GPU). The compiler spends memory freely up to
-    # its limit, so a peak says what it chose under that limit, not the least the step could need.
+    # HBM, or for a GPU proxy the GPU's memory over the proxy factor; refused by XLA:CPU and XLA:GPU). The
+    # compiler spends memory freely up to its limit, so a peak says what it chose under that limit, not the
+    # least the step could need.
     compiler_memory_gib: float = ranged(0.0, low=0)
 
 

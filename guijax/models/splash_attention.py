@@ -11,10 +11,10 @@ conventions to it:
   those keys, and padding queries, which see only padding keys (their own position included, so no row of
   the softmax is empty), are set to 0 afterwards as everywhere else;
 * a Pallas call is one custom call XLA cannot partition, so under a mesh (`jax.set_mesh`, as the trainer
-  traces) it runs inside `shard_map` (`guijax.models.local_rows`): rows split as the logical axis the caller names (`row_axis`) maps under
-  the rules in context ("batch": the data-parallel axes; the vision tower's windows inside its per-device
-  vmap: nothing, the vmap's `spmd_axis_name` splitting the blocks), as far as they divide; heads over `tensor`
-  when both head counts divide it; everything else whole on each device.
+  traces) it runs inside `shard_map` (`guijax.models.local_rows`): rows split as the logical axis the caller
+  names (`row_axis`) maps under the rules in context ("batch": the data-parallel axes; the vision tower's
+  windows inside its per-device vmap: nothing, the vmap's `spmd_axis_name` splitting the blocks), as far as
+  they divide; heads over `tensor` when both head counts divide it; everything else whole on each device.
 
 Explicit positions (a KV-cache decode) are not expressible as the kernel's static mask; `unsupported` says
 so and `attention` keeps the blockwise path for those calls.

@@ -26,6 +26,18 @@ def _rows(cfg, rs):
     return ids, mask
 
 
+def _blocked_inputs(cfg, pixels: np.ndarray) -> dict[str, np.ndarray]:
+    """GRIDS' two images (their patches in `pixels`), one per block, each padded to the larger's patch count;
+    the smaller block's window batch is padded with empty rows."""
+    sizes = GRIDS.prod(1)
+    blocks = []
+    for b, (start, size) in enumerate(zip([0, sizes[0]], sizes)):
+        block_pixels, block_grids = pad_images(pixels[start:start + size], GRIDS[b:b + 1], int(sizes.max()),
+                                               cfg.vision.spatial_merge_size)
+        blocks.append(vision_layout(block_grids, cfg.vision).inputs(block_pixels))
+    return stack_blocks(blocks)
+
+
 # Qwen3-VL (DeepStack) in the default suite, where the trainer and sharded tests run Qwen2.5-VL's blocks
 # (tests/guijax/test_trainer_objectives.py, test_response_only.py); the other families with -m slow
 @pytest.mark.parametrize("family", ["tiny_qwen3_vl"] + [pytest.param(f, marks=pytest.mark.slow) for f in (
@@ -35,14 +47,8 @@ def test_blocked_forward_equals_one_layout(family):
     rs = np.random.RandomState(0)
     ids, mask = _rows(cfg, rs)
     pixels = rs.randn(int(GRIDS.prod(1).sum()), cfg.vision.patch_dim).astype(np.float32)
-    merge = cfg.vision.spatial_merge_size
     whole = vision_layout(GRIDS, cfg.vision).inputs(pixels)
-    sizes = GRIDS.prod(1)
-    blocks = []
-    for b, (start, size) in enumerate(zip([0, sizes[0]], sizes)):
-        block_pixels, block_grids = pad_images(pixels[start:start + size], GRIDS[b:b + 1], int(sizes.max()), merge)
-        blocks.append(vision_layout(block_grids, cfg.vision).inputs(block_pixels))
-    blocked = stack_blocks(blocks)
+    blocked = _blocked_inputs(cfg, pixels)
     assert is_blocked(blocked) and not is_blocked(whole)
     module = weights.build_module(cfg)
     params = weights.init_params(module, jax.random.PRNGKey(0))
@@ -70,18 +76,6 @@ def test_stacking_pads_batches_and_readdresses_their_slots():
         stack_blocks([a, {k: v for k, v in b.items() if k != "token_features"}])
 
 
-def _blocked_inputs(cfg, rs):
-    """GRIDS' two images, one per block: the smaller block's window batch is padded with empty rows."""
-    pixels = rs.randn(int(GRIDS.prod(1).sum()), cfg.vision.patch_dim).astype(np.float32)
-    sizes = GRIDS.prod(1)
-    blocks = []
-    for b, (start, size) in enumerate(zip([0, sizes[0]], sizes)):
-        block_pixels, block_grids = pad_images(pixels[start:start + size], GRIDS[b:b + 1], int(sizes.max()),
-                                               cfg.vision.spatial_merge_size)
-        blocks.append(vision_layout(block_grids, cfg.vision).inputs(block_pixels))
-    return stack_blocks(blocks)
-
-
 def test_blocked_tower_on_a_gpu_takes_cudnn_without_a_batched_check(monkeypatch):
     """Traced for a GPU, the tower vmapped over per-device blocks runs `auto` attention as cuDNN alone: its
     rows are right-padded by construction, so no run-time check is made (inside the vmap it was batched, and
@@ -94,7 +88,8 @@ def test_blocked_tower_on_a_gpu_takes_cudnn_without_a_batched_check(monkeypatch)
     from guijax.models.attention import compiling_for
 
     cfg = PRESETS["tiny"]
-    inputs = _blocked_inputs(cfg, np.random.RandomState(1))
+    pixels = np.random.RandomState(1).randn(int(GRIDS.prod(1).sum()), cfg.vision.patch_dim).astype(np.float32)
+    inputs = _blocked_inputs(cfg, pixels)
     assert (inputs["window_tokens"] < 0).all(-1).any(), "the test needs an empty padding row"
     taken, blockwise = [], []
 
