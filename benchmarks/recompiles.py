@@ -23,6 +23,10 @@ sampler too, so the summary reports iterations 1 onward.
       --json benchmarks/results/recompiles_cpu.json --markdown benchmarks/results/recompiles_cpu.md
   python benchmarks/recompiles.py --iterations 5 --modes packed_one_row,packed_fill --workdir /tmp/rcfill \
       --json benchmarks/results/recompiles_cpu_pack_fill.json --markdown benchmarks/results/recompiles_cpu_pack_fill.md
+  python benchmarks/recompiles.py --iterations 4 --modes packed_fill_768 --override env.num_tasks=48 \
+      --override rollout.tasks_per_iteration=32 --workdir /tmp/rcfill32_768 \
+      --json benchmarks/results/recompiles_cpu_pack_fill_768_32tasks.json \
+      --markdown benchmarks/results/recompiles_cpu_pack_fill_768_32tasks.md
   python benchmarks/recompiles.py --iterations 8 --modes packed_fixed,packed_fixed_exact_images \
       --workdir /tmp/image_buckets --json benchmarks/results/sampler_image_buckets_cpu.json \
       --markdown benchmarks/results/sampler_image_buckets_cpu.md
@@ -57,10 +61,13 @@ MODES = {
     # the largest ("one_row"), or the one holding it in the fewest token slots: one shape per (rows, bucket)
     "packed_one_row": ("pipeline.pack=True", *FIXED_RESPONSE_AND_VISION),
     "packed_fewest_slots": ("pipeline.pack=True", "pipeline.pack_length_rule=fewest_slots", *FIXED_RESPONSE_AND_VISION),
-    # token-budget minibatches: one shape for the run, 1 row of 1,024 tokens, filled first-fit from the whole
+    # token-budget minibatches: one shape for the run, 1 row of 1,024 tokens, filled from the whole
     # update's steps (at most 8 a minibatch), so the number of minibatches follows the tokens
     "packed_fill": ("pipeline.pack=True", "pipeline.pack_length=1024", "pipeline.pack_rows=1", "pipeline.pack_fill=True",
                     *FIXED_RESPONSE_AND_VISION),
+    # the same in rows of 768 tokens, which grpo_cpu's steps fill with less left over (README)
+    "packed_fill_768": ("pipeline.pack=True", "pipeline.pack_length=768", "pipeline.pack_rows=1",
+                        "pipeline.pack_fill=True", *FIXED_RESPONSE_AND_VISION),
 }
 # the packed modes with 128-token attention tiles (512 above): tiles that hold only other examples' pairs
 # are skipped, so smaller tiles skip more of a packed row

@@ -59,7 +59,8 @@ def doubled(base: int, need: int) -> int:
 
 def plan_rows(lengths: Sequence[int], batch_size: int, length: int, rows: int | None = None,
               blocks: int = 1, grow: bool = False) -> PackedLayout:
-    """First-fit decreasing packing of examples of `lengths` into rows of `length` tokens.
+    """Examples of `lengths` packed into rows of `length` tokens, each block's in the fewest rows that
+    first-fit decreasing or least-slack filling finds (`fewest_rows`).
 
     Example i belongs to block i // (batch_size / blocks). `rows`: packed rows per batch (a multiple of
     `blocks`; one shape for every batch) or None: as many as the fullest block needs, the same count in every
@@ -77,7 +78,7 @@ def plan_rows(lengths: Sequence[int], batch_size: int, length: int, rows: int | 
             raise PackingError(f"example {i} has {n} tokens, more than the packed row length {length}", i)
     per_block = batch_size // blocks
     members = [range(k * per_block, min((k + 1) * per_block, len(lengths))) for k in range(blocks)]
-    block_rows = [_first_fit(m, lengths, length) for m in members]
+    block_rows = [fewest_rows(m, lengths, length) for m in members]
     need = max(1, max(len(placed) for placed in block_rows))
     per = need if rows is None else rows // blocks
     if need > per:
@@ -102,20 +103,20 @@ def plan_rows(lengths: Sequence[int], batch_size: int, length: int, rows: int | 
 def plan_minibatches(lengths: Sequence[int], rows: int, length: int, max_examples: int,
                      seed: int = 0) -> list[list[int]]:
     """Examples into minibatches of one packed shape: `rows` rows of `length` tokens holding at most
-    `max_examples` examples. First the examples are packed into rows over the whole pass, longest first,
-    each into the first row with room (at most `max_examples` to a row), which leaves little of any row
-    empty; then the rows, in a seeded random order (so a minibatch is not all long or all short steps), each
-    join the first minibatch with a free row and room for their examples, whose longest-first packing
-    (`plan_rows`, as the batch is collated) still fits its rows. Only the minibatches still open at the end
-    run short, where cutting the steps into minibatches of a fixed count fills a fixed shape only as far as
-    the longest minibatch needs; the price is that the number of minibatches (optimiser steps) follows the
+    `max_examples` examples. First the examples are packed into rows over the whole pass, in the fewest rows
+    `fewest_rows` finds (at most `max_examples` to a row), which leaves little of any row empty; then the
+    rows, in a seeded random order (so a minibatch is not all long or all short steps), each join the first
+    minibatch with a free row and room for their examples, whose packing (`plan_rows`, as the batch is
+    collated) still fits its rows. Only the minibatches still open at the end run short, where cutting the
+    steps into minibatches of a fixed count fills a fixed shape only as far as the longest minibatch needs;
+    the price is that the number of minibatches (optimiser steps) follows the
     tokens, not the steps. Returns each minibatch's example indices, ascending."""
     if rows < 1 or length < 1 or max_examples < 1:
         raise ValueError(f"minibatches need rows, length and max_examples >= 1, got {rows}, {length}, {max_examples}")
     for i, n in enumerate(lengths):
         if n > length:
             raise PackingError(f"example {i} has {n} tokens, more than the packed row length {length}", i)
-    packed = _first_fit(range(len(lengths)), lengths, length, max_examples)
+    packed = fewest_rows(range(len(lengths)), lengths, length, max_examples)
     batches: list[list[int]] = []
     used_rows: list[int] = []
     for r in np.random.default_rng(seed).permutation(len(packed)):
@@ -123,7 +124,7 @@ def plan_minibatches(lengths: Sequence[int], rows: int, length: int, max_example
         for b, members in enumerate(batches):
             if used_rows[b] < rows and len(members) + len(row) <= max_examples:
                 trial = [lengths[i] for i in members + row]
-                if len(_first_fit(range(len(trial)), trial, length)) <= rows:
+                if len(fewest_rows(range(len(trial)), trial, length)) <= rows:
                     members.extend(row)
                     used_rows[b] += 1
                     break
@@ -149,6 +150,96 @@ def _first_fit(members: Sequence[int], lengths: Sequence[int], length: int,
         filled[spot] += lengths[i]
         placed[spot].append(i)
     return placed
+
+
+# Least-slack filling costs a subset-sum pass per row over the examples left (of each length, as many as a row
+# holds), each update a shift of a row-length bitset, and keeps a row's bitsets to read its subset back; past
+# this many 64-bit words of updates (a second or two on one core: about 4,000 steps of 150-500 tokens in rows of
+# 1,024, or 800 GUI steps of 1-6k tokens in rows of 16k) or bytes of bitsets, first-fit is used alone
+LEAST_SLACK_BUDGET = 300_000_000
+LEAST_SLACK_MEMORY = 1 << 27
+
+
+def fewest_rows(members: Sequence[int], lengths: Sequence[int], length: int,
+                per_row: int | None = None) -> list[list[int]]:
+    """The examples `members` in rows of `length` tokens (at most `per_row` to a row): first-fit decreasing,
+    or least-slack filling (`least_slack_rows`) where that needs fewer rows. Why both: first-fit leaves a
+    part-filled row wherever no example left fits its end, and on a pass of a few dozen GUI steps that is one
+    row in ten; least-slack filling chooses each row's examples to fill it, but commits early and can lose a
+    row where first-fit does not. Either depends only on the lengths, longest first, so a minibatch planned
+    from rows packs into as many again when it is collated. Examples of no tokens (the blank ones that hold a
+    short block's place) go where there is a free place last, so they never cost a row of their own."""
+    members = list(members)
+    blanks = [i for i in members if int(lengths[i]) == 0]
+    if blanks:
+        rows = fewest_rows([i for i in members if int(lengths[i])], lengths, length, per_row)
+        for i in blanks:
+            spot = next((row for row in rows if per_row is None or len(row) < per_row), None)
+            if spot is None:
+                spot = []
+                rows.append(spot)
+            spot.append(i)
+        return rows
+    first = _first_fit(members, lengths, length, per_row)
+    total = sum(int(lengths[i]) for i in members)
+    floor = max(-(-total // length), -(-len(members) // per_row) if per_row else 0)
+    if len(first) <= max(floor, 1):
+        return first
+    cap = min(per_row or len(members), length // max(1, min(int(lengths[i]) for i in members)))
+    candidates = min(len(members), len({int(lengths[i]) for i in members}) * cap)
+    if (candidates * len(first) * cap * (length // 64 + 1) > LEAST_SLACK_BUDGET
+            or candidates * (cap + 1) * (length // 8 + 1) > LEAST_SLACK_MEMORY):
+        return first
+    slack = least_slack_rows(members, lengths, length, per_row)
+    return slack if len(slack) < len(first) else first
+
+
+def least_slack_rows(members: Sequence[int], lengths: Sequence[int], length: int,
+                     per_row: int | None = None) -> list[list[int]]:
+    """Minimum-bin-slack packing: each row opened by the longest example left and completed by the subset of
+    the others (at most `per_row` - 1 of them) that fills it most, found exactly by a subset-sum over token
+    counts (one bitset of reachable sums per example count)."""
+    left = sorted(members, key=lambda j: (-lengths[j], j))
+    rows: list[list[int]] = []
+    while left:
+        opener = left[0]
+        room = length - int(lengths[opener])
+        most = min(len(left) - 1, (per_row or len(left)) - 1, room // max(1, int(lengths[left[-1]])))
+        rest = _copies_at_most(left[1:], lengths, most)
+        reach, before = [1] + [0] * most, []  # reach[c]: bit s set when c of the examples seen so far sum to s
+        keep = (1 << (room + 1)) - 1
+        for i in rest:
+            before.append(list(reach))
+            for c in range(most, 0, -1):
+                reach[c] = (reach[c] | (reach[c - 1] << int(lengths[i]))) & keep
+        # the fullest row; of equally full ones, the one with the fewest examples
+        total, count = max((reach[c].bit_length() - 1, -c) for c in range(most + 1) if reach[c])
+        count = -count
+        row = [opener]
+        for j in range(len(rest) - 1, -1, -1):
+            if count == 0:
+                break
+            if not (before[j][count] >> total) & 1:  # the sum needs example j
+                row.append(rest[j])
+                total -= int(lengths[rest[j]])
+                count -= 1
+        rows.append(row)
+        taken = set(row)
+        left = [i for i in left if i not in taken]
+    return rows
+
+
+def _copies_at_most(members: Sequence[int], lengths: Sequence[int], copies: int) -> list[int]:
+    """`members` keeping the first `copies` of each length: examples of one length are interchangeable, and a
+    row never holds more than `copies`, so the subset-sum runs over distinct lengths, not over every step."""
+    seen: dict[int, int] = {}
+    kept = []
+    for i in members:
+        n = int(lengths[i])
+        if seen.get(n, 0) < copies:
+            seen[n] = seen.get(n, 0) + 1
+            kept.append(i)
+    return kept
 
 
 def pack_tokens(examples: Sequence[dict[str, Any]], layout: PackedLayout, batch_size: int,

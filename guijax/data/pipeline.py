@@ -87,12 +87,13 @@ class PipelineConfig:
     # batch in the fewest token slots (higher fill, more shapes)
     pack_length_rule: str = "one_row"
     pack_rows: int | None = None
-    # token-budget minibatches: instead of `batch_size` steps each, a pass's steps are packed into rows longest
-    # first and the rows, in a seeded order, fill minibatches of the one packed shape `pack_rows` x `pack_length`
-    # (at most `batch_size` steps each), so the minibatches' count follows the tokens and nearly every token
-    # slot is filled (guijax.data.packing.plan_minibatches), each packing block planned as one; one pass
-    # (`num_epochs` 1). The pass order (and so `shuffle_block`'s runs of shared screenshots) does not carry
-    # into the minibatches. One shape needs `max_response_tokens` and `vision_images` fixed as well.
+    # token-budget minibatches: instead of `batch_size` steps each, a pass's steps are packed into the fewest
+    # rows first-fit or least-slack filling finds and the rows, in a seeded order, fill minibatches of the one
+    # packed shape `pack_rows` x `pack_length` (at most `batch_size` steps each), so the minibatches' count
+    # follows the tokens and nearly every token slot is filled (guijax.data.packing.plan_minibatches), each
+    # packing block planned as one; one pass (`num_epochs` 1). The pass order (and so `shuffle_block`'s runs of
+    # shared screenshots) does not carry into the minibatches. One shape needs `max_response_tokens` and
+    # `vision_images` fixed as well.
     pack_fill: bool = False
     pack_blocks: int = 1
     # > 0: every vision layout (each block's) holds exactly this many images, the distinct screenshots padded with
@@ -556,7 +557,7 @@ class Collate:
             return next((b for b in fitting if b >= fullest), buckets[-1])
         if self.config.pack_length_rule != "fewest_slots":
             raise ValueError(f"pack_length_rule={self.config.pack_length_rule!r}: choose 'one_row' or 'fewest_slots'")
-        # Why: first-fit leaves the end of every row empty, and a row several examples long wastes less of it when
+        # Why: packing leaves the end of most rows empty, and a row several examples long wastes less of it when
         # its length fits their sum. Ties go to the shorter rows, whose attention tiles are fewer; with
         # `pack_rows`, the buckets that need no more rows than that come first (more rows is another shape).
         fixed = self.config.pack_rows

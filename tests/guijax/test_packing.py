@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from guijax import objectives, sharding, train_step
-from guijax.data.packing import PackingError, plan_minibatches, plan_rows
+from guijax.data import packing
+from guijax.data.packing import PackingError, fewest_rows, least_slack_rows, plan_minibatches, plan_rows
 from guijax.data.pipeline import Collate, EncodeStep, PipelineConfig, StepRef, make_dataset, step_refs
 from guijax.models import weights
 from step_histories import trajectories
@@ -42,7 +43,7 @@ def one_size(proc):
     return _examples(proc, sizes=((56, 84),))
 
 
-def test_rows_are_packed_first_fit_decreasing_within_their_blocks():
+def test_rows_are_packed_within_their_blocks():
     layout = plan_rows([60, 50, 40, 30, 20, 10], batch_size=8, length=100)
     assert layout.rows == [[0, 2], [1, 3, 4], [5]] and layout.starts[3] == (1, 50)  # 100, 100, 10 tokens
     # two blocks of four: examples 0-3 only in rows 0-1, examples 4-5 only in rows 2-3 (the last row empty)
@@ -95,7 +96,7 @@ def test_packed_batch_gives_each_example_its_padded_log_probs(proc, cfg, one_siz
     assert packed["meta"]["token_fill"] > 0.99 and padded["meta"]["token_fill"] < 0.63, (
         packed["meta"]["token_fill"], padded["meta"]["token_fill"])
     auto = Collate(cfg, dataclasses.replace(CONFIG, pack=True))(examples)
-    assert auto["input_ids"].shape == (2, 1024)  # the largest bucket, as many rows as first-fit needs
+    assert auto["input_ids"].shape == (2, 1024)  # the largest bucket, as many rows as packing needs
     fewest = Collate(cfg, dataclasses.replace(CONFIG, pack=True, pack_length_rule="fewest_slots"))(examples)
     # the bucket with the fewest token slots: 6 rows of 256 (1,536) against 2 of 1,024 or 3 of 512
     assert fewest["input_ids"].shape == (6, 256) and fewest["meta"]["token_fill"] > 0.83
@@ -238,8 +239,50 @@ def test_preference_batches_pad_their_steps_to_the_packing_blocks(proc, cfg):
     assert batch["loss_mask"].shape[0] == 8 and list(segments) == [0] * 4 + [1] * 4
 
 
+def test_rows_are_the_fewer_of_first_fit_and_least_slack_filling():
+    """Each row filled by the subset that leaves it least room saves the row first-fit leaves part-filled;
+    where committing early loses a row instead, first-fit's rows are kept; the rows cover every example once
+    within the row length and per-row count; past the work budget first-fit is used alone."""
+    lengths = [3, 2, 5, 2, 4, 4]  # first-fit decreasing: [5, 4] [4, 3, 2] [2]
+    filled = least_slack_rows(range(6), lengths, 10)
+    assert sorted(sorted(lengths[i] for i in row) for row in filled) == [[2, 3, 5], [2, 4, 4]]
+    assert len(fewest_rows(range(6), lengths, 10)) == 2 and len(plan_rows(lengths, 6, 10).rows) == 2
+    assert len(least_slack_rows(range(6), lengths, 10, per_row=2)) == 3
+    worse = [8, 7, 6, 21, 23, 3, 15, 8, 16, 8]  # filling [21, 6, 3] first strands the 8s: 5 rows, first-fit 4
+    assert len(least_slack_rows(range(10), worse, 30)) == 5 and len(fewest_rows(range(10), worse, 30)) == 4
+    rs = np.random.RandomState(3)
+    for _ in range(40):
+        n, length, per_row = rs.randint(5, 40), int(rs.choice([100, 1024])), [None, 3, 8][rs.randint(3)]
+        sizes = rs.randint(1, length // 2, n)
+        rows = fewest_rows(range(n), sizes, length, per_row)
+        assert sorted(i for row in rows for i in row) == list(range(n))
+        assert all(sizes[row].sum() <= length and len(row) <= (per_row or n) for row in map(list, rows))
+        assert -(-sizes.sum() // length) <= len(rows) <= len(packing._first_fit(range(n), sizes, length, per_row))
+    # grpo_cpu's steps of 150-270 tokens in 768-token rows: first-fit 17 rows, the floor 16
+    steps = rs.randint(150, 270, 60)
+    assert -(-steps.sum() // 768) == len(fewest_rows(range(60), steps, 768, 8)) < len(
+        packing._first_fit(range(60), steps, 768, 8))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packing, "LEAST_SLACK_BUDGET", 0)
+        assert len(fewest_rows(range(6), lengths, 10)) == 3
+
+
+def test_blank_examples_cost_no_row_of_their_own():
+    """A short packing block is completed with blank examples (no tokens) when it is collated; they go where
+    rows have a free place, so a block planned in `rows` rows still fits them."""
+    assert len(plan_rows([3, 2, 5, 2, 4, 4, 0, 0], 8, 10, rows=2).rows) == 2
+    assert len(plan_rows([3, 2, 5, 2, 0, 0], 6, 10, rows=2).rows) == 2
+    assert len(fewest_rows(range(4), [5, 5, 0, 0], 10, per_row=2)) == 2  # the blanks take a third row only past per_row
+    assert len(fewest_rows(range(5), [5, 5, 0, 0, 0], 10, per_row=2)) == 3
+    rs = np.random.RandomState(7)  # blocks of 2 rows x 1,024 and 8 steps, as 2 devices' halves of 4 x 1,024, 16
+    lengths = rs.randint(150, 500, 200)
+    for members in plan_minibatches(lengths, rows=2, length=1024, max_examples=8, seed=2):
+        padded = [lengths[i] for i in members] + [0] * (8 - len(members))
+        assert len(plan_rows(padded, 8, 1024, rows=2).rows) == 2
+
+
 def test_minibatches_are_planned_from_rows_packed_over_the_pass():
-    """Rows packed longest first over the whole pass (at most `max_examples` to a row), then grouped, in a
+    """Rows packed over the whole pass (at most `max_examples` to a row), then grouped, in a
     seeded order, into minibatches of `rows` rows and at most `max_examples` examples; too long an example
     is named."""
     lengths = [60, 50, 40, 30, 20, 10, 90, 5]
@@ -256,7 +299,7 @@ def test_minibatches_are_planned_from_rows_packed_over_the_pass():
     assert sorted(i for members in plan for i in members) == list(range(400))
     for members in plan:
         assert len(members) <= 16 and len(plan_rows([lengths[i] for i in members], 16, 1024, rows=2).rows) == 2
-    assert lengths.sum() / (len(plan) * 2 * 1024) > 0.94  # 0.950: the rows' own packing leaves 4.3% here
+    assert lengths.sum() / (len(plan) * 2 * 1024) > 0.97  # 0.979 (first-fit rows alone: 0.950)
     # GUI steps of 1-6k tokens (several screenshots each) in 16k-token rows, as the GPU recipes' shapes: 0.960
     gui = rs.randint(1000, 6000, 200)
     assert gui.sum() / (len(plan_minibatches(gui, rows=1, length=16384, max_examples=8)) * 16384) > 0.95
