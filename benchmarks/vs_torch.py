@@ -17,10 +17,10 @@ Both get identical batches (random tokens, every position a response token but t
 AdamW hyper-parameters. On text rows torch's vision tower gets no gradient and its AdamW skips it, so
 guijax holds the tower frozen (`model.frozen`): the same update. One untimed step each (compilation /
 optimiser-state creation), then --repeats timed steps, alternating guijax and torch so a change in machine
-load hits both alike; the figure is the median. tokens/s = batch * seq / step time. Process CPU seconds per step are recorded too (less
-sensitive to other load, but they include spin-waiting threads). Measure on a quiet machine: under load,
-torch's OpenMP threads stall at barriers (seen on a shared 2-core box: 0.7 s to 9 s for the same step) and
-the ratio means nothing; `--threads 1` under `taskset -c 0` gives a per-core comparison.
+load hits both alike; the figure is the median. tokens/s = batch * seq / step time. Process CPU seconds per
+step are recorded too (less sensitive to other load, but they include spin-waiting threads). Measure on a
+quiet machine: under load, torch's OpenMP threads stall at barriers (seen on a shared 2-core box: 0.7 s to
+9 s for the same step) and the ratio means nothing; `--threads 1` under `taskset -c 0` gives a per-core comparison.
 
   python benchmarks/vs_torch.py --preset small --batch 4 --seq 256 --repeats 7
 

@@ -221,8 +221,9 @@ class Pipeline:
     # token-budget minibatches (RL updates): each pass's steps are packed into the fewest rows first-fit or
     # least-slack filling finds, and the rows fill minibatches of the one shape `pack_rows` x `pack_length` (both
     # needed), at most `train.minibatch_size` steps each, so nearly every token slot is filled and the number of
-    # minibatches follows the tokens; each data-parallel device's block planned alike; one shape needs `max_response_tokens` and `vision_images` fixed too; `shuffle_block`'s runs do not
-    # carry into the minibatches. SFT streams keep minibatches of `minibatch_size` steps
+    # minibatches follows the tokens; each data-parallel device's block planned alike; one shape needs
+    # `max_response_tokens` and `vision_images` fixed too; `shuffle_block`'s runs do not carry into the
+    # minibatches. SFT streams keep minibatches of `minibatch_size` steps
     pack_fill: bool = False
     # the response budget: loss tokens per step (0: the longest step's, rounded up to `response_bucket`); a
     # number fixes the shape, and a step with more loss tokens is refused

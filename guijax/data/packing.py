@@ -20,6 +20,7 @@ data-parallel devices, so the gather from packed rows to response space never le
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Sequence
 
@@ -109,8 +110,8 @@ def plan_minibatches(lengths: Sequence[int], rows: int, length: int, max_example
     minibatch with a free row and room for their examples, whose packing (`plan_rows`, as the batch is
     collated) still fits its rows. Only the minibatches still open at the end run short, where cutting the
     steps into minibatches of a fixed count fills a fixed shape only as far as the longest minibatch needs;
-    the price is that the number of minibatches (optimiser steps) follows the
-    tokens, not the steps. Returns each minibatch's example indices, ascending."""
+    the price is that the number of minibatches (optimiser steps) follows the tokens, not the steps. Returns
+    each minibatch's example indices, ascending."""
     if rows < 1 or length < 1 or max_examples < 1:
         raise ValueError(f"minibatches need rows, length and max_examples >= 1, got {rows}, {length}, {max_examples}")
     for i, n in enumerate(lengths):
@@ -232,12 +233,11 @@ def least_slack_rows(members: Sequence[int], lengths: Sequence[int], length: int
 def _copies_at_most(members: Sequence[int], lengths: Sequence[int], copies: int) -> list[int]:
     """`members` keeping the first `copies` of each length: examples of one length are interchangeable, and a
     row never holds more than `copies`, so the subset-sum runs over distinct lengths, not over every step."""
-    seen: dict[int, int] = {}
+    seen: collections.Counter[int] = collections.Counter()
     kept = []
     for i in members:
-        n = int(lengths[i])
-        if seen.get(n, 0) < copies:
-            seen[n] = seen.get(n, 0) + 1
+        seen[int(lengths[i])] += 1
+        if seen[int(lengths[i])] <= copies:
             kept.append(i)
     return kept
 
