@@ -13,11 +13,12 @@
 # a GPU yet or has changed since, machine,grpo_gpu_scan,sampler_7b,remat_gui_0_5b,vs_torch_gui_0_5b_cudnn,
 # vs_torch_gui_3b,grpo_gpu_frozen_tower_scan). Also:
 #   gpu_tests: the GPU-only tests (cuDNN attention, Pallas kernels);
-#   grpo_gpu_step: the 7B step training every parameter (84.43 GiB: an H200, not an H100);
-#   grpo_gpu_scan: the same with its layers under scan (68.69 GiB compiled by XLA:GPU without a GPU: one H100);
+#   grpo_gpu_step: the 7B step training every parameter, its layers unrolled (84.43 GiB: an H200, not an H100);
+#   grpo_gpu_scan: the same with its layers under scan, as the recipe runs (68.69 GiB compiled by XLA:GPU
+#     without a GPU: one H100);
 #   vs_torch_0_5b: the 0.5B update against PyTorch on text rows;
 #   grpo_gpu_frozen_tower, grpo_gpu_frozen_tower_scan, grpo_gpu_lora: the 7B step with the vision tower frozen
-#     (unrolled, or its layers under scan) or as LoRA r128;
+#     (unrolled, or its layers under scan) or as LoRA r128 (unrolled);
 #   train_step_gui_0_5b: the 0.5B update on a row of 5 full-HD screenshots;
 #   remat_gui_0_5b: the same update under each remat policy the GPU recipes choose between (full,
 #     attention_saveable, dots_saveable), one after the other (the benchmark's 0.5B model has a one-block
@@ -55,20 +56,22 @@ run_part() {
       python3 -c "import jax, jaxlib, flax, optax; print(jax.devices(), jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__)"' ;;
     gpu_tests) part gpu_tests 150 python3 -m pytest -q -p no:xdist -o addopts="-p no:cacheprovider --import-mode=importlib" \
       -m gpu tests/guijax/test_attention.py tests/guijax/test_kernels.py ;;
-    grpo_gpu_step) part grpo_gpu_step 330 python3 benchmarks/recipe_step.py --config=grpo_gpu --steps=3 \
+    grpo_gpu_step) part grpo_gpu_step 330 python3 benchmarks/recipe_step.py --config=grpo_gpu \
+      --config.model.scan_layers=False --steps=3 \
       --json="$out/recipe_step_grpo_gpu.json" --markdown="$out/recipe_step_grpo_gpu.md" ;;
     grpo_gpu_scan) part grpo_gpu_scan 220 python3 benchmarks/recipe_step.py --config=grpo_gpu \
       --config.model.scan_layers=True --steps=3 --json="$out/recipe_step_grpo_gpu_scan.json" \
       --markdown="$out/recipe_step_grpo_gpu_scan.md" ;;
     grpo_gpu_frozen_tower) part grpo_gpu_frozen_tower 220 python3 benchmarks/recipe_step.py --config=grpo_gpu \
-      --config.model.frozen='("visual",)' --steps=3 --json="$out/recipe_step_grpo_gpu_frozen_tower.json" \
-      --markdown="$out/recipe_step_grpo_gpu_frozen_tower.md" ;;
+      --config.model.frozen='("visual",)' --config.model.scan_layers=False --steps=3 \
+      --json="$out/recipe_step_grpo_gpu_frozen_tower.json" --markdown="$out/recipe_step_grpo_gpu_frozen_tower.md" ;;
     grpo_gpu_frozen_tower_scan) part grpo_gpu_frozen_tower_scan 220 python3 benchmarks/recipe_step.py --config=grpo_gpu \
       --config.model.frozen='("visual",)' --config.model.scan_layers=True --steps=3 \
       --json="$out/recipe_step_grpo_gpu_frozen_tower_scan.json" \
       --markdown="$out/recipe_step_grpo_gpu_frozen_tower_scan.md" ;;
     grpo_gpu_lora) part grpo_gpu_lora 220 python3 benchmarks/recipe_step.py --config=grpo_gpu --config.lora.rank=128 \
-      --steps=3 --json="$out/recipe_step_grpo_gpu_lora.json" --markdown="$out/recipe_step_grpo_gpu_lora.md" ;;
+      --config.model.scan_layers=False --steps=3 --json="$out/recipe_step_grpo_gpu_lora.json" \
+      --markdown="$out/recipe_step_grpo_gpu_lora.md" ;;
     train_step_gui_0_5b) part train_step_gui_0_5b 75 python3 benchmarks/train_step.py --presets qwen2_5_0_5b \
       --batch 1 --screenshots 5 --remat full --repeats 3 --json="$out/train_step_gui_0_5b.json" \
       --markdown="$out/train_step_gui_0_5b.md" ;;

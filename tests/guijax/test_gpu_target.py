@@ -151,3 +151,24 @@ def test_vision_windows_on_two_compile_only_h100s_take_cudnn_on_each_devices_row
     calls = [line for line in hlo.splitlines() if "__cudnn$fmha" in line]
     assert calls and all("bf16[32," in line and "bf16[64," not in line for line in calls), calls[:2]
     assert "all-gather" not in hlo and "conditional" not in hlo
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _registered(), reason="needs JAX's CUDA plugin, registered (pip install -e '.[gpu-compile]' "
+                                               "and JAX_PLATFORMS=cpu)")
+@pytest.mark.parametrize("name", ["grpo_gpu", "bepa_gpu"])
+def test_the_one_gpu_recipes_full_fine_tune_fits_one_h100(name):
+    """The one-GPU recipes train every parameter of the 7B at one 16k-token row with five full-HD screenshots:
+    XLA:GPU compiles that step for one H100 within its memory with the layers under scan, as the recipes run
+    them, and not unrolled (a real H200 held 84.43 GiB for the unrolled step)."""
+    from guijax.models.config import get_preset
+
+    compiled = {}
+    for scan in (True, False):
+        config = launch.resolve(name, [f"model.scan_layers={scan}", "model.path="])
+        compiled[scan] = aot.compile_train_step(config, get_preset("qwen2_5_vl_7b"))
+    assert launch.resolve(name, []).model.scan_layers is True
+    assert compiled[True]["compile_target"] == "xla:gpu for one H100 (compile-only devices)"
+    assert compiled[True]["scan_layers"] is True and compiled[True]["fits"] is True
+    assert compiled[False]["fits"] is False
+    assert compiled[True]["peak_bytes_per_device"] < compiled[False]["peak_bytes_per_device"]
