@@ -150,16 +150,21 @@ def test_the_dry_run_compiles_a_packed_step():
 
 
 def test_a_gpu_recipes_proxy_figure_is_scaled_before_the_capacity_check():
-    """The TPU proxy under-counted grpo_gpu's step on a GPU (73.23 GiB compiled, 84.43 GiB held on an H200),
-    so a GPU recipe's proxy peak is scaled by that measured ratio before it is checked against 80 GB."""
+    """The TPU proxy under-counted grpo_gpu's unrolled step on a GPU (73.23 GiB compiled, 84.43 GiB held on an
+    H200), so an unrolled GPU recipe's proxy peak is scaled by that measured ratio before it is checked against
+    80 GB; a scanned one's is not (the proxy and XLA:GPU agree on the scanned step: 68.68 and 68.69 GiB)."""
     target = aot.Target("proxy", [], 80 * 1000 ** 3, True, "", aot.GPU_PROXY_FACTOR)
     assert target.fits(int(73.23 * 2 ** 30)) is False  # grpo_gpu's proxy figure: 84.4 GiB on the GPU
     assert target.fits(int(60 * 2 ** 30)) is True
     assert aot.Target("tpu", [], 100, True, "").fits(100) is True
     assert aot.GPU_PROXY_FACTOR == pytest.approx(84.43 / 73.23, abs=1e-3)
+    assert aot.Target("proxy", [], 80 * 1000 ** 3, True, "", aot.GPU_PROXY_FACTOR_SCANNED).fits(int(68.69 * 2 ** 30))
     if aot.has_libtpu():
-        found = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy"]), 1)
-        assert found.proxy_factor == aot.GPU_PROXY_FACTOR and "scaling" in found.note
+        found = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy",
+                                                               "model.scan_layers=False"]), 1)
+        assert found.proxy_factor == aot.GPU_PROXY_FACTOR and "scaling by 1.153" in found.note
+        scanned = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy"]), 1)
+        assert scanned.proxy_factor == aot.GPU_PROXY_FACTOR_SCANNED == 1.0 and "scanned step" in scanned.note
 
 
 def test_a_multi_gpu_recipe_compiles_for_one_v5p_chip_per_gpu():
@@ -470,9 +475,11 @@ def test_a_second_row_that_costs_nothing_plans_the_prompts_one_call_holds(monkey
 
 @pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu (pip install -e '.[tpu-compile]')")
 def test_gpu_proxies_and_tpu_targets_get_their_compilers_memory_budget():
-    gpu = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy"]), 1)
+    gpu = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy", "model.scan_layers=False"]), 1)
     assert gpu.compiler_options() == {"xla_tpu_max_hbm_size_mib": 66169}  # 80 GB / 1.153 in whole MiB
     assert "budget set to 66169 MiB" in gpu.note
+    scanned = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy"]), 1)
+    assert scanned.compiler_options() == {"xla_tpu_max_hbm_size_mib": 76293}  # 80 GB in whole MiB
     told = aot.compile_target(launch.resolve("grpo_gpu", ["dry_run.compiler=tpu_proxy",
                                                           "dry_run.compiler_memory_gib=10"]), 1)
     assert told.compiler_options() == {"xla_tpu_max_hbm_size_mib": 10240}
