@@ -121,14 +121,16 @@ def packed_shape(config: ml_collections.ConfigDict, shape: BatchShape, blocks: i
 
 
 def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1,
-               packed: PackedShape | None = None, image_bucket: Callable[[int, int], int] | None = None
-               ) -> dict[str, Any]:
+               packed: PackedShape | None = None, image_bucket: Callable[[int, int], int] | None = None,
+               vision_images: int = 0) -> dict[str, Any]:
     """A batch with the pipeline's keys and shapes. The vision layout's index arrays are computed for real on
     the host (cheap, and their shapes follow the image grids); every other input stays abstract. Every
     screenshot is distinct (no deduplication: the largest vision batch a step can meet). With
     `vision_blocks` > 1 the vision inputs are per-device blocks of rows / vision_blocks rows each. `packed`:
     the packed model inputs and response-space training arrays instead of padded rows. `image_bucket`: the
-    screenshots each layout is padded to (with blank ones, as the sampler pads), from their count and rows."""
+    screenshots each layout is padded to (with blank ones, as the sampler pads), from their count and rows.
+    `vision_images` > 0: each layout holds exactly that many (`pipeline.vision_images`, the pipeline's one
+    vision shape), whatever the rows."""
     from guijax.models.positions import vision_layout
     from guijax.models.vision_blocks import stack_blocks
 
@@ -137,6 +139,7 @@ def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1,
         raise ValueError(f"{b} rows per step cannot be split into {vision_blocks} per-device vision blocks")
     per_block = b // vision_blocks * shape.screenshots_per_row
     per_block = image_bucket(per_block, b // vision_blocks) if image_bucket else per_block
+    per_block = vision_images or per_block
     grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (per_block, 1))
     layout = vision_layout(grids, model_cfg.vision)
     pixels = (layout.num_patches, model_cfg.vision.patch_dim)
@@ -390,7 +393,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
     shape = batch_shape(config, model_cfg)
     blocks = sharding.local_vision_blocks(config, mesh)
     packed = packed_shape(config, shape, sharding.local_data_blocks(mesh))
-    batch = host_batch(shape, model_cfg, blocks, packed)
+    batch = host_batch(shape, model_cfg, blocks, packed, vision_images=config.pipeline.get("vision_images", 0))
     if needs_ref_logp(config, step_cfg.loss):
         batch["ref_logp"] = batch["old_logp"]
     batch = _abstract(batch, sharding.batch_shardings(batch, mesh))
@@ -402,6 +405,7 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
               "attention": named_attention, "attention_traced": config.model.attention,
               "attention_traced_for": target.attention_platform or jax.default_backend(), "logprob_impl": step_cfg.impl,
               "vision_blocks": blocks, **({"packed": packed.as_dict()} if packed else {}),
+              **({"vision_images": config.pipeline.vision_images} if config.pipeline.get("vision_images") else {}),
               "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
               "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
               "capacity_bytes_per_device": target.capacity_bytes}

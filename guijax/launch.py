@@ -129,9 +129,18 @@ def print_compiled(r: dict[str, Any]) -> None:
         return
     _print_budget_refusal(r, "train step")
     print(f"  train step compiled for {r['compile_target']} in {r['compile_s']:.0f}s ({r['note']})")
-    print(f"  batch: {b['rows']} rows x {b['tokens_per_row']} tokens, {b['screenshots_per_row']} screenshots of "
-          f"{b['screenshot_hw'][1]}x{b['screenshot_hw'][0]} per row ({b['patches_per_screenshot']} patches each)"
-          + (f"; vision inputs in {r['vision_blocks']} per-device blocks" if r.get("vision_blocks", 1) > 1 else ""))
+    size = f"{b['screenshot_hw'][1]}x{b['screenshot_hw'][0]} ({b['patches_per_screenshot']} patches each)"
+    if "packed" in r:  # steps packed into rows, their screenshots in one vision layout per block
+        p, images = r["packed"], r.get("vision_images")
+        shown = (f"{images} screenshots of {size} per vision layout" if images else
+                 f"up to {b['screenshots_per_row']} screenshots of {size} per step")
+        print(f"  batch: up to {b['rows']} steps packed into {p['rows']} row(s) x {p['length']} tokens, {shown}"
+              f", {p['response']} loss positions per step")
+    else:
+        print(f"  batch: {b['rows']} rows x {b['tokens_per_row']} tokens, {b['screenshots_per_row']} screenshots of "
+              f"{size} per row")
+    if r.get("vision_blocks", 1) > 1:
+        print(f"  vision inputs in {r['vision_blocks']} per-device blocks")
     fits = {None: "no capacity known for this target", True: "fits", False: "does NOT fit"}[r.get("train_step_fits",
                                                                                                    r["fits"])]
     capacity = f" of {format_bytes(r['capacity_bytes_per_device'])}" if r["capacity_bytes_per_device"] else ""

@@ -362,3 +362,33 @@ def test_attention_tile_benchmark_keeps_the_loss_across_tiles(tmp_path):
     assert (small["block"], large["block"]) == (16, 512) and small["loss"] == pytest.approx(large["loss"], rel=1e-5)
     assert read_outputs(tmp_path, "tiles")["rows"] == payload["rows"]
     assert "| 4 of 16 tokens | 16 |" in (tmp_path / "tiles.md").read_text()
+
+
+def test_packing_fill_counts_token_and_screenshot_slots():
+    """Three steps of one episode (1, 2, 3 screenshots; 100 tokens each and 10 of text): buckets of 128/256/512
+    hold them in 896 token slots and 10-patch screenshots padded to 16 patches in 80 patch slots; packed rows of
+    512 take 310 + 110 and 210 (two minibatches, 1,024 slots) with every minibatch's vision padded to the
+    fuller one's 4 screenshots."""
+    mod = load_script("packing_fill")
+    shots = mod.step_screenshots([3, 1], max_images=2)
+    assert shots == [1, 2, 2, 1]
+    shots = mod.step_screenshots([3], max_images=5)
+    tokens = [k * 100 + 10 for k in shots]
+    buckets = mod.bucketed(tokens, shots, (128, 256, 512), patches=10, patch_bucket=16)
+    assert (buckets["token_slots"], buckets["patch_slots"], buckets["shapes"]) == (896, 80, 3)
+    assert buckets["token_fill"] == pytest.approx(630 / 896) and buckets["vision_fill"] == pytest.approx(0.75)
+    packed = mod.packed(tokens, shots, rows=1, length=512, max_steps=4, patches=10)
+    assert (packed["minibatches"], packed["vision_images"], packed["token_slots"]) == (2, 4, 1024)
+    assert packed["token_fill"] == pytest.approx(630 / 1024) and packed["vision_fill"] == pytest.approx(6 / 8)
+
+
+@pytest.mark.slow  # builds the 7B model abstractly
+def test_packing_fill_on_the_gpu_recipe(tmp_path):
+    mod = load_script("packing_fill")
+    mod.main(["--config", "grpo_gpu", "--episode-steps", "3", "--episodes", "2", "--max-steps", "4"]
+             + outputs(tmp_path, "pf"))
+    out = read_outputs(tmp_path, "pf")
+    assert (out["image_tokens_per_screenshot"], out["patches_per_screenshot"]) == (2691, 10764)
+    first = out["rows"][0]
+    assert first["steps"] == 6 and 0 < first["buckets"]["work_fill"] < 1 and 0 < first["packed"]["work_fill"] <= 1
+    assert first["packed"]["vision_images"] == 5  # 1 + 2 + 2 screenshots, or 2 + 3: a row holds five

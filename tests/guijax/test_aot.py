@@ -2,6 +2,7 @@
 compiler says a step needs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,6 +27,14 @@ def test_gpu_recipe_shape_is_five_full_hd_screenshots_per_row():
     batch = aot.host_batch(shape, get_preset("qwen2_5_vl_7b"))
     assert batch["vision"]["pixel_values"].shape == (5 * 10764, 1176)
     assert batch["input_ids"].shape == (1, 16384) and batch["positions"].shape == (3, 1, 16384)
+    # packed minibatches of up to 4 steps in one row, their screenshots in one fixed vision shape of 5
+    four = dataclasses.replace(shape, rows=4)
+    packed = aot.PackedShape(rows=1, length=16384, blocks=1, response=512)
+    batch = aot.host_batch(four, get_preset("qwen2_5_vl_7b"), packed=packed, vision_images=5)
+    assert batch["vision"]["pixel_values"].shape == (5 * 10764, 1176)
+    assert batch["input_ids"].shape == (1, 16384) and batch["targets"].shape == (4, 512)
+    assert aot.host_batch(four, get_preset("qwen2_5_vl_7b"), packed=packed)["vision"]["pixel_values"].shape == (
+        20 * 10764, 1176)  # unset: every step's screenshots distinct
 
 
 @pytest.mark.slow
@@ -244,6 +253,13 @@ def test_the_printed_report_names_which_program_does_not_fit(capsys):
     assert "(fits)" in next(line for line in out if "peak bytes per device" in line)
     micro = next(line for line in out if "micro-step" in line)
     assert "peak 40.00 GiB (x2.0: 80.00 GiB) per device" in micro and "(does NOT fit)" in micro
+    assert "8 rows x 16384 tokens, 5 screenshots of 1920x1080 (10764 patches each) per row" in out[1]
+    packed = dict(report, batch=dict(report["batch"], rows=4), packed={"rows": 1, "length": 16384, "blocks": 1,
+                                                                      "response": 512}, vision_images=5)
+    launch.print_compiled(packed)
+    batch = next(line for line in capsys.readouterr().out.splitlines() if "batch:" in line)
+    assert batch == ("  batch: up to 4 steps packed into 1 row(s) x 16384 tokens, 5 screenshots of 1920x1080 "
+                     "(10764 patches each) per vision layout, 512 loss positions per step")
 
 
 def test_a_refusal_is_printed_with_its_figures_in_plain_words(capsys):
