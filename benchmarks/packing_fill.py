@@ -12,16 +12,18 @@ Model of a pass: episodes of E steps; step t shows min(t, rollout.max_images) sc
 screenshots x (image tokens + guijax.aot.TEXT_TOKENS_PER_SCREENSHOT) + `--response` tokens (the dry run's
 rule, with the response as given). Three layouts:
 
-* buckets: each step alone in a row of the smallest `pipeline.length_buckets` entry that holds it (the
-  recipes' layout: one compiled shape per bucket met); its screenshots' patches padded to a multiple of
-  `pipeline.patch_bucket`;
+* buckets: each step alone in a row of the smallest `pipeline.length_buckets` entry that holds it, its
+  screenshots' patches padded to a multiple of `pipeline.patch_bucket` (the one-GPU recipes' layout, one step
+  per optimiser step; one compiled shape per (bucket, patch count) met);
 * packed: the pass planned into minibatches of `--pack-rows` rows of `--pack-length` tokens with at most
-  `train.minibatch_size` (or `--max-steps`) steps each (one compiled shape); every minibatch's vision layout
-  padded to the most screenshots any minibatch holds (what `pipeline.vision_images` must be for one shape;
-  no screenshot is counted as shared between steps, so this is the most a pass can need);
+  `train.minibatch_size` (or `--max-steps`) steps each (one compiled shape; a minibatch is one optimiser step,
+  so a pass takes fewer, larger ones than with buckets); every minibatch's vision layout padded to the most
+  screenshots any minibatch holds (what `pipeline.vision_images` must be for one shape; no screenshot is
+  counted as shared between steps, so this is the most a pass can need);
 * the token fill (real tokens / token slots) and the vision fill (real screenshots / screenshot slots) of
   each, and a work fill weighting the two by the model's FLOPs per token and per patch (6 x parameters of
-  the decoder and of the vision tower; attention left out).
+  the decoder and of the vision tower; attention left out, and the merger counted per patch though it runs
+  once per 2x2 patches).
 
   python benchmarks/packing_fill.py --config=grpo_gpu --episode-steps 3,8,15 --max-steps 4
 """
@@ -51,7 +53,8 @@ def bucketed(tokens: list[int], shots: list[int], buckets: tuple[int, ...], patc
     slots = [bucket_for(n, buckets) for n in tokens]
     padded_patches = [-(-k * patches // patch_bucket) * patch_bucket for k in shots]
     return {"token_fill": sum(tokens) / sum(slots), "vision_fill": sum(shots) * patches / sum(padded_patches),
-            "token_slots": sum(slots), "patch_slots": sum(padded_patches), "shapes": len(set(slots))}
+            "token_slots": sum(slots), "patch_slots": sum(padded_patches),
+            "shapes": len(set(zip(slots, padded_patches)))}
 
 
 def packed(tokens: list[int], shots: list[int], rows: int, length: int, max_steps: int,

@@ -46,7 +46,8 @@ CAPACITY = {"v5p": 95 * 1024 ** 3, "v5e": 16 * 1024 ** 3, "v4": 32 * 1024 ** 3, 
 GPU_PROXY_FACTOR = 1.153
 # With the layers under scan the two compilers agree: the same step compiles to 68.68 GiB for the proxy and
 # 68.69 GiB by XLA:GPU for an H100 (whose figures were within 1.15 GiB of what cards held for three steps); no
-# card has run a scanned 7B step, so this ratio is XLA:GPU's, not a card's.
+# card has run a scanned 7B step, so this ratio is XLA:GPU's, not a card's, and it was found on grpo_gpu's train
+# step alone (the sampler's program and other scanned recipes take it untested).
 GPU_PROXY_FACTOR_SCANNED = 1.0
 # A program the TPU compiler refuses under a budget is compiled again under this much more (then with the chip's
 # own memory): the compiler is not monotone in its budget, and a roomier compile may still peak under the first.
@@ -129,8 +130,10 @@ def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1,
     `vision_blocks` > 1 the vision inputs are per-device blocks of rows / vision_blocks rows each. `packed`:
     the packed model inputs and response-space training arrays instead of padded rows. `image_bucket`: the
     screenshots each layout is padded to (with blank ones, as the sampler pads), from their count and rows.
-    `vision_images` > 0: each layout holds exactly that many (`pipeline.vision_images`, the pipeline's one
-    vision shape), whatever the rows."""
+    `vision_images` > 0: each layout holds that many (`pipeline.vision_images`, the pipeline's one vision
+    shape), or the pipeline's doubling of it that holds the most screenshots a layout can meet: every row's
+    distinct ones, or in packed rows as many as their tokens can show."""
+    from guijax.data.packing import doubled
     from guijax.models.positions import vision_layout
     from guijax.models.vision_blocks import stack_blocks
 
@@ -139,7 +142,12 @@ def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1,
         raise ValueError(f"{b} rows per step cannot be split into {vision_blocks} per-device vision blocks")
     per_block = b // vision_blocks * shape.screenshots_per_row
     per_block = image_bucket(per_block, b // vision_blocks) if image_bucket else per_block
-    per_block = vision_images or per_block
+    if vision_images:
+        if packed is not None:  # a packed row shows at most as many screenshots as its tokens can hold
+            image_tokens = shape.patch_grid[0] * shape.patch_grid[1] // model_cfg.vision.spatial_merge_size ** 2
+            per_block = min(per_block, packed.rows // packed.blocks * (
+                packed.length // (image_tokens + TEXT_TOKENS_PER_SCREENSHOT)))
+        per_block = doubled(vision_images, per_block)
     grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (per_block, 1))
     layout = vision_layout(grids, model_cfg.vision)
     pixels = (layout.num_patches, model_cfg.vision.patch_dim)

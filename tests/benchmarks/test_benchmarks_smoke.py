@@ -376,6 +376,8 @@ def test_packing_fill_counts_token_and_screenshot_slots():
     tokens = [k * 100 + 10 for k in shots]
     buckets = mod.bucketed(tokens, shots, (128, 256, 512), patches=10, patch_bucket=16)
     assert (buckets["token_slots"], buckets["patch_slots"], buckets["shapes"]) == (896, 80, 3)
+    same_bucket = mod.bucketed([100, 120], [1, 3], (128,), patches=10, patch_bucket=16)
+    assert same_bucket["shapes"] == 2  # one token bucket, two patch counts (16 and 32): two programs
     assert buckets["token_fill"] == pytest.approx(630 / 896) and buckets["vision_fill"] == pytest.approx(0.75)
     packed = mod.packed(tokens, shots, rows=1, length=512, max_steps=4, patches=10)
     assert (packed["minibatches"], packed["vision_images"], packed["token_slots"]) == (2, 4, 1024)

@@ -35,6 +35,12 @@ def test_gpu_recipe_shape_is_five_full_hd_screenshots_per_row():
     assert batch["input_ids"].shape == (1, 16384) and batch["targets"].shape == (4, 512)
     assert aot.host_batch(four, get_preset("qwen2_5_vl_7b"), packed=packed)["vision"]["pixel_values"].shape == (
         20 * 10764, 1176)  # unset: every step's screenshots distinct
+    # a fixed shape smaller than what a batch can meet grows as the pipeline grows it (x 2^k): a padded row shows
+    # 5 screenshots, so 2 becomes 8; a packed row of 16,384 tokens holds at most 5 (2,691 + 64 tokens each): 4 -> 8
+    assert aot.host_batch(shape, get_preset("qwen2_5_vl_7b"), vision_images=2)["vision"]["pixel_values"].shape[0] \
+        == 8 * 10764
+    grown = aot.host_batch(four, get_preset("qwen2_5_vl_7b"), packed=packed, vision_images=4)
+    assert grown["vision"]["pixel_values"].shape[0] == 8 * 10764
 
 
 @pytest.mark.slow
