@@ -10,8 +10,8 @@
 # array_record, ml_collections or portpicker) needs them first, e.g. as wheels: pip install --target DIR
 # *.whl and PYTHONPATH=DIR; the script adds the repository itself to PYTHONPATH.
 # SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default: what has not run on
-# a GPU yet or has changed since, machine,grpo_gpu_scan,sampler_7b,remat_gui_0_5b,vs_torch_gui_0_5b_cudnn,
-# vs_torch_gui_3b,grpo_gpu_frozen_tower_scan). Also:
+# a GPU yet or has changed since, machine,grpo_gpu_scan,attention_packed_0_5b,sampler_7b,remat_gui_0_5b,
+# vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan). Also:
 #   gpu_tests: the GPU-only tests (cuDNN attention, Pallas kernels);
 #   grpo_gpu_step: the 7B step training every parameter, its layers unrolled (84.43 GiB: an H200, not an H100);
 #   grpo_gpu_scan: the same with its layers under scan, as the recipe runs (68.69 GiB compiled by XLA:GPU
@@ -27,12 +27,15 @@
 #   vs_torch_gui_0_5b_cudnn: the 0.5B GUI rows with cuDNN attention named: no run-time layout check (a lax.cond
 #     per attention call under `auto`) before each attention;
 #   profile_gui_0_5b: a kernel-level profile of the 0.5B GUI step;
+#   attention_packed_0_5b: the 0.5B update on one 16,384-token row, unpacked (cuDNN attention under `auto`)
+#     against two 8,192-token steps packed into it (no segment-aware cuDNN: the blockwise path), which decides
+#     whether packing the GPU recipes' rows pays;
 #   sampler_7b: the 7B sampler's decode at batch 8 and 64 with screenshot-length prompts (prefilled 8 rows at a
 #     time) against its roofline; each batch size's row is written as it finishes.
 set -u
 out=${1:?usage: gpu_checks.sh OUTDIR [SECONDS [PARTS]]}
 budget=${2:-560}
-parts=${3:-machine,grpo_gpu_scan,sampler_7b,remat_gui_0_5b,vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan}
+parts=${3:-machine,grpo_gpu_scan,attention_packed_0_5b,sampler_7b,remat_gui_0_5b,vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan}
 mkdir -p "$out"
 log="$out/log.txt"
 start=$(date +%s)
@@ -72,6 +75,9 @@ run_part() {
     grpo_gpu_lora) part grpo_gpu_lora 220 python3 benchmarks/recipe_step.py --config=grpo_gpu --config.lora.rank=128 \
       --config.model.scan_layers=False --steps=3 --json="$out/recipe_step_grpo_gpu_lora.json" \
       --markdown="$out/recipe_step_grpo_gpu_lora.md" ;;
+    attention_packed_0_5b) part attention_packed_0_5b 150 python3 benchmarks/attention_tile.py --preset qwen2_5_0_5b \
+      --rows 1 --seq 16384 --examples 0,8192 --blocks 512 --dtype bfloat16 --repeats 3 \
+      --json="$out/attention_packed_0_5b.json" --markdown="$out/attention_packed_0_5b.md" ;;
     train_step_gui_0_5b) part train_step_gui_0_5b 75 python3 benchmarks/train_step.py --presets qwen2_5_0_5b \
       --batch 1 --screenshots 5 --remat full --repeats 3 --json="$out/train_step_gui_0_5b.json" \
       --markdown="$out/train_step_gui_0_5b.md" ;;
@@ -100,7 +106,7 @@ run_part() {
       --preset qwen2_5_0_5b --batch 8 --seq 1024 --repeats 7 --json="$out/vs_torch_qwen2_5_0_5b.json" \
       --markdown="$out/vs_torch_qwen2_5_0_5b.md" ;;
     *) echo "unknown part $1 (machine, gpu_tests, grpo_gpu_step, grpo_gpu_scan, grpo_gpu_frozen_tower," \
-            "grpo_gpu_frozen_tower_scan, grpo_gpu_lora," \
+            "grpo_gpu_frozen_tower_scan, grpo_gpu_lora, attention_packed_0_5b," \
             "train_step_gui_0_5b, remat_gui_0_5b, vs_torch_gui_0_5b, vs_torch_gui_0_5b_cudnn, vs_torch_gui_3b, profile_gui_0_5b, sampler_7b," \
             "vs_torch_0_5b)" | tee -a "$log"; exit 2 ;;
   esac
