@@ -145,7 +145,7 @@ def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1,
     if vision_images:
         if packed is not None:  # a packed row shows at most as many screenshots as its tokens can hold
             image_tokens = shape.patch_grid[0] * shape.patch_grid[1] // model_cfg.vision.spatial_merge_size ** 2
-            per_block = min(per_block, packed.rows // packed.blocks * (
+            per_block = min(per_block, packed.rows // vision_blocks * (
                 packed.length // (image_tokens + TEXT_TOKENS_PER_SCREENSHOT)))
         per_block = doubled(vision_images, per_block)
     grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (per_block, 1))
@@ -413,7 +413,9 @@ def compile_train_step(config: ml_collections.ConfigDict, model_cfg: Any) -> dic
               "attention": named_attention, "attention_traced": config.model.attention,
               "attention_traced_for": target.attention_platform or jax.default_backend(), "logprob_impl": step_cfg.impl,
               "vision_blocks": blocks, **({"packed": packed.as_dict()} if packed else {}),
-              **({"vision_images": config.pipeline.vision_images} if config.pipeline.get("vision_images") else {}),
+              # screenshots per vision layout as compiled: the setting, or its doubling that holds a layout's most
+              **({"vision_images": batch["vision"]["pixel_values"].shape[-2] // math.prod(shape.patch_grid)}
+                 if config.pipeline.get("vision_images") else {}),
               "param_bytes_per_device": int(sharding.bytes_per_device(params, shards.params)),
               "opt_bytes_per_device": int(sharding.bytes_per_device(state.opt_state, shards.opt_state)),
               "capacity_bytes_per_device": target.capacity_bytes}

@@ -156,11 +156,18 @@ def test_the_packed_step_shape_of_a_recipe():
 
 @pytest.mark.slow
 def test_the_dry_run_compiles_a_packed_step():
-    config = launch.resolve("grpo_cpu", ["mesh.num_devices=8", "pipeline.pack=True", "pipeline.pack_rows=8",
-                                         "pipeline.pack_length=320", "dry_run.topology=", "optim.grad_accum_steps=4"])
+    overrides = ["mesh.num_devices=8", "pipeline.pack=True", "pipeline.pack_rows=8", "pipeline.pack_length=320",
+                 "dry_run.topology=", "optim.grad_accum_steps=4", "pipeline.vision_images=1"]
+    config = launch.resolve("grpo_cpu", overrides)
     report = aot.compile_train_step(config, get_preset("small"))
     assert report["compiled"] is True and report["packed"] == {"rows": 8, "length": 320, "blocks": 8,
                                                                "response": 64}
+    # one vision layout over the minibatch's 8 steps of one screenshot each (their 8 rows could show 32): 1 grows
+    # to 8, as the pipeline grows it; with per-device layouts, each holds its one row's step
+    assert report["vision_images"] == 8
+    per_device = aot.compile_train_step(launch.resolve("grpo_cpu", [*overrides, "pipeline.vision_per_device=True"]),
+                                        get_preset("small"))
+    assert per_device["vision_blocks"] == 8 and per_device["vision_images"] == 1
     assert report["empty_microstep"]["compiled"] is True  # accumulation's group-completing step, on the mesh
 
 
