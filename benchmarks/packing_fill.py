@@ -36,6 +36,8 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout without pip install
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_step as step_bench  # noqa: E402  (benchmarks/train_step.py: parameter counts by part)
 
 from guijax import aot, launch  # noqa: E402
 from guijax.data.packing import plan_minibatches  # noqa: E402
@@ -72,7 +74,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     config = launch.resolve(args.config, list(args.override))
     cfg = get_preset(config.model.preset)
     shape = aot.batch_shape(config, cfg)
-    image_tokens = shape.patch_grid[0] * shape.patch_grid[1] // cfg.vision.spatial_merge_size ** 2
+    per_screenshot = aot.step_tokens_per_screenshot(shape.patch_grid, cfg.vision)
+    image_tokens = per_screenshot - aot.TEXT_TOKENS_PER_SCREENSHOT
     patches = shape.patch_grid[0] * shape.patch_grid[1]
     response = args.response or config.rollout.max_new_tokens
     decoder_params, vision_params = parameter_counts(cfg)
@@ -83,7 +86,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for label, lengths in [(f"episodes of {e} steps", [e]) for e in args.episode_steps] + [
             ("the mix above, one episode of each length", list(args.episode_steps))]:
         shots = step_screenshots(lengths * args.episodes, config.rollout.max_images)
-        tokens = [k * (image_tokens + aot.TEXT_TOKENS_PER_SCREENSHOT) + response for k in shots]
+        tokens = [k * per_screenshot + response for k in shots]
         row = {"pass": label, "steps": len(tokens)}
         for name, result in (("buckets", bucketed(tokens, shots, buckets, patches, config.pipeline.patch_bucket)),
                              ("packed", packed(tokens, shots, args.pack_rows, args.pack_length, max_steps,
@@ -102,16 +105,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def parameter_counts(cfg: Any) -> tuple[int, int]:
     """Decoder (non-embedding) and vision-tower parameter counts, from the abstract model."""
     import flax.linen as nn
-    import jax
     import jax.numpy as jnp
 
     from guijax.models import weights
 
     module = weights.build_module(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    params = nn.unbox(weights.abstract_params(module))
-    vision = sum(x.size for x in jax.tree.leaves(params.get("visual", {})))
-    embeddings = sum(params[k].size for k in ("embed_tokens", "lm_head") if k in params)
-    return sum(x.size for x in jax.tree.leaves(params)) - vision - embeddings, vision
+    counts = step_bench.param_counts(nn.unbox(weights.abstract_params(module)), cfg)
+    return counts["non_embedding"], counts["vision"]
 
 
 def markdown(r: dict[str, Any]) -> str:

@@ -73,6 +73,12 @@ class BatchShape:
                 "patches_per_screenshot": self.patch_grid[0] * self.patch_grid[1]}
 
 
+def step_tokens_per_screenshot(patch_grid: tuple[int, int], vision_cfg: Any) -> int:
+    """Tokens one screenshot of `patch_grid` patches takes in a step: its merged image tokens and the text the
+    dry run counts around each (`TEXT_TOKENS_PER_SCREENSHOT`)."""
+    return patch_grid[0] * patch_grid[1] // vision_cfg.spatial_merge_size ** 2 + TEXT_TOKENS_PER_SCREENSHOT
+
+
 def batch_shape(config: ml_collections.ConfigDict, model_cfg: Any) -> BatchShape:
     """The recipe's real step shape: `train.minibatch_size` rows, each holding `rollout.max_images`
     screenshots, their text and a full response, padded to the smallest length bucket that holds them."""
@@ -85,8 +91,7 @@ def batch_shape(config: ml_collections.ConfigDict, model_cfg: Any) -> BatchShape
                           max_pixels=config.model.image_max_pixels or UITARS_MAX_PIXELS)
     grid = (rh // v.patch_size, rw // v.patch_size)
     k = config.rollout.max_images
-    image_tokens = grid[0] * grid[1] // v.spatial_merge_size ** 2
-    tokens = k * (image_tokens + TEXT_TOKENS_PER_SCREENSHOT) + config.rollout.max_new_tokens
+    tokens = k * step_tokens_per_screenshot(grid, v) + config.rollout.max_new_tokens
     length = bucket_for(tokens, tuple(config.pipeline.length_buckets))
     bucket = config.pipeline.get("response_bucket", 64)
     width = min(-(-config.rollout.max_new_tokens // bucket) * bucket, length) if bucket else 0
@@ -144,9 +149,8 @@ def host_batch(shape: BatchShape, model_cfg: Any, vision_blocks: int = 1,
     per_block = image_bucket(per_block, b // vision_blocks) if image_bucket else per_block
     if vision_images:
         if packed is not None:  # a packed row shows at most as many screenshots as its tokens can hold
-            image_tokens = shape.patch_grid[0] * shape.patch_grid[1] // model_cfg.vision.spatial_merge_size ** 2
             per_block = min(per_block, packed.rows // vision_blocks * (
-                packed.length // (image_tokens + TEXT_TOKENS_PER_SCREENSHOT)))
+                packed.length // step_tokens_per_screenshot(shape.patch_grid, model_cfg.vision)))
         per_block = doubled(vision_images, per_block)
     grids = np.tile(np.asarray([[1, *shape.patch_grid]], np.int64), (per_block, 1))
     layout = vision_layout(grids, model_cfg.vision)
@@ -555,8 +559,7 @@ def prompt_tokens(config: ml_collections.ConfigDict, model_cfg: Any) -> int:
     from guijax.sampling import bucket_for
 
     shape = batch_shape(config, model_cfg)
-    image_tokens = shape.patch_grid[0] * shape.patch_grid[1] // model_cfg.vision.spatial_merge_size ** 2
-    used = shape.screenshots_per_row * (image_tokens + TEXT_TOKENS_PER_SCREENSHOT)
+    used = shape.screenshots_per_row * step_tokens_per_screenshot(shape.patch_grid, model_cfg.vision)
     return bucket_for(used, tuple(config.pipeline.length_buckets))
 
 
