@@ -109,9 +109,6 @@ def make_batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> dict[st
             "targets": targets, "loss_mask": loss_mask, "old_logp": old_logp, "advantages": advantages}
 
 
-TEXT_TOKENS_PER_SCREENSHOT = 64
-
-
 def screenshot_batch(cfg: ModelConfig, batch: int, screenshots: int, hw: tuple[int, int], response: int,
                      seq: int | None = None, seed: int = 0, hf_inputs: dict | None = None,
                      ) -> tuple[dict[str, Any], dict[str, int]]:
@@ -120,7 +117,7 @@ def screenshot_batch(cfg: ModelConfig, batch: int, screenshots: int, hw: tuple[i
     loss positions, listed in `response_positions` so the LM head runs there alone, as in the recipes); vision
     inputs from the real layout code. `hf_inputs`, if given, receives transformers' `pixel_values` (patches in
     the Qwen2-VL processor's order) and `image_grid_thw` for the same screenshots."""
-    from guijax.aot import UITARS_MAX_PIXELS
+    from guijax.aot import TEXT_TOKENS_PER_SCREENSHOT, UITARS_MAX_PIXELS
     from guijax.data.pipeline import response_positions
     from guijax.models.positions import mrope_positions, vision_layout
     from guijax.models.processor import smart_resize

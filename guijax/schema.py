@@ -173,9 +173,10 @@ class Rollout:
     format_weight: float = ranged(0.5, low=0)  # ... and its weight
     # the system prompt, and with it the action grammar the policy writes: UI-TARS-1.5's own prompt | UI-TARS
     # 1.0's OSWorld prompt | a compact one (all UI-TARS text) | EvoCUA's computer_use tool calls in 0-1000
-    # coordinates (full | compact) | SGCD's Fig. 9: pyautogui code in 0-1000 coordinates
+    # coordinates (full | compact) | SGCD's Fig. 9: pyautogui code in 0-1000 coordinates (plain | its variant for
+    # thinking backbones, the thought in [think] ... [/think])
     prompt: Literal["uitars_official", "uitars_v1", "compact", "computer_use", "computer_use_compact",
-                    "pyautogui"] = "uitars_official"
+                    "pyautogui", "pyautogui_think"] = "uitars_official"
     # UI-TARS text's coordinates: pixels of the resized screenshot (UI-TARS-1.5) | 0-1000 relative (UI-TARS 1.0,
     # e.g. UI-TARS-7B-DPO); computer_use and pyautogui are always 0-1000 relative
     coordinate_model: Literal["uitars-1.5", "uitars-1.0"] = "uitars-1.5"

@@ -1,11 +1,12 @@
 """The action grammars a policy can write, by name, behind one parser call: UI-TARS text (`Thought: ...
 Action: click(...)`), EvoCUA's computer_use tool calls (reasoning, `Action: <semantic action>`, then
-<tool_call> JSON) and SGCD's pyautogui code (`## Thought:`, `## Action:`, `## Code:` with a fenced block),
-the last two in 0-1000 relative coordinates, Qwen3-VL's convention.
+<tool_call> JSON) and SGCD's pyautogui code (`## Thought:`, `## Action:`, `## Code:` with a fenced block; as
+`pyautogui_think`, its variant for thinking backbones, the thought in a `[think] ... [/think]` segment), the
+last two in 0-1000 relative coordinates, Qwen3-VL's convention.
 
 Also how a past step is shown once its screenshot has left the prompt: UI-TARS keeps the whole response,
 computer_use keeps only its semantic action (EvoCUA §5.1: older steps as text-only semantic actions), the
-pyautogui grammar its thought and action without the code (SGCD: the planning chain is kept as text)."""
+pyautogui grammars their thought and action without the code (SGCD: the planning chain is kept as text)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -15,7 +16,8 @@ from envs.actions.computer_use import parse_computer_use, split_response
 from envs.actions.model import Action
 from envs.actions.uitars import parse_thought, parse_uitars, render_uitars
 
-GRAMMARS = ("uitars", "computer_use", "pyautogui")
+GRAMMARS = ("uitars", "computer_use", "pyautogui", "pyautogui_think")
+PYAUTOGUI_GRAMMARS = ("pyautogui", "pyautogui_think")
 RELATIVE = (1000, 1000)  # computer_use and pyautogui coordinates: (0, 0) top-left, (1000, 1000) bottom-right of the screenshot
 
 
@@ -31,7 +33,7 @@ def parse_response(text: str, *, grammar: str, screen_hw: tuple[int, int],
     _check(grammar)
     if grammar == "computer_use":
         return parse_computer_use(text, image_hw=RELATIVE, screen_hw=screen_hw)
-    if grammar == "pyautogui":
+    if grammar in PYAUTOGUI_GRAMMARS:
         return pyautogui_code.parse_pyautogui(text, image_hw=RELATIVE, screen_hw=screen_hw)
     return parse_uitars(text, image_hw=screen_hw, screen_hw=screen_hw, model=coordinate_model)
 
@@ -39,21 +41,22 @@ def parse_response(text: str, *, grammar: str, screen_hw: tuple[int, int],
 def render_response(thought: str, semantic: str, actions: Sequence[Action], *, grammar: str,
                     screen_hw: tuple[int, int], coordinate_model: str = "uitars-1.5") -> str:
     """A step's text in `grammar`: UI-TARS's `Thought: ...` and `Action: ...` lines, or computer_use's reasoning,
-    `Action: <semantic action>` and tool call(s), or pyautogui's three sections. `semantic` (the action in
-    words) is not part of UI-TARS text."""
+    `Action: <semantic action>` and tool call(s), or pyautogui's three sections (the first a `[think]` segment
+    in `pyautogui_think`). `semantic` (the action in words) is not part of UI-TARS text."""
     _check(grammar)
     if grammar == "computer_use":
         return computer_use.render_response(thought, semantic, actions, image_hw=RELATIVE, screen_hw=screen_hw)
-    if grammar == "pyautogui":
-        return pyautogui_code.render_response(thought, semantic, actions, image_hw=RELATIVE, screen_hw=screen_hw)
+    if grammar in PYAUTOGUI_GRAMMARS:
+        return pyautogui_code.render_response(thought, semantic, actions, image_hw=RELATIVE, screen_hw=screen_hw,
+                                              think=grammar == "pyautogui_think")
     return render_uitars(actions, image_hw=screen_hw, screen_hw=screen_hw, model=coordinate_model, thought=thought)
 
 
 def reasoning(response: str, grammar: str) -> str:
     """The reasoning part of a response in `grammar` (UI-TARS's Thought, computer_use's text before `Action:`,
-    pyautogui's `## Thought:` section)."""
+    pyautogui's `## Thought:` section or `[think]` segment)."""
     _check(grammar)
-    if grammar == "pyautogui":
+    if grammar in PYAUTOGUI_GRAMMARS:
         return pyautogui_code.split_response(response)[0]
     return split_response(response)[0] if grammar == "computer_use" else parse_thought(response)
 
@@ -64,8 +67,8 @@ def history_text(response: str, grammar: str) -> str:
     if grammar == "computer_use":
         _, semantic = split_response(response)
         return f"Action: {semantic}" if semantic else response
-    if grammar == "pyautogui":
+    if grammar in PYAUTOGUI_GRAMMARS:
         thought, semantic = pyautogui_code.split_response(response)
-        return pyautogui_code.render_response(thought, semantic, [], image_hw=RELATIVE, screen_hw=RELATIVE) \
-            if semantic else response
+        return pyautogui_code.render_response(thought, semantic, [], image_hw=RELATIVE, screen_hw=RELATIVE,
+                                              think=grammar == "pyautogui_think") if semantic else response
     return response

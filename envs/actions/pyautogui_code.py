@@ -1,6 +1,8 @@
 """SGCD's evaluation grammar (its Fig. 9): `## Thought:`, `## Action:` and `## Code:` sections, the code one
 fenced block of pyautogui calls or one control call, `computer.wait()` / `computer.terminate(status=...,
-answer=...)`, with coordinates in the model's coordinate space (0-1000 relative for Qwen3-VL).
+answer=...)`, with coordinates in the model's coordinate space (0-1000 relative for Qwen3-VL). Its variant for
+thinking backbones (`think=True`) writes the thought as a `[think] ... [/think]` segment in place of the
+`## Thought:` field, and past steps keep that segment, so the earlier reasoning stays in the context.
 
 The model's code is never executed: it is read with `ast` into the typed action model, call by call, with
 literal arguments only (a variable, a loop or any other module is a parse error naming it), and what runs
@@ -44,12 +46,18 @@ Code rules:
 - If you use `computer.terminate`, status must be "success" or "failure".
 - Include answer only when there is a final result to report.
 """
+# Fig. 9's variant for thinking-capable backbones. The paper describes it in one sentence (the Thought field
+# replaced by an explicit reasoning segment in [think]/[/think] tags) without printing it, so it is Fig. 9 with
+# exactly that one field replaced.
+THINK_OPEN, THINK_CLOSE = "[think]", "[/think]"
+FIG9_THINK_PROMPT = FIG9_PROMPT.replace("## Thought: {{thought}}", f"{THINK_OPEN}\n{{{{thought}}}}\n{THINK_CLOSE}")
 INSTRUCTION_TEMPLATE = ("\nTask instruction: {instruction}\n"
                         "Please generate the next move according to the screenshot, task instruction and previous steps.\n")
 WAIT_SECONDS = 20.0  # Fig. 9: computer.wait() waits 20 seconds
 MAX_CODE_CHARS = 20_000  # longer than any one step's code; keeps ast away from hostile megabytes
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|code)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_THINK = re.compile(re.escape(THINK_OPEN) + r"(.*?)(?:" + re.escape(THINK_CLOSE) + "|$)", re.DOTALL | re.IGNORECASE)
 _SECTION = re.compile(r"^[ \t]*#{1,3}[ \t]*(Thought|Action|Code)[ \t]*:[ \t]*", re.IGNORECASE | re.MULTILINE)
 _CLICK_NAMES = {"click": None, "leftClick": ActionType.CLICK, "doubleClick": ActionType.LEFT_DOUBLE,
                 "tripleClick": ActionType.LEFT_TRIPLE, "rightClick": ActionType.RIGHT_SINGLE,
@@ -353,22 +361,30 @@ def _sections(text: str) -> dict[str, str]:
 
 
 def render_response(thought: str, semantic: str, actions: Sequence[Action], *, image_hw: tuple[int, int],
-                    screen_hw: tuple[int, int]) -> str:
-    """One step in Fig. 9's format; without actions (a past step shown as text) the Code section is left out."""
-    parts = [f"## Thought: {thought.strip()}", f"## Action: {semantic.strip()}"]
+                    screen_hw: tuple[int, int], think: bool = False) -> str:
+    """One step in Fig. 9's format (the thought as a `[think]` segment with `think`); without actions (a past
+    step shown as text) the Code section is left out."""
+    head = f"{THINK_OPEN}\n{thought.strip()}\n{THINK_CLOSE}" if think else f"## Thought: {thought.strip()}"
+    parts = [head, f"## Action: {semantic.strip()}"]
     if actions:
         parts.append(f"## Code:\n```python\n{render_code(actions, image_hw=image_hw, screen_hw=screen_hw)}\n```")
     return "\n".join(parts)
 
 
 def split_response(text: str) -> tuple[str, str]:
-    """(thought, action in words) of a Fig. 9 response; a response without sections is all thought."""
+    """(thought, action in words) of a Fig. 9 response, its thought a `## Thought:` field or a `[think]`
+    segment (an unclosed one runs to the end); a response with neither nor sections is all thought."""
+    think = _THINK.search(text)
+    if think:
+        rest = text[think.end():]
+        return think.group(1).strip(), _sections(rest).get("action", "")
     sections = _sections(text)
     if not sections:
         return _FENCE.split(text, 1)[0].strip(), ""
     return sections.get("thought", ""), sections.get("action", "")
 
 
-def system_prompt(password: str = "password") -> str:
-    """Fig. 9 with the desktop's password, then the task; one slot, {instruction}, as the other prompts have."""
-    return FIG9_PROMPT.replace("{password}", password) + INSTRUCTION_TEMPLATE
+def system_prompt(password: str = "password", *, think: bool = False) -> str:
+    """Fig. 9 (or its thinking variant) with the desktop's password, then the task; one slot, {instruction}, as
+    the other prompts have."""
+    return (FIG9_THINK_PROMPT if think else FIG9_PROMPT).replace("{password}", password) + INSTRUCTION_TEMPLATE

@@ -1,5 +1,5 @@
 """Agent prompts: the system prompt a recipe selects by name (`rollout.prompt`, in UI-TARS's grammar,
-EvoCUA's computer_use or SGCD's pyautogui code), the instruction (optionally with a numbered plan appended, BEPA Fig. 7), and a
+EvoCUA's computer_use or SGCD's pyautogui code, plain or with [think] segments), the instruction (optionally with a numbered plan appended, BEPA Fig. 7), and a
 multi-turn history in which the last K screenshots are images and every earlier step survives as text only
 (K >= steps gives ARPO's full history).
 """
@@ -95,7 +95,8 @@ COMPACT_PROMPT = ("You are a GUI agent. Reply with\nThought: ...\nAction: ...\n"
 # The templates `rollout.prompt` names; each leaves one slot, {instruction}, for build_messages. The
 # computer_use ones ask for EvoCUA's tool calls in 0-1000 relative coordinates (the compact one lists the
 # actions in one line instead of the tool's JSON schema, for small CPU models); `pyautogui` is SGCD's Fig. 9
-# (pyautogui code, 0-1000 relative), with OSWorld's default desktop password.
+# (pyautogui code, 0-1000 relative), with OSWorld's default desktop password, and `pyautogui_think` its variant
+# for thinking backbones (the thought as a [think] ... [/think] segment).
 PROMPTS = {
     "uitars_official": UITARS_COMPUTER_USE.format(language=UITARS_LANGUAGE, instruction="{instruction}"),
     "uitars_v1": UITARS_V1_TEMPLATE.format(action_space=UITARS_V1_ACTION_SPACE, language=UITARS_LANGUAGE,
@@ -104,11 +105,13 @@ PROMPTS = {
     "computer_use": computer_use_prompt(RELATIVE),
     "computer_use_compact": computer_use_prompt(RELATIVE, compact=True),
     "pyautogui": pyautogui_prompt(),
+    "pyautogui_think": pyautogui_prompt(think=True),
 }
 SYSTEM_PROMPT = PROMPTS["uitars_official"]
 # the action grammar each prompt asks for (envs.actions.grammar)
 PROMPT_GRAMMARS = {"uitars_official": "uitars", "uitars_v1": "uitars", "compact": "uitars", "computer_use": "computer_use",
-                   "computer_use_compact": "computer_use", "pyautogui": "pyautogui"}
+                   "computer_use_compact": "computer_use", "pyautogui": "pyautogui",
+                   "pyautogui_think": "pyautogui_think"}
 
 
 def prompt_template(name: str) -> str:

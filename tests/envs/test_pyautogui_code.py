@@ -54,6 +54,29 @@ def test_a_whole_response_reads_back_and_a_past_step_drops_its_code():
         "## Thought: t\n## Code: ```python pyautogui.click(500, 500)```", image_hw=REL, screen_hw=SCREEN)
 
 
+def test_the_thinking_variant_keeps_its_reasoning_in_think_tags_in_past_steps():
+    """Fig. 9 for thinking backbones: the thought is a [think] ... [/think] segment, read back as the thought,
+    and a past step keeps that segment and its action, not its code."""
+    actions = [Action(ActionType.CLICK, point=(30, 40)), Action(ActionType.TYPE, text="x ## Action: y")]
+    text = render_response("The field is empty.\n## Code: is not a section in here.", "Type into the field.",
+                           actions, grammar="pyautogui_think", screen_hw=SCREEN)
+    assert text.startswith("[think]\nThe field is empty.\n## Code: is not a section in here.\n[/think]\n"
+                           "## Action: Type into the field.\n## Code:\n```python\n")
+    assert "## Thought" not in text
+    assert reasoning(text, "pyautogui_think") == "The field is empty.\n## Code: is not a section in here."
+    assert split_response(text)[1] == "Type into the field."
+    assert parse_response(text, grammar="pyautogui_think", screen_hw=SCREEN) == actions
+    assert history_text(text, "pyautogui_think") == ("[think]\nThe field is empty.\n## Code: is not a section in "
+                                                     "here.\n[/think]\n## Action: Type into the field.")
+    # the plain grammar shows the same step with a Thought field
+    assert history_text(text, "pyautogui").startswith("## Thought: The field is empty.")
+    # tags in any case; an unclosed segment (the answer cut off) is all thought, and without code no action
+    assert split_response("[THINK] maybe the menu [/Think]\n## Action: open it") == ("maybe the menu", "open it")
+    assert split_response("[think] still thinking about ## Action: x") == ("still thinking about ## Action: x", "")
+    with pytest.raises(ActionParseError, match="no fenced code block"):
+        parse_response("[think] still thinking", grammar="pyautogui_think", screen_hw=SCREEN)
+
+
 def test_the_cursor_is_followed_within_a_response():
     assert _parse("pyautogui.moveTo(100, 200)\npyautogui.dragTo(500, 600, duration=1)") == [
         Action(ActionType.DRAG, point=(28, 56), end_point=(140, 168))]
@@ -118,11 +141,17 @@ def test_the_prompt_is_fig_9_with_one_slot():
     assert "The password of the computer is hunter2." in prompt
     assert "## Thought: {thought}\n## Action: {action}\n## Code: {code}" in prompt
     assert "`computer.terminate(status=..., answer=...)`" in prompt and "Task instruction: Turn on Wi-Fi." in prompt
+    # the thinking variant differs in the Thought field alone
+    think = system_prompt("hunter2", think=True).format(instruction="Turn on Wi-Fi.")
+    assert "```\n[think]\n{thought}\n[/think]\n## Action: {action}\n## Code: {code}\n```" in think
+    assert think.replace("[think]\n{thought}\n[/think]", "## Thought: {thought}") == prompt
 
 
-def test_the_engine_rolls_out_a_desk_episode_in_the_grammar():
-    """Prompted with Fig. 9, answered in pyautogui code, parsed in 0-1000 coordinates and executed: the task
-    is solved, and the last prompt shows the first step as thought and action without its code."""
+@pytest.mark.parametrize("grammar", ["pyautogui", "pyautogui_think"])
+def test_the_engine_rolls_out_a_desk_episode_in_the_grammar(grammar):
+    """Prompted with Fig. 9 (or its thinking variant), answered in pyautogui code, parsed in 0-1000 coordinates
+    and executed: the task is solved, and the last prompt shows the first step as thought and action without
+    its code."""
     from envs.pool import DeskFactory, EnvPool
     from guijax.rollout.engine import RolloutConfig, RolloutEngine
     from guijax.rollout.prompt import PROMPTS, grammar_of
@@ -134,14 +163,14 @@ def test_the_engine_rolls_out_a_desk_episode_in_the_grammar():
     task = generate_desk_tasks(1, seed=5, families=["click_button"], screen_hw=SCREEN)[0]
     x, y, name = button_center(task, SCREEN)
     answers = [render_response(f"The {name} button is what the task asks for.", f"Click {name}.",
-                               [Action(ActionType.CLICK, point=(x, y))], grammar="pyautogui", screen_hw=SCREEN),
+                               [Action(ActionType.CLICK, point=(x, y))], grammar=grammar, screen_hw=SCREEN),
                "## Thought: It was clicked.\n## Action: Report success.\n## Code:\n```python\n"
                'computer.terminate(status="success")\n```']
     processor = TextProcessor()
     sampler = PromptPolicySampler(processor, lambda params, prompt: answers[min(prompt.count("assistant:"), 1)])
     pool = EnvPool(DeskFactory(SCREEN, step_limit=4, popups=False), 1, timeout_s=60)
     engine = RolloutEngine(pool, sampler, processor, RolloutConfig(
-        max_images=1, system_prompt=PROMPTS["pyautogui"], grammar=grammar_of("pyautogui"), show_progress=False))
+        max_images=1, system_prompt=PROMPTS[grammar], grammar=grammar_of(grammar), show_progress=False))
     try:
         (episode,), _ = engine.run(None, [task], 1, jax.random.PRNGKey(0), seed=3)
     finally:
@@ -150,5 +179,8 @@ def test_the_engine_rolls_out_a_desk_episode_in_the_grammar():
     assert episode.steps[0].actions == [f"import pyautogui\nimport time\npyautogui.click({x}, {y}, button='left')"]
     last_prompt = sampler.prompts[-1]
     assert "The password of the computer is password." in last_prompt
-    assert f"assistant: ## Thought: The {name} button is what the task asks for.\n## Action: Click {name}.\n" \
-           in last_prompt and "pyautogui.click(" not in last_prompt  # the code left with the screenshot
+    thought = f"The {name} button is what the task asks for."
+    shown = f"[think]\n{thought}\n[/think]" if grammar == "pyautogui_think" else f"## Thought: {thought}"
+    assert f"assistant: {shown}\n## Action: Click {name}.\n" in last_prompt
+    assert "pyautogui.click(" not in last_prompt  # the code left with the screenshot
+    assert ("[think]\n{thought}\n[/think]" in last_prompt) == (grammar == "pyautogui_think")  # the system prompt

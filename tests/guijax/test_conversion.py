@@ -33,7 +33,7 @@ def test_default_is_the_terse_voice_and_unknown_styles_are_named():
 
 
 @pytest.mark.parametrize("grammar, model", [("computer_use", "uitars-1.5"), ("pyautogui", "uitars-1.5"),
-                                          ("uitars", "uitars-1.0")])
+                                          ("pyautogui_think", "uitars-1.5"), ("uitars", "uitars-1.0")])
 def test_traces_are_written_in_the_policys_grammar_with_the_same_actions(grammar, model):
     """Conversions in computer_use (reasoning, semantic action, tool call), in pyautogui code (both in 0-1000
     coordinates) and in UI-TARS 1.0's 0-1000 coordinates parse back, in their grammar, to the actions the

@@ -46,7 +46,7 @@ def test_recipes_prompt_their_policy_with_the_named_template(recipe, expected, t
 def test_unknown_prompt_name_is_refused_naming_the_key(tmp_path):
     config = launch.resolve("grpo_cpu", ["rollout.prompt=uitars"])
     message = ("rollout.prompt='uitars' is not one of uitars_official, uitars_v1, compact, computer_use, "
-               "computer_use_compact, pyautogui")
+               "computer_use_compact, pyautogui, pyautogui_think")
     with pytest.raises(ValueError, match=message):
         Run(config, tmp_path).system_prompt
     assert message in preflight.problems(config)
@@ -100,7 +100,8 @@ def test_max_images_below_one_is_refused():
 
 
 @pytest.mark.parametrize("prompt, coordinates, grammar", [("uitars_official", "uitars-1.0", "uitars"),
-                                                          ("pyautogui", "uitars-1.5", "pyautogui")])
+                                                          ("pyautogui", "uitars-1.5", "pyautogui"),
+                                                          ("pyautogui_think", "uitars-1.5", "pyautogui_think")])
 def test_the_rollout_engine_reads_the_prompts_grammar_and_coordinates(prompt, coordinates, grammar):
     from guijax.trainer import rollout_config
 

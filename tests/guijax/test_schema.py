@@ -111,7 +111,7 @@ def test_int_widens_to_float_and_list_to_tuple():
 def test_choices_are_enforced():
     msg = errors_of(schema.Rollout, "rollout", prompt="foo")
     assert msg == ("rollout.prompt='foo' is not one of ('uitars_official', 'uitars_v1', 'compact', 'computer_use', "
-                   "'computer_use_compact', 'pyautogui')")
+                   "'computer_use_compact', 'pyautogui', 'pyautogui_think')")
     msg = errors_of(schema.Eval, "eval", splits=("train", "test"))
     assert msg == "eval.splits[1]='test' is not one of ('train', 'held_out', 'expert_only')"
     assert "env.families[0]='click_buton' is not one of" in errors_of(schema.Env, "env", families=("click_buton",))
@@ -140,7 +140,7 @@ def test_every_problem_of_a_section_is_reported_at_once():
     lines = errors_of(schema.Rollout, "rollout", prompt="foo", group_size=0, top_k=None).splitlines()
     assert sorted(lines) == ["missing config key 'rollout.top_k'", "rollout.group_size=0 must be in [1, inf)",
                              "rollout.prompt='foo' is not one of ('uitars_official', 'uitars_v1', 'compact', "
-                             "'computer_use', 'computer_use_compact', 'pyautogui')"]
+                             "'computer_use', 'computer_use_compact', 'pyautogui', 'pyautogui_think')"]
 
 
 def test_override_out_of_range_fails_naming_the_key():

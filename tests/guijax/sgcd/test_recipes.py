@@ -44,7 +44,7 @@ def test_a_changed_measurement_reruns_the_csr_stage_but_retrains_nothing():
 
 
 @pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use"),
-                                            ("pyautogui", "pyautogui")])
+                                            ("pyautogui", "pyautogui"), ("pyautogui_think", "pyautogui_think")])
 def test_the_offline_extractor_and_rule_judge_read_the_runs_grammar_and_coordinates(prompt, grammar):
     from guijax.methods import get_method
 
