@@ -156,18 +156,32 @@ def evaluate_with_trajectories(engine: RolloutEngine, params: Any, splits: dict[
                                step_limits: Sequence[int] = (), score_at: StepScorer | None = None
                                ) -> tuple[dict[str, Any], dict[str, list[Trajectory]]]:
     """`evaluate`'s report and the trajectories behind it, by split, so the inspector page and later analyses
-    read the same episodes instead of rolling out again."""
+    read the same episodes instead of rolling out again. The report's `sampling` says which sampler ran and
+    where the time went (seconds sampling and in environments, tokens sampled, weight pushes to a serving
+    engine)."""
     report: dict[str, Any] = {"episodes_per_task": episodes_per_task, "splits": {}}
     kept: dict[str, list[Trajectory]] = {}
+    spent = {key: 0.0 for key in SAMPLING_TIMINGS}
     for name, tasks in splits.items():
         if not tasks:
             report["splits"][name] = {"tasks": 0}
             continue
-        trajectories, _ = engine.run(params, list(tasks), episodes_per_task, jax.random.PRNGKey(seed), seed=seed,
-                                     desc=f"eval {name}")
+        trajectories, timings = engine.run(params, list(tasks), episodes_per_task, jax.random.PRNGKey(seed),
+                                           seed=seed, desc=f"eval {name}")
+        for key in SAMPLING_TIMINGS:
+            spent[key] += float(timings.get(key, 0.0))
         kept[name] = trajectories
         report["splits"][name] = split_report(trajectories, episodes_per_task, ks, step_limits, score_at)
+    sampler = getattr(engine, "sampler", None)
+    if sampler is not None:
+        served_by = getattr(sampler, "engine", None)  # a serving engine behind the sampler
+        report["sampling"] = {"sampler": getattr(sampler, "name", type(sampler).__name__),
+                              **({"engine": type(served_by).__name__} if served_by is not None else {}), **spent}
     return report, kept
+
+
+# what an evaluation's report keeps of its rollouts' timings
+SAMPLING_TIMINGS = ("sample_s", "env_s", "sampled_tokens", "weight_sync_s", "weight_sync_bytes")
 
 
 def evaluate(engine: RolloutEngine, params: Any, splits: dict[str, Sequence[Task]], episodes_per_task: int,

@@ -204,6 +204,8 @@ def sample_tokens(logits: jax.Array, rng: jax.Array, temperature: float, top_k: 
 class Sampler:
     """Generates for a batch of processor outputs with the policy's parameters (sharded or not)."""
 
+    name = "jax"  # the rollout.backend it is
+
     def __init__(self, module: Qwen2_5_VL, config: SamplingConfig, *, mesh: jax.sharding.Mesh | None = None,
                  tokenizer: Any = None, cache_dtype: Any = None):
         self.module = module

@@ -234,14 +234,14 @@ def evaluate_into(run: Run, model_dir: pathlib.Path, report_path: pathlib.Path) 
     ev = run.config.eval
     policy = run.load_policy(model_dir)
     splits = {k: v for k, v in run.tasks().items() if k in ev.splits}
-    engine = run.engine(policy, ev.temperature)
-    score_at = None
-    if ev.step_limits and run.config.env.kind == "desk":
-        score_at = desk_replay_scorer([t for ts in splits.values() for t in ts], run.config.env.screen,
-                                      run.config.env.popups, engine.config.coordinate_model, engine.config.grammar)
-    report, trajectories = evaluate_with_trajectories(engine, policy.params, splits, ev.episodes_per_task,
-                                                      seed=run.streams.seed_for("eval"), ks=tuple(ev.pass_k),
-                                                      step_limits=tuple(ev.step_limits), score_at=score_at)
+    with run.evaluation_engine(policy, ev.temperature) as engine:
+        score_at = None
+        if ev.step_limits and run.config.env.kind == "desk":
+            score_at = desk_replay_scorer([t for ts in splits.values() for t in ts], run.config.env.screen,
+                                          run.config.env.popups, engine.config.coordinate_model, engine.config.grammar)
+        report, trajectories = evaluate_with_trajectories(engine, policy.params, splits, ev.episodes_per_task,
+                                                          seed=run.streams.seed_for("eval"), ks=tuple(ev.pass_k),
+                                                          step_limits=tuple(ev.step_limits), score_at=score_at)
     store_dir = report_path.parent / f"{report_path.stem}_trajectories"
     if store_dir.exists():  # a rerun's episodes replace the last run's
         shutil.rmtree(store_dir)

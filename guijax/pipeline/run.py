@@ -2,10 +2,11 @@
 and rollout engine it builds once and caches."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
-from typing import Any
+from typing import Any, Iterator
 
 import ml_collections
 
@@ -156,6 +157,8 @@ class Run:
         return self._cache["pool"]
 
     def engine(self, policy, temperature: float):
+        """A rollout engine over the run's environments sampling `policy` with the JAX sampler (the methods'
+        own stages, which sample between their own updates)."""
         from guijax.rollout.engine import RolloutEngine
         from guijax.sampling import Sampler
         from guijax.trainer import rollout_config, sampling_config
@@ -163,6 +166,25 @@ class Run:
         mesh = self.mesh()
         sampler = Sampler(policy.module, sampling_config(self.config, policy.processor, temperature, mesh), mesh=mesh)
         return RolloutEngine(self.pool(), sampler, policy.processor, rollout_config(self.config, self.system_prompt))
+
+    @contextlib.contextmanager
+    def evaluation_engine(self, policy, temperature: float) -> Iterator[Any]:
+        """A rollout engine sampling `policy` with the sampler `rollout.backend` names, for evaluations: a
+        serving engine starts from the policy's own checkpoint directory, is handed its parameters before the
+        first sample, and is closed on leaving (giving its accelerator memory back before the next one)."""
+        from guijax.rollout.backend import make_sampler
+        from guijax.rollout.engine import RolloutEngine
+        from guijax.trainer import rollout_config, sampling_config
+
+        mesh = self.mesh()
+        sampler = make_sampler(self.config, policy.module,
+                               sampling_config(self.config, policy.processor, temperature, mesh), mesh,
+                               policy.processor.tokenizer, policy.path, adapter_root=self.workdir / "engine_adapters")
+        engine = RolloutEngine(self.pool(), sampler, policy.processor, rollout_config(self.config, self.system_prompt))
+        try:
+            yield engine
+        finally:
+            engine.close()
 
     def close(self) -> None:
         if "pool" in self._cache:

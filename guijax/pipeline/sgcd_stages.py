@@ -69,17 +69,18 @@ def csr(run: Run) -> str:
         return "the base policy fails no task: nothing to continue"
     temperature = run.config.eval.temperature
     base = run.load_policy(models["base policy"])
-    runner = HandoffRunner(run.engine(base, temperature), branching, o.replay_tolerance)
-    prefixes = runner.prefixes(base.params, tasks, max(depths), run.streams.key("csr", "prefix"),
-                               seed=run.streams.seed_for("csr", "prefix"), desc="csr prefixes",
-                               stop_retries=o.csr_prefix_stop_retries)
+    with run.evaluation_engine(base, temperature) as engine:
+        prefixes = HandoffRunner(engine, branching, o.replay_tolerance).prefixes(
+            base.params, tasks, max(depths), run.streams.key("csr", "prefix"),
+            seed=run.streams.seed_for("csr", "prefix"), desc="csr prefixes", stop_retries=o.csr_prefix_stop_retries)
     histogram = metric.failure_histogram(_off_track_steps(run, prefixes)) if run.config.env.kind == "desk" else {}
     results = {}
     for name, path in models.items():
         policy = base if name == "base policy" else run.load_policy(path)
-        continuer = HandoffRunner(run.engine(policy, temperature), branching, o.replay_tolerance)
-        trajectories = continuer.continue_from(policy.params, prefixes, depths, run.streams.key("csr", name),
-                                               per_state=o.csr_per_state, desc=f"csr {name}")
+        with run.evaluation_engine(policy, temperature) as engine:
+            trajectories = HandoffRunner(engine, branching, o.replay_tolerance).continue_from(
+                policy.params, prefixes, depths, run.streams.key("csr", name), per_state=o.csr_per_state,
+                desc=f"csr {name}")
         results[name] = metric.continuation_success(trajectories, depths, buckets)
     report = {"tasks": [t.id for t in tasks], "depths": depths, "per_state": o.csr_per_state,
               "open_prefix_steps": {p.task.id: p.open_steps for p in prefixes},

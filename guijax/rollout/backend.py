@@ -27,13 +27,13 @@ def make_sampler(config: Any, module: Any, sampling: SamplingConfig, mesh: jax.s
                  tokenizer: Any, model_dir: Any = None, adapter_root: Any = None) -> RolloutSampler:
     """The sampler `config.rollout.backend` names, for `module`'s policy. A serving engine starts from
     `model_dir` (the policy's Hugging Face directory) and fails here, before any rollout, when it is not
-    installed; under LoRA the adapters it is handed are written under `adapter_root` (the run's workdir)."""
+    installed; a policy with LoRA adapters (`module.lora`) is pushed its adapters alone, written under
+    `adapter_root` (the run's workdir); a plain one (an evaluated model) its whole weights."""
     backend = config.rollout.get("backend", "jax")
     if backend == "jax":
         return Sampler(module, sampling, mesh=mesh)
     if backend != "vllm":
         raise ValueError(f"rollout.backend={backend!r}: not one of {BACKENDS}")
-    from guijax.models.lora import from_run_config
     from guijax.rollout.serving import ServingSampler
     from guijax.rollout.vllm_engine import VllmEngine, require_vllm
 
@@ -41,7 +41,7 @@ def make_sampler(config: Any, module: Any, sampling: SamplingConfig, mesh: jax.s
     if model_dir is None:
         raise ValueError("rollout.backend='vllm' starts the engine from the policy's Hugging Face directory; this "
                          "policy has none")
-    lora = from_run_config(config)
+    lora = getattr(module, "lora", None)
     cfg = module.cfg
     engine = VllmEngine(model_dir, image_token_id=cfg.image_token_id, dtype=config.model.dtype,
                         memory_fraction=config.rollout.engine_memory_fraction,

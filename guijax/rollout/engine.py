@@ -124,6 +124,12 @@ class RolloutEngine:
         timings["weight_sync_s"] = timings.get("weight_sync_s", 0.0) + pushed.seconds
         timings["weight_sync_bytes"] = timings.get("weight_sync_bytes", 0) + pushed.bytes
 
+    def close(self) -> None:
+        """Close the sampler, if it holds something to give back (a serving engine's memory)."""
+        closer = getattr(self.sampler, "close", None)
+        if closer is not None:
+            closer()
+
     def _prompt(self, ep: _Episode) -> tuple[str, list[np.ndarray]]:
         instruction = guided_instruction(ep.task.instruction, ep.guidance if ep.guided() else "")
         messages, images = build_messages(instruction, ep.turns, ep.screenshot,

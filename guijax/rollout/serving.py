@@ -116,7 +116,7 @@ class ServingSampler:
     """The rollout engine's sampler, backed by a serving engine. `params` passed to `generate` are ignored:
     the engine serves what the last `sync_weights` pushed."""
 
-    name = "serving"
+    name = "serving"  # a serving engine's sampler (rollout.backend other than jax)
     needs_weight_sync = True  # the rollout engine pushes the parameters whenever they change
     wants_screenshots = True  # ... and hands over the screenshots themselves beside their patches
 

@@ -2,6 +2,7 @@
 on the desk), the checkpoint differential, the curve figure, and the eval stage's stored episodes and page."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import types
@@ -186,7 +187,7 @@ def test_evaluate_into_keeps_episodes_page_and_step_limits(tmp_path):
         env=types.SimpleNamespace(kind="desk", screen=SCREEN, popups=False))
     run = types.SimpleNamespace(config=config, load_policy=lambda d: types.SimpleNamespace(params=None),
                                 tasks=lambda: {"train": tasks[:1], "held_out": tasks[1:], "other": tasks},
-                                engine=lambda policy, temperature: engine,
+                                evaluation_engine=lambda policy, temperature: contextlib.nullcontext(engine),
                                 streams=types.SimpleNamespace(seed_for=lambda name: 7))
     try:
         headline = evaluate_into(run, tmp_path / "model", tmp_path / "eval_final.json")
@@ -212,3 +213,4 @@ def test_evaluate_into_keeps_episodes_page_and_step_limits(tmp_path):
     # 3 of the 4 episodes: each task's first, then the train task's second
     assert page.count('class="episode"') == 3 and tasks[0].id in page and tasks[1].id in page
     assert "(3 of 4 episodes)" in page
+    assert report["sampling"]["sampler"] == "PromptPolicySampler" and report["sampling"]["sample_s"] > 0

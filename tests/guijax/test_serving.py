@@ -321,3 +321,56 @@ def test_an_rl_run_on_a_lower_precision_engine_logs_the_sync_and_the_mismatch(ti
     for r in records:
         assert r["behaviour_kl"] > 0 and r["behaviour_logp_abs_diff"] > 1e-4  # bfloat16 engine vs float32 learner
         assert 0 <= r["behaviour_weight_capped_frac"] <= 1
+
+
+class ClosingEngine(JaxServingEngine):
+    """The fake engine, recording that the sampler gave it back."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_evaluations_sample_with_the_serving_engine_and_give_it_back(tiny_config, tmp_path, monkeypatch):
+    """The eval stage with `rollout.backend` served by a float32 fake engine: the engine starts from the
+    evaluated model's own directory, is pushed its weights once before sampling and is closed after; its greedy
+    episodes are the JAX sampler's, and the report says which sampler ran and what the push cost."""
+    import json
+
+    from guijax.data.store import TrajectoryStore
+    from guijax.models.processor import Processor
+    from guijax.models.safetensors_io import SafetensorsReader
+    from guijax.pipeline.registry import run_stages
+    from guijax.rollout import backend
+
+    engines, started_from = [], []
+
+    def serving_sampler(config, module, sampling, mesh, tokenizer, model_dir=None, adapter_root=None):
+        started_from.append(model_dir)
+        reader = SafetensorsReader(str(model_dir))
+        images = dataclasses.replace(Processor.from_pretrained(model_dir).image_processor,
+                                     max_pixels=config.model.image_max_pixels)
+        engine = ClosingEngine(module, images, tokenizer, [(k, reader.get(k)) for k in reader.keys()],
+                               prompt_buckets=sampling.prompt_buckets)
+        engines.append(engine)
+        return ServingSampler(engine, module.cfg, sampling, tokenizer)
+
+    stages = ("stages=('base_model', 'tasks', 'eval_base')", "eval.temperature=0.0")
+    run_stages(tiny_config("grpo_cpu", *stages), tmp_path / "jax")
+    monkeypatch.setattr(backend, "make_sampler", serving_sampler)
+    run_stages(tiny_config("grpo_cpu", *stages), tmp_path / "served")
+
+    [engine] = engines
+    assert started_from == [tmp_path / "served" / "base_model"] and engine.loads == ["weights"] and engine.closed
+    assert engine.requests  # every sampler call of the evaluation went to the engine
+    reports = {name: json.loads((tmp_path / name / "eval_base.json").read_text()) for name in ("jax", "served")}
+    assert reports["jax"]["sampling"]["sampler"] == "jax" and reports["jax"]["sampling"]["weight_sync_bytes"] == 0
+    served = reports["served"]["sampling"]
+    assert (served["sampler"], served["engine"]) == ("serving", "ClosingEngine")
+    assert served["weight_sync_bytes"] > 0 and served["sampled_tokens"] > 0
+    episodes = {name: sorted((t.task_id, [s.response for s in t.steps])
+                             for t in TrajectoryStore(tmp_path / name / "eval_base_trajectories"))
+                for name in ("jax", "served")}
+    assert episodes["served"] == episodes["jax"] and episodes["jax"]
+    assert reports["served"]["splits"] == reports["jax"]["splits"]

@@ -159,6 +159,20 @@ def test_the_vllm_adapter_sends_the_trainers_prompts_and_reads_the_answers(stand
     assert engine.llm is None
 
 
+def test_a_lora_runs_evaluated_policy_is_served_whole_and_its_learner_by_adapters(stand_in_vllm, tiny_config,
+                                                                                   cfg, tmp_path):
+    """Under LoRA the learner's engine serves adapters; an evaluated (merged, plain) model of the same run gets
+    an engine without LoRA, pushed its whole weights."""
+    from guijax.models.lora import from_run_config
+
+    config = tiny_config("grpo_cpu", "rollout.backend=vllm", "lora.rank=4")
+    learner = make_sampler(config, weights.build_module(cfg, lora=from_run_config(config)), SamplingConfig(), None,
+                           None, tmp_path)
+    evaluated = make_sampler(config, weights.build_module(cfg), SamplingConfig(), None, None, tmp_path)
+    assert learner.lora is not None and stand_in_vllm[0].kwargs.get("enable_lora")
+    assert evaluated.lora is None and not stand_in_vllm[1].kwargs.get("enable_lora")
+
+
 def test_the_vllm_adapter_refuses_what_vllm_cannot_serve(stand_in_vllm, tmp_path):
     from guijax.rollout.vllm_engine import VllmEngine
 
