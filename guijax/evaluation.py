@@ -161,7 +161,7 @@ def evaluate_with_trajectories(engine: RolloutEngine, params: Any, splits: dict[
     engine)."""
     report: dict[str, Any] = {"episodes_per_task": episodes_per_task, "splits": {}}
     kept: dict[str, list[Trajectory]] = {}
-    spent = {key: 0.0 for key in SAMPLING_TIMINGS}
+    spent = {key: 0.0 if key.endswith("_s") else 0 for key in SAMPLING_TIMINGS}  # seconds, or counts
     for name, tasks in splits.items():
         if not tasks:
             report["splits"][name] = {"tasks": 0}
@@ -169,7 +169,7 @@ def evaluate_with_trajectories(engine: RolloutEngine, params: Any, splits: dict[
         trajectories, timings = engine.run(params, list(tasks), episodes_per_task, jax.random.PRNGKey(seed),
                                            seed=seed, desc=f"eval {name}")
         for key in SAMPLING_TIMINGS:
-            spent[key] += float(timings.get(key, 0.0))
+            spent[key] += type(spent[key])(timings.get(key, 0))
         kept[name] = trajectories
         report["splits"][name] = split_report(trajectories, episodes_per_task, ks, step_limits, score_at)
     sampler = getattr(engine, "sampler", None)

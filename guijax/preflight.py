@@ -61,16 +61,21 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
         if unset:
             out.append(unset)
     backend = config.rollout.get("backend", "jax")
-    if backend == "vllm" and not _has_module("vllm"):
-        from guijax.rollout.vllm_engine import INSTALL as VLLM_INSTALL
+    served = {key: b for key, b in (("rollout.backend", backend), ("eval.backend", config.eval.get("backend", "jax")))
+              if b != "jax"}  # who samples with a serving engine
+    for key, b in served.items():
+        if b == "vllm" and not _has_module("vllm"):
+            from guijax.rollout.vllm_engine import INSTALL as VLLM_INSTALL
 
-        out.append(f"rollout.backend='vllm' samples the rollouts with vLLM, which is not installed: `{VLLM_INSTALL}` "
-                   "(or --config.rollout.backend=jax, the JAX sampler)")
-    if backend == "vllm":
+            what = "the rollouts" if key == "rollout.backend" else "the evaluations"
+            out.append(f"{key}='vllm' samples {what} with vLLM, which is not installed: `{VLLM_INSTALL}` "
+                       f"(or --config.{key}=jax, the JAX sampler)")
+    if "vllm" in served.values():
         share = float(config.rollout.engine_memory_fraction)
         jax_share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
         if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() != "false" and jax_share + share > 0.98:
-            out.append(f"rollout.backend='vllm' takes rollout.engine_memory_fraction={share:g} of the GPU and JAX "
+            out.append(f"{next(k for k, b in served.items() if b == 'vllm')}='vllm' takes "
+                       f"rollout.engine_memory_fraction={share:g} of the GPU and JAX "
                        f"preallocates {jax_share:g} of it: start the run with XLA_PYTHON_CLIENT_MEM_FRACTION="
                        f"{max(0.95 - share, 0.05):.2f} in the environment (or lower the engine's share)")
     if backend != "jax":
@@ -84,9 +89,10 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
             out.append(f"rollout.backend={backend!r} samples the RL trainer's rollouts, and {', '.join(own)} "
                        "sample(s) rollouts in stages of their own, with the JAX sampler: use "
                        "--config.rollout.backend=jax for them")
-    if backend != "jax" and (config.rollout.top_k or config.rollout.top_p < 1.0):
-        out.append(f"rollout.backend={backend!r} returns log-probs of the top-k/top-p-truncated distribution, the "
-                   "learner scores the whole one: set rollout.top_k=0 and rollout.top_p=1.0")
+    for key, b in served.items():
+        if config.rollout.top_k or config.rollout.top_p < 1.0:
+            out.append(f"{key}={b!r} returns log-probs of the top-k/top-p-truncated distribution, the "
+                       "learner scores the whole one: set rollout.top_k=0 and rollout.top_p=1.0")
     stages = set(config.stages)
     if config.env.kind == "osworld":
         if not _has_module("requests"):

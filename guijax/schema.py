@@ -361,6 +361,9 @@ class Eval:
     # episodes on each evaluation's inspector page (every task's first episode, then its second, ...; the
     # stored episodes keep all of them); 0: no page. Pages embed screenshots, so full-HD desktops make them large
     inspector_episodes: int = ranged(24, low=0)
+    # what samples the evaluations (eval stages, SGCD's csr): the JAX sampler | vLLM (an engine per evaluated
+    # model, started one after another in the run's process), independently of rollout.backend
+    backend: Literal["jax", "vllm"] = "jax"
 
 
 @dataclasses.dataclass(frozen=True)

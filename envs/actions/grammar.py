@@ -34,7 +34,8 @@ def parse_response(text: str, *, grammar: str, screen_hw: tuple[int, int],
     if grammar == "computer_use":
         return parse_computer_use(text, image_hw=RELATIVE, screen_hw=screen_hw)
     if grammar in PYAUTOGUI_GRAMMARS:
-        return pyautogui_code.parse_pyautogui(text, image_hw=RELATIVE, screen_hw=screen_hw)
+        return pyautogui_code.parse_pyautogui(text, image_hw=RELATIVE, screen_hw=screen_hw,
+                                              think=grammar == "pyautogui_think")
     return parse_uitars(text, image_hw=screen_hw, screen_hw=screen_hw, model=coordinate_model)
 
 

@@ -57,7 +57,10 @@ WAIT_SECONDS = 20.0  # Fig. 9: computer.wait() waits 20 seconds
 MAX_CODE_CHARS = 20_000  # longer than any one step's code; keeps ast away from hostile megabytes
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|code)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_THINK = re.compile(re.escape(THINK_OPEN) + r"(.*?)(?:" + re.escape(THINK_CLOSE) + "|$)", re.DOTALL | re.IGNORECASE)
+# the reasoning segment, at the start of a response: Fig. 9's [think] tags, or Qwen3's own <think> tags; a
+# thinking model whose chat template opens <think> in the prompt begins with the reasoning and its closing tag
+_THINK = re.compile(r"\A\s*(?:\[think\]|<think>)(.*?)(\[/think\]|</think>|\Z)", re.DOTALL | re.IGNORECASE)
+_THINK_CLOSE_ONLY = re.compile(r"\A(.*?)(?:\[/think\]|</think>)", re.DOTALL | re.IGNORECASE)
 _SECTION = re.compile(r"^[ \t]*#{1,3}[ \t]*(Thought|Action|Code)[ \t]*:[ \t]*", re.IGNORECASE | re.MULTILINE)
 _CLICK_NAMES = {"click": None, "leftClick": ActionType.CLICK, "doubleClick": ActionType.LEFT_DOUBLE,
                 "tripleClick": ActionType.LEFT_TRIPLE, "rightClick": ActionType.RIGHT_SINGLE,
@@ -275,21 +278,44 @@ class _Reader:
         self.add(Action(ActionType.FINISHED, text=answer or "") if status == "success" else Action(ActionType.FAIL))
 
 
-def code_block(text: str) -> str:
-    """The response's code: its last fenced block, or else what follows `## Code:`."""
+def think_segment(text: str) -> tuple[str, int, bool] | None:
+    """A response's leading reasoning segment: (its text, where the rest begins, whether it was closed); None
+    without one. A closing tag with no opening one counts when no `##` section comes before it (the opening tag
+    was in the prompt)."""
+    m = _THINK.search(text)
+    if m:
+        return m.group(1).strip(), m.end(), bool(m.group(2))
+    m = _THINK_CLOSE_ONLY.search(text)
+    if m and not _SECTION.search(m.group(1)):
+        return m.group(1).strip(), m.end(), True
+    return None
+
+
+def code_block(text: str, whole: str | None = None) -> str:
+    """The response's code: its last fenced block, or else what follows `## Code:`; a refusal quotes `whole`
+    (the response `text` is part of), or else `text`."""
     blocks = _FENCE.findall(text)
     if blocks:
         return blocks[-1]
     sections = _sections(text)
     if "code" in sections:  # unfenced, or fenced on one line: ```python pyautogui.click(1, 2)```
         return re.sub(r"^```[ \t]*(?:python|py|code)?|```$", "", sections["code"].strip(), flags=re.IGNORECASE)
-    raise ActionParseError("no fenced code block and no '## Code:' section in the response", text)
+    raise ActionParseError("no fenced code block and no '## Code:' section in the response", whole or text)
 
 
 @only_parse_errors
-def parse_pyautogui(text: str, *, image_hw: tuple[int, int], screen_hw: tuple[int, int]) -> list[Action]:
-    """Every action of a Fig. 9 response (or a bare code block), in screen pixels."""
-    code = code_block(text)
+def parse_pyautogui(text: str, *, image_hw: tuple[int, int], screen_hw: tuple[int, int],
+                    think: bool = False) -> list[Action]:
+    """Every action of a Fig. 9 response (or a bare code block), in screen pixels. With `think` (the variant
+    for thinking backbones) the code is read after the reasoning segment only: code drafted while thinking is
+    not run, and a segment never closed (an answer cut off while thinking) holds no action."""
+    rest = text
+    segment = think_segment(text) if think else None
+    if segment is not None:
+        if not segment[2]:
+            raise ActionParseError("the [think] segment is never closed, so no action follows it", text)
+        rest = text[segment[1]:]
+    code = code_block(rest, whole=text)
     if len(code) > MAX_CODE_CHARS:
         raise ActionParseError(f"code block of {len(code)} characters (at most {MAX_CODE_CHARS})", text)
     try:
@@ -372,12 +398,12 @@ def render_response(thought: str, semantic: str, actions: Sequence[Action], *, i
 
 
 def split_response(text: str) -> tuple[str, str]:
-    """(thought, action in words) of a Fig. 9 response, its thought a `## Thought:` field or a `[think]`
-    segment (an unclosed one runs to the end); a response with neither nor sections is all thought."""
-    think = _THINK.search(text)
-    if think:
-        rest = text[think.end():]
-        return think.group(1).strip(), _sections(rest).get("action", "")
+    """(thought, action in words) of a Fig. 9 response, its thought a `## Thought:` field or a leading
+    reasoning segment (`think_segment`; an unclosed one runs to the end); a response with neither nor sections
+    is all thought."""
+    segment = think_segment(text)
+    if segment is not None:
+        return segment[0], _sections(text[segment[1]:]).get("action", "")
     sections = _sections(text)
     if not sections:
         return _FENCE.split(text, 1)[0].strip(), ""

@@ -169,18 +169,20 @@ class Run:
 
     @contextlib.contextmanager
     def evaluation_engine(self, policy, temperature: float) -> Iterator[Any]:
-        """A rollout engine sampling `policy` with the sampler `rollout.backend` names, for evaluations: a
-        serving engine starts from the policy's own checkpoint directory, is handed its parameters before the
-        first sample, and is closed on leaving (giving its accelerator memory back before the next one)."""
+        """A rollout engine sampling `policy` with the sampler `eval.backend` names, for evaluations: a serving
+        engine starts from the policy's own checkpoint directory, is handed its parameters before the first
+        sample, and is closed on leaving."""
         from guijax.rollout.backend import make_sampler
         from guijax.rollout.engine import RolloutEngine
         from guijax.trainer import rollout_config, sampling_config
 
         mesh = self.mesh()
+        pool, settings = self.pool(), rollout_config(self.config, self.system_prompt)  # before an engine starts
         sampler = make_sampler(self.config, policy.module,
                                sampling_config(self.config, policy.processor, temperature, mesh), mesh,
-                               policy.processor.tokenizer, policy.path, adapter_root=self.workdir / "engine_adapters")
-        engine = RolloutEngine(self.pool(), sampler, policy.processor, rollout_config(self.config, self.system_prompt))
+                               policy.processor.tokenizer, policy.path, adapter_root=self.workdir / "engine_adapters",
+                               backend=self.config.eval.get("backend", "jax"))
+        engine = RolloutEngine(pool, sampler, policy.processor, settings)
         try:
             yield engine
         finally:

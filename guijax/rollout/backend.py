@@ -24,12 +24,13 @@ class RolloutSampler(Protocol):
 
 
 def make_sampler(config: Any, module: Any, sampling: SamplingConfig, mesh: jax.sharding.Mesh | None,
-                 tokenizer: Any, model_dir: Any = None, adapter_root: Any = None) -> RolloutSampler:
-    """The sampler `config.rollout.backend` names, for `module`'s policy. A serving engine starts from
+                 tokenizer: Any, model_dir: Any = None, adapter_root: Any = None,
+                 backend: str | None = None) -> RolloutSampler:
+    """The sampler `backend` (default: `config.rollout.backend`) names, for `module`'s policy. A serving engine starts from
     `model_dir` (the policy's Hugging Face directory) and fails here, before any rollout, when it is not
     installed; a policy with LoRA adapters (`module.lora`) is pushed its adapters alone, written under
     `adapter_root` (the run's workdir); a plain one (an evaluated model) its whole weights."""
-    backend = config.rollout.get("backend", "jax")
+    backend = backend or config.rollout.get("backend", "jax")
     if backend == "jax":
         return Sampler(module, sampling, mesh=mesh)
     if backend != "vllm":
@@ -39,7 +40,7 @@ def make_sampler(config: Any, module: Any, sampling: SamplingConfig, mesh: jax.s
 
     require_vllm()
     if model_dir is None:
-        raise ValueError("rollout.backend='vllm' starts the engine from the policy's Hugging Face directory; this "
+        raise ValueError(f"backend {backend!r} starts the engine from the policy's Hugging Face directory; this "
                          "policy has none")
     lora = getattr(module, "lora", None)
     cfg = module.cfg

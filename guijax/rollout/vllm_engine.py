@@ -133,12 +133,22 @@ class VllmEngine:
         self._reset_caches(False)
 
     def close(self) -> None:
-        """Give the engine's GPU memory back (the run's later stages sample with the JAX sampler)."""
+        """Give the engine's GPU memory back before the run's next engine or JAX stage: the engine dropped, then
+        vLLM's own teardown of its distributed state and memory (`cleanup_dist_env_and_memory`, where this vLLM
+        has it). An in-process vLLM engine has been reported to keep some of its memory all the same (vLLM
+        issue 21073), which no run here has checked."""
         import gc
 
         llm, self.llm = self.llm, None
         del llm
         gc.collect()
+        try:
+            from vllm.distributed import cleanup_dist_env_and_memory
+        except ImportError:
+            cleanup_dist_env_and_memory = None
+        if cleanup_dist_env_and_memory is not None:
+            cleanup_dist_env_and_memory()
+            return
         try:
             import torch
 

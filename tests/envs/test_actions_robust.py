@@ -24,7 +24,7 @@ PY_BITS = ["## Thought: ", "## Action: ", "## Code:", "```python\n", "```", "\n"
            "click(", "moveTo(", "dragTo(", "mouseDown(", "mouseUp(", "hotkey(", "press(", "write(", "scroll(",
            "hscroll(", "wait()", "terminate(", "sleep(", "status=", "'success'", "answer=", "x=", "y=", "clicks=",
            "button='right'", "presses=", "(", ")", "[", "]", ", ", "1", "-7", "1e999", "2.5", "'a'", "True", "None",
-           "import pyautogui", ";", "*", "**", "lambda", "=", " ", "[think]", "[/think]"]
+           "import pyautogui", ";", "*", "**", "lambda", "=", " ", "[think]", "[/think]", "<think>", "</think>"]
 S2_BITS = ["agent.", "click", "type", "scroll", "wait", "hotkey", "done", "(", ")", '"a"', "1", "None", "[",
            "]", ", ", "num_clicks=", "time=", "{", "}", ":", "x", "lambda", "**"]
 
@@ -59,6 +59,7 @@ def test_pyautogui_never_raises_anything_but_parse_errors(text):
     from envs.actions.grammar import history_text, reasoning
 
     _only_parse_errors(lambda t: parse_pyautogui(t, image_hw=(1000, 1000), screen_hw=HW), text)
+    _only_parse_errors(lambda t: parse_pyautogui(t, image_hw=(1000, 1000), screen_hw=HW, think=True), text)
     for grammar in ("pyautogui", "pyautogui_think"):  # the prompt shows any answer, parsed or not, as history
         assert isinstance(history_text(text, grammar), str) and isinstance(reasoning(text, grammar), str)
 

@@ -70,11 +70,28 @@ def test_the_thinking_variant_keeps_its_reasoning_in_think_tags_in_past_steps():
                                                      "here.\n[/think]\n## Action: Type into the field.")
     # the plain grammar shows the same step with a Thought field
     assert history_text(text, "pyautogui").startswith("## Thought: The field is empty.")
-    # tags in any case; an unclosed segment (the answer cut off) is all thought, and without code no action
+    # tags in any case; an unclosed segment (the answer cut off) is all thought and holds no action, even a
+    # drafted one
     assert split_response("[THINK] maybe the menu [/Think]\n## Action: open it") == ("maybe the menu", "open it")
     assert split_response("[think] still thinking about ## Action: x") == ("still thinking about ## Action: x", "")
-    with pytest.raises(ActionParseError, match="no fenced code block"):
-        parse_response("[think] still thinking", grammar="pyautogui_think", screen_hw=SCREEN)
+    cut = "[think] maybe ```python\npyautogui.click(1, 2)\n```"
+    with pytest.raises(ActionParseError, match="never closed") as refused:
+        parse_response(cut, grammar="pyautogui_think", screen_hw=SCREEN)
+    assert refused.value.text == cut
+    # code drafted while thinking is not what runs; the code after the segment is
+    drafted = ("[think]\nFirst I thought of ```python\npyautogui.click(100, 100)\n``` but Enter is enough.\n[/think]\n"
+               "## Action: press Enter\n## Code:\npyautogui.press('enter')")
+    assert parse_response(drafted, grammar="pyautogui_think", screen_hw=SCREEN) == [
+        Action(ActionType.PRESS, keys=("enter",))]
+    # Qwen3's own tags, and a response whose opening tag was in the prompt (only its closing tag)
+    assert split_response("<think>the menu</think>\n## Action: open it") == ("the menu", "open it")
+    assert split_response("the menu is shut\n</think>\n## Action: open it") == ("the menu is shut", "open it")
+    assert history_text("the menu is shut</think>\n## Action: open it\n## Code:\ncomputer.wait()",
+                        "pyautogui_think") == "[think]\nthe menu is shut\n[/think]\n## Action: open it"
+    # a segment counts only at the start: the plain grammar's code may type the tag
+    plain = "## Thought: t\n## Action: a\n## Code:\n```python\npyautogui.write('[think]')\n```"
+    assert split_response(plain) == ("t", "a")
+    assert parse_response(plain, grammar="pyautogui", screen_hw=SCREEN) == [Action(ActionType.TYPE, text="[think]")]
 
 
 def test_the_cursor_is_followed_within_a_response():

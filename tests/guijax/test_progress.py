@@ -154,6 +154,15 @@ def test_preflight_names_the_serving_engine_to_install(monkeypatch):
     offline = launch.resolve("bepa_cpu", ["rollout.backend=vllm", "stages=('base_model', 'tasks', 'expert', 'methods')",
                                           "compare.methods=('grpo', 'sft')"])  # the SFT baseline samples nothing
     assert preflight.problems(offline) == []
+    # evaluations on vLLM beside rollouts on the JAX sampler: the same checks, named by eval.backend
+    monkeypatch.setattr(preflight, "_has_module", lambda name: name != "vllm")
+    assert preflight.problems(_config(**{"eval.backend": "vllm", "rollout.top_k": 5})) == [
+        "eval.backend='vllm' samples the evaluations with vLLM, which is not installed: `pip install vllm  (CUDA "
+        "only; it brings its own PyTorch)` (or --config.eval.backend=jax, the JAX sampler)",
+        "eval.backend='vllm' returns log-probs of the top-k/top-p-truncated distribution, the learner scores the "
+        "whole one: set rollout.top_k=0 and rollout.top_p=1.0"]
+    monkeypatch.setattr(preflight, "_has_module", lambda name: True)
+    assert preflight.problems(launch.resolve("seagent_cpu", ["eval.backend=vllm"])) == []  # its phases keep JAX
 
 
 def test_cli_fails_at_start_with_one_line_per_unmet_need(tmp_path):

@@ -333,7 +333,7 @@ class ClosingEngine(JaxServingEngine):
 
 
 def test_evaluations_sample_with_the_serving_engine_and_give_it_back(tiny_config, tmp_path, monkeypatch):
-    """The eval stage with `rollout.backend` served by a float32 fake engine: the engine starts from the
+    """The eval stage with `eval.backend` served by a float32 fake engine: the engine starts from the
     evaluated model's own directory, is pushed its weights once before sampling and is closed after; its greedy
     episodes are the JAX sampler's, and the report says which sampler ran and what the push cost."""
     import json
@@ -345,8 +345,11 @@ def test_evaluations_sample_with_the_serving_engine_and_give_it_back(tiny_config
     from guijax.rollout import backend
 
     engines, started_from = [], []
+    jax_sampler = backend.make_sampler
 
-    def serving_sampler(config, module, sampling, mesh, tokenizer, model_dir=None, adapter_root=None):
+    def serving_sampler(config, module, sampling, mesh, tokenizer, model_dir=None, adapter_root=None, backend=None):
+        if backend == "jax":
+            return jax_sampler(config, module, sampling, mesh, tokenizer, model_dir, adapter_root, backend)
         started_from.append(model_dir)
         reader = SafetensorsReader(str(model_dir))
         images = dataclasses.replace(Processor.from_pretrained(model_dir).image_processor,
@@ -357,9 +360,10 @@ def test_evaluations_sample_with_the_serving_engine_and_give_it_back(tiny_config
         return ServingSampler(engine, module.cfg, sampling, tokenizer)
 
     stages = ("stages=('base_model', 'tasks', 'eval_base')", "eval.temperature=0.0")
-    run_stages(tiny_config("grpo_cpu", *stages), tmp_path / "jax")
     monkeypatch.setattr(backend, "make_sampler", serving_sampler)
-    run_stages(tiny_config("grpo_cpu", *stages), tmp_path / "served")
+    run_stages(tiny_config("grpo_cpu", *stages), tmp_path / "jax")  # eval.backend's default
+    assert not engines
+    run_stages(tiny_config("grpo_cpu", *stages, "eval.backend=vllm"), tmp_path / "served")
 
     [engine] = engines
     assert started_from == [tmp_path / "served" / "base_model"] and engine.loads == ["weights"] and engine.closed
@@ -368,7 +372,7 @@ def test_evaluations_sample_with_the_serving_engine_and_give_it_back(tiny_config
     assert reports["jax"]["sampling"]["sampler"] == "jax" and reports["jax"]["sampling"]["weight_sync_bytes"] == 0
     served = reports["served"]["sampling"]
     assert (served["sampler"], served["engine"]) == ("serving", "ClosingEngine")
-    assert served["weight_sync_bytes"] > 0 and served["sampled_tokens"] > 0
+    assert served["weight_sync_bytes"] > 0 and served["sampled_tokens"] > 0 and isinstance(served["sampled_tokens"], int)
     episodes = {name: sorted((t.task_id, [s.response for s in t.steps])
                              for t in TrajectoryStore(tmp_path / name / "eval_base_trajectories"))
                 for name in ("jax", "served")}

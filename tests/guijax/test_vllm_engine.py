@@ -101,7 +101,11 @@ def stand_in_vllm(monkeypatch):
     lora = types.ModuleType("vllm.lora")
     request = types.ModuleType("vllm.lora.request")
     request.LoRARequest = lambda name, int_id, path: (name, int_id, path)
-    for name, module in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.lora", lora), ("vllm.lora.request", request)):
+    distributed = types.ModuleType("vllm.distributed")
+    distributed.cleanups = []
+    distributed.cleanup_dist_env_and_memory = lambda: distributed.cleanups.append("cleanup")
+    for name, module in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.lora", lora), ("vllm.lora.request", request),
+                         ("vllm.distributed", distributed)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     _LLM.instances.clear()
@@ -156,7 +160,7 @@ def test_the_vllm_adapter_sends_the_trainers_prompts_and_reads_the_answers(stand
     engine.generate(requests[1:], sampling)
     assert llm.requests[1][2] == ("guijax-v3", 4, str(tmp_path / "v000003"))
     engine.close()
-    assert engine.llm is None
+    assert engine.llm is None and sys.modules["vllm.distributed"].cleanups == ["cleanup"]  # vLLM's own teardown
 
 
 def test_a_lora_runs_evaluated_policy_is_served_whole_and_its_learner_by_adapters(stand_in_vllm, tiny_config,
