@@ -102,6 +102,13 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
             out.append(f"env.osworld_dir {config.env.osworld_dir} is not a directory (OSWorld's evaluation_examples)")
     if config.model.path and not (pathlib.Path(config.model.path) / "config.json").exists():
         out.append(f"model.path {config.model.path} has no config.json (a local Hugging Face Qwen2.5-VL directory)")
+    if "csr" in stages and config.get("sgcd") is not None and config.sgcd.get("csr_baselines"):
+        from guijax.pipeline.sgcd_stages import baselines
+
+        try:  # checked now, not after the hours of training that come before the csr stage
+            baselines(config.sgcd.csr_baselines, ("base policy", *config.compare.methods))
+        except (ValueError, FileNotFoundError) as e:
+            out.append(str(e))
     if "expert" in stages:
         b = config.bepa
         if b.expert_dir and not pathlib.Path(b.expert_dir).is_dir():

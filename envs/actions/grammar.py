@@ -13,7 +13,7 @@ from typing import Sequence
 
 from envs.actions import computer_use, pyautogui_code
 from envs.actions.computer_use import parse_computer_use, split_response
-from envs.actions.model import Action
+from envs.actions.model import Action, ActionParseError, ActionType
 from envs.actions.uitars import parse_thought, parse_uitars, render_uitars
 
 GRAMMARS = ("uitars", "computer_use", "pyautogui", "pyautogui_think")
@@ -73,3 +73,55 @@ def history_text(response: str, grammar: str) -> str:
         return pyautogui_code.render_response(thought, semantic, [], image_hw=RELATIVE, screen_hw=RELATIVE,
                                               think=grammar == "pyautogui_think") if semantic else response
     return response
+
+
+_WORDS = {ActionType.CLICK: "Click", ActionType.LEFT_DOUBLE: "Double-click", ActionType.LEFT_TRIPLE: "Triple-click",
+          ActionType.RIGHT_SINGLE: "Right-click", ActionType.MIDDLE_SINGLE: "Middle-click",
+          ActionType.HOVER: "Move the pointer", ActionType.DRAG: "Drag", ActionType.WAIT: "Wait",
+          ActionType.FINISHED: "Report that the task is complete", ActionType.FAIL: "Report that the task cannot be done",
+          ActionType.CALL_USER: "Ask the user for help"}
+
+
+def action_words(actions: Sequence[Action]) -> str:
+    """The actions as a short imperative without positions, for a response whose grammar states none (UI-TARS
+    text) shown in one that does."""
+    def one(a: Action) -> str:
+        if a.kind == ActionType.TYPE:
+            return f"Type {a.text!r}"
+        if a.kind in (ActionType.HOTKEY, ActionType.PRESS, ActionType.KEYDOWN, ActionType.KEYUP):
+            verb = {ActionType.KEYDOWN: "Hold", ActionType.KEYUP: "Release"}.get(a.kind, "Press")
+            return f"{verb} {'+'.join(a.keys)}"
+        if a.kind == ActionType.SCROLL:
+            return f"Scroll {a.direction}"
+        return _WORDS.get(a.kind, a.kind.value.replace("_", " ").capitalize())
+    return "; ".join(one(a) for a in actions) + "." if actions else ""
+
+
+def _semantic(response: str, grammar: str) -> str:
+    if grammar == "computer_use":
+        return split_response(response)[1]
+    if grammar in PYAUTOGUI_GRAMMARS:
+        return pyautogui_code.split_response(response)[1]
+    return ""
+
+
+def convert_response(response: str, *, source: str, target: str, screen_hw: tuple[int, int],
+                     coordinate_model: str = "uitars-1.5") -> str:
+    """A response written in `source` shown as `target` would have written it: the same thought, action in
+    words (or `action_words` where `source` has none) and actions, in `target`'s form and coordinates. Used
+    when one policy continues another's episode in another grammar (SGCD's handoffs to a baseline prompted
+    otherwise). A response that does not parse in `source` is kept as it is."""
+    _check(source)
+    _check(target)
+    if source == target:
+        return response
+    try:
+        actions = parse_response(response, grammar=source, screen_hw=screen_hw, coordinate_model=coordinate_model)
+    except ActionParseError:
+        return response
+    semantic = _semantic(response, source) or action_words(actions)
+    try:
+        return render_response(reasoning(response, source), semantic, actions, grammar=target, screen_hw=screen_hw,
+                               coordinate_model=coordinate_model)
+    except ValueError:  # an action `target` cannot write (e.g. a triple click in UI-TARS text)
+        return response

@@ -68,6 +68,10 @@ class SGCDOptions:
     csr_per_state: int = ranged(1, low=1)  # csr stage: evaluated-model episodes per (task, depth)
     # csr stage: as prefix_stop_retries, for its prefixes (whose failure-step histogram then counts the redrawn ones)
     csr_prefix_stop_retries: int = ranged(0, low=0)
+    # csr stage: other models continuing the same prefixes (Table 6's baselines), each "NAME=DIR" (a Hugging Face
+    # checkpoint of the run's family) or "NAME=DIR@PROMPT" when prompted otherwise than rollout.prompt (e.g.
+    # pyautogui_think for a Thinking backbone); the prefix is shown to it rewritten in its grammar
+    csr_baselines: tuple[str, ...] = ()
 
 
 class SGCD(Method):

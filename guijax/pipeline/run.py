@@ -168,16 +168,19 @@ class Run:
         return RolloutEngine(self.pool(), sampler, policy.processor, rollout_config(self.config, self.system_prompt))
 
     @contextlib.contextmanager
-    def evaluation_engine(self, policy, temperature: float) -> Iterator[Any]:
-        """A rollout engine sampling `policy` with the sampler `eval.backend` names, for evaluations: a serving
-        engine starts from the policy's own checkpoint directory, is handed its parameters before the first
-        sample, and is closed on leaving."""
+    def evaluation_engine(self, policy, temperature: float, prompt: str | None = None) -> Iterator[Any]:
+        """A rollout engine sampling `policy` with the sampler `eval.backend` names, for evaluations, prompted
+        with `prompt` (a `rollout.prompt` name; default the run's): a serving engine starts from the policy's
+        own checkpoint directory, is handed its parameters before the first sample, and is closed on leaving."""
         from guijax.rollout.backend import make_sampler
         from guijax.rollout.engine import RolloutEngine
         from guijax.trainer import rollout_config, sampling_config
 
         mesh = self.mesh()
-        pool, settings = self.pool(), rollout_config(self.config, self.system_prompt)  # before an engine starts
+        settings = rollout_config(self.config, self.system_prompt)
+        if prompt is not None and prompt != self.config.rollout.prompt:
+            settings = dataclasses.replace(settings, system_prompt=prompt_template(prompt), grammar=grammar_of(prompt))
+        pool = self.pool()  # before an engine starts
         sampler = make_sampler(self.config, policy.module,
                                sampling_config(self.config, policy.processor, temperature, mesh), mesh,
                                policy.processor.tokenizer, policy.path, adapter_root=self.workdir / "engine_adapters",

@@ -33,7 +33,7 @@ import numpy as np
 
 from envs.actions import ActionParseError
 from envs.actions.model import TERMINAL_TYPES
-from envs.actions.grammar import parse_response
+from envs.actions.grammar import convert_response, parse_response
 from envs.api import Task
 from guijax.rollout.engine import RolloutEngine, _count_env_call, _Episode, episode_seed
 from guijax.rollout.prompt import Turn
@@ -59,6 +59,8 @@ class Prefix:
     states: list[Any] = dataclasses.field(default_factory=list)
     open_steps: int = 0
     error: str | None = None
+    grammar: str = ""  # the grammar the prefix policy wrote in ("": the continuing engine's)
+    coordinate_model: str = "uitars-1.5"
     resampled: int = 0  # answers that would have ended the prefix, sampled again (`stop_retries`)
 
     def depths(self, ks: Sequence[int]) -> list[int]:
@@ -95,7 +97,9 @@ class HandoffRunner:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         if stop_retries < 0:
             raise ValueError(f"stop_retries must be >= 0, got {stop_retries}")
-        out = [Prefix(t, episode_seed(seed, i, 0)) for i, t in enumerate(tasks)]
+        c = self.engine.config
+        out = [Prefix(t, episode_seed(seed, i, 0), grammar=c.grammar, coordinate_model=c.coordinate_model)
+               for i, t in enumerate(tasks)]
         timings = {"env_s": 0.0, "sample_s": 0.0, "steps": 0, "sampled_tokens": 0}
         for first in range(0, len(out), self.pool.num_workers):
             rng, key = jax.random.split(rng)
@@ -180,7 +184,7 @@ class HandoffRunner:
                     # the environment's state (pop-ups to come included) follows the prefix's seed, so the
                     # continuation replays from a reset with it
                     e = self.engine.episode(p.task, p.seed, guidance=guidance.get(p.task.id, ""), handoff=k)
-                    e.steps, e.turns, e.screenshot = list(p.steps[:k]), list(p.turns[:k]), p.screens[k]
+                    e.steps, e.turns, e.screenshot = list(p.steps[:k]), self._shown(p, k), p.screens[k]
                     e.versions = [0] * k
                     sources[id(e)] = (p, k)
                     eps.append(e)
@@ -189,6 +193,18 @@ class HandoffRunner:
         start = functools.partial(self._restore if self.branching == "snapshot" else self._replay, sources)
         trajectories, _ = self.engine.run_episodes(params, eps, rng, desc, start=start)
         return trajectories
+
+    def _shown(self, prefix: Prefix, k: int) -> list[Turn]:
+        """The prefix's first k turns as the continuing policy is shown them: rewritten into its grammar when
+        the prefix policy wrote another (a baseline prompted otherwise continuing the plain policy's episode);
+        the trajectory keeps the steps as they were written."""
+        target = self.engine.config
+        if not prefix.grammar or prefix.grammar == target.grammar:
+            return list(prefix.turns[:k])
+        return [Turn(t.screenshot, convert_response(t.response, source=prefix.grammar, target=target.grammar,
+                                                    screen_hw=t.screenshot.shape[:2],
+                                                    coordinate_model=prefix.coordinate_model))
+                for t in prefix.turns[:k]]
 
     def _restore(self, sources, eps: dict[int, _Episode], timings) -> dict[int, _Episode]:
         t0 = time.perf_counter()
@@ -210,7 +226,6 @@ class HandoffRunner:
         live = {s: eps[s] for s in self.engine.start(reset_eps, timings)}
         for slot in set(eps) - set(live):
             eps[slot].status, eps[slot].error = Status.ENV_ERROR, f"replay: reset failed: {reset_eps[slot].error}"
-        model = self.engine.config.coordinate_model
         for slot in list(live):
             self._check_screen(live, slot, sources[slot][0], 0, reset_eps[slot].screenshot)
         depth = max((k for _, k in sources.values()), default=0)
@@ -219,8 +234,9 @@ class HandoffRunner:
             for slot in [s for s in live if sources[s][1] >= j]:
                 p = sources[slot][0]
                 try:
-                    actions[slot] = _parsed(p.steps[j - 1], p.screens[j - 1].shape[:2], model,
-                                            self.engine.config.grammar)
+                    actions[slot] = _parsed(p.steps[j - 1], p.screens[j - 1].shape[:2],
+                                            p.coordinate_model if p.grammar else self.engine.config.coordinate_model,
+                                            p.grammar or self.engine.config.grammar)
                 except (ActionParseError, ValueError) as err:
                     self._fail(live, slot, f"replay: step {j} of the prefix no longer parses: {err}")
             if not actions:

@@ -224,3 +224,46 @@ def test_computer_use_round_trip_and_clipping(x, y, text, clicks, kind):
                Action(ActionType.SCROLL, point=action.point, direction="up", amount=float(clicks))]
     back = parse_computer_use(render_computer_use(actions, image_hw=HW, screen_hw=HW), image_hw=HW, screen_hw=HW)
     assert back == [dataclasses.replace(action, clipped=False)] + actions[1:]
+
+
+RELATIVE_GRAMMARS = ("computer_use", "pyautogui", "pyautogui_think")
+
+
+@pytest.mark.parametrize("source", RELATIVE_GRAMMARS)
+@pytest.mark.parametrize("target", RELATIVE_GRAMMARS + ("uitars",))
+def test_a_response_converts_between_grammars_keeping_thought_words_and_actions(source, target):
+    """What one policy wrote, as a policy prompted in another grammar is shown it: the same actions (up to the
+    0-1000 grid's rounding), thought and action in words."""
+    from canonical_actions import CANONICAL, SCREEN
+    from envs.actions.grammar import convert_response, parse_response, reasoning, render_response
+    from envs.actions.pyautogui_code import split_response as pyautogui_words
+    from envs.actions.computer_use import split_response as computer_use_words
+
+    words = {"computer_use": lambda t: computer_use_words(t)[1], "pyautogui": lambda t: pyautogui_words(t)[1],
+             "pyautogui_think": lambda t: pyautogui_words(t)[1]}
+    uitars_writes = {ActionType.CLICK, ActionType.RIGHT_SINGLE, ActionType.LEFT_DOUBLE, ActionType.HOTKEY,
+                     ActionType.TYPE, ActionType.DRAG, ActionType.WAIT, ActionType.FINISHED}
+    for action in CANONICAL:
+        text = render_response("I look first.", "Do the thing.", [action], grammar=source, screen_hw=SCREEN)
+        moved = convert_response(text, source=source, target=target, screen_hw=SCREEN)
+        if target == "uitars" and action.kind not in uitars_writes:
+            continue  # UI-TARS text writes fewer kinds; what it cannot write is kept as it was, or written its way
+        (got,), (want,) = (parse_response(moved, grammar=target, screen_hw=SCREEN),
+                           parse_response(text, grammar=source, screen_hw=SCREEN))
+        assert got.kind == want.kind and got.keys == want.keys and got.text == want.text, (action, moved)
+        for p, q in ((got.point, want.point), (got.end_point, want.end_point)):
+            assert (p is None) == (q is None) and (p is None or max(abs(p[0] - q[0]), abs(p[1] - q[1])) <= 1)
+        assert reasoning(moved, target) == "I look first."
+        if target in words:
+            assert words[target](moved) == "Do the thing."
+    assert convert_response("not an action", source=source, target=target, screen_hw=SCREEN) == "not an action"
+
+
+def test_ui_tars_text_gets_its_action_in_words_when_shown_in_a_grammar_that_has_them():
+    from envs.actions.grammar import action_words, convert_response
+
+    text = "Thought: Save it.\nAction: hotkey(key='ctrl s')"
+    assert convert_response(text, source="uitars", target="pyautogui", screen_hw=(280, 280)) == (
+        "## Thought: Save it.\n## Action: Press ctrl+s.\n## Code:\n```python\npyautogui.hotkey('ctrl', 's')\n```")
+    assert action_words([Action(ActionType.TYPE, text="hi"), Action(ActionType.CLICK, point=(1, 2))]) == \
+        "Type 'hi'; Click."

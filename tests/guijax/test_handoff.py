@@ -197,3 +197,40 @@ def test_snapshot_branching_refuses_an_environment_without_snapshots(tasks):
         runner = HandoffRunner(_engine(p, tasks)[0], "snapshot")
         with pytest.raises(RuntimeError, match="cannot save its state.*use replay branching"):
             runner.prefixes("plain", tasks[:1], 2, jax.random.PRNGKey(1))
+
+
+@pytest.mark.parametrize("branching", ["snapshot", "replay"])
+def test_a_policy_in_another_grammar_continues_with_the_prefix_rewritten_into_its_own(pool, tasks, branching):
+    """A baseline prompted with the thinking variant of SGCD's Fig. 9 continues the plain policy's UI-TARS
+    prefix: its prompt shows the prefix's steps in its grammar (thought in [think], the wait as code), the
+    replay reads the prefix in the grammar it was written in, and the trajectory keeps the steps as written."""
+    from envs.actions.grammar import render_response
+    from envs.actions.model import Action, ActionType
+    from guijax.rollout.prompt import PROMPTS
+
+    from desk_policies import button_center
+
+    plain, _ = _engine(pool, tasks)
+    prefixes = HandoffRunner(plain, branching).prefixes("plain", tasks, 2, jax.random.PRNGKey(1), seed=7)
+    targets = {t.instruction: button_center(t, SCREEN) for t in tasks}
+
+    def thinking(params, prompt):
+        (x, y, name), = [v for k, v in targets.items() if k in prompt]
+        if "pyautogui.click(" in prompt:
+            return render_response("Done.", "Report success.", [Action(ActionType.FINISHED)],
+                                   grammar="pyautogui_think", screen_hw=SCREEN)
+        return render_response(f"The {name} button.", f"Click {name}.", [Action(ActionType.CLICK, point=(x, y))],
+                               grammar="pyautogui_think", screen_hw=SCREEN)
+
+    processor = TextProcessor()
+    sampler = PromptPolicySampler(processor, thinking)
+    other = RolloutEngine(pool, sampler, processor, RolloutConfig(
+        system_prompt=PROMPTS["pyautogui_think"], grammar="pyautogui_think", show_progress=False))
+    trajs = HandoffRunner(other, branching).continue_from("baseline", prefixes, [1, 2], jax.random.PRNGKey(2))
+    assert [(t.meta["handoff"], t.reward) for t in trajs] == [(1, 1.0), (2, 1.0)] * 2
+    for t in trajs:
+        k = t.meta["handoff"]
+        assert [s.response for s in t.steps[:k]] == [WAIT] * k and t.steps[k].response.startswith("[think]\n")
+    first = sampler.prompts[0]  # depth 1: the plain policy's wait, shown as the baseline writes a step
+    assert "[think]\nI wait for the screen.\n[/think]\n## Action: Wait.\n## Code:\n```python\ncomputer.wait()" in first
+    assert "Action: wait()" not in first

@@ -165,6 +165,13 @@ def test_preflight_names_the_serving_engine_to_install(monkeypatch):
     assert preflight.problems(launch.resolve("seagent_cpu", ["eval.backend=vllm"])) == []  # its phases keep JAX
 
 
+def test_preflight_reads_the_csr_baselines_before_the_run_trains():
+    config = launch.resolve("sgcd_cpu", ["sgcd.csr_baselines=('sgcd=/nowhere',)"])
+    assert preflight.problems(config) == [
+        "sgcd.csr_baselines entry 'sgcd=/nowhere': the name 'sgcd' is taken (by the base policy, a method of "
+        "compare.methods or another baseline)"]
+
+
 def test_cli_fails_at_start_with_one_line_per_unmet_need(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     run = subprocess.run([sys.executable, "-m", "guijax.launch", "--config=bepa_cpu", f"--workdir={tmp_path / 'w'}",

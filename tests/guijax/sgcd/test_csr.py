@@ -57,3 +57,55 @@ def test_compare_aggregates_the_csr_over_seeds():
                                      "tasks": [2, 1]}
     assert result["sgcd"]["csr"]["n"] == 1  # a seed whose pool had no trial does not count
     assert "| base policy | 30.0 ± 10.0 | 2, 1 |" in csr_markdown(result, [0, 1])
+
+
+def test_baselines_are_read_strictly_naming_the_entry(tmp_path):
+    from guijax.pipeline.sgcd_stages import baselines
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert baselines([f"thinking={tmp_path}/m@pyautogui_think", f"other = {tmp_path}/m"]) == {
+        "thinking": (tmp_path / "m", "pyautogui_think"), "other": (tmp_path / "m", None)}
+    for entry, match in ((f"{tmp_path}/m", "is not NAME=DIR"), (f"x={tmp_path}/m@", "is not NAME=DIR"),
+                         (f"x={tmp_path}/m@uitars", "prompt 'uitars' is not one of"),
+                         (f"x={tmp_path}/none", "holds no config.json"),
+                         (f"sgcd={tmp_path}/m", "the name 'sgcd' is taken")):
+        with pytest.raises((ValueError, FileNotFoundError), match=match):
+            baselines([entry], taken=("base policy", "sgcd"))
+
+
+def test_the_csr_stage_continues_with_each_baseline_in_its_own_prompt(tiny_config, tmp_path, monkeypatch):
+    """The csr stage with no trained method and one baseline prompted with the thinking variant: each model's
+    engine is prompted as its entry says, and the report records each one's prompt. (The tiny untrained policy
+    writes no action, so its prefixes end at once: the continuations themselves are tested in
+    tests/guijax/test_handoff.py.)"""
+    import contextlib
+    import json
+
+    from guijax.pipeline.registry import run_stages
+    from guijax.pipeline.run import Run
+    from guijax.rollout.prompt import PROMPTS
+
+    engines = []
+    opened = Run.evaluation_engine
+
+    @contextlib.contextmanager
+    def recorded(self, policy, temperature, prompt=None):
+        with opened(self, policy, temperature, prompt) as engine:
+            engines.append((policy.path.name, engine.config.grammar, engine.config.system_prompt))
+            yield engine
+
+    monkeypatch.setattr(Run, "evaluation_engine", recorded)
+
+    workdir = tmp_path / "run"
+    config = tiny_config("sgcd_cpu", "stages=('base_model', 'tasks', 'eval_base', 'csr')", "compare.methods=()",
+                         "sft.plan_only_families=()", "sgcd.csr_max_handoff=2",
+                         f"sgcd.csr_baselines=('thinking={workdir / 'base_model'}@pyautogui_think',)")
+    run_stages(config, workdir)
+    report = json.loads((workdir / "csr.json").read_text())
+    assert set(report["results"]) == {"base policy", "thinking"}
+    assert report["prompts"] == {"base policy": config.rollout.prompt, "thinking": "pyautogui_think"}
+    assert "thinking" in (workdir / "csr.md").read_text()
+    compact = PROMPTS[config.rollout.prompt]
+    assert engines[-3:] == [("base_model", "uitars", compact), ("base_model", "uitars", compact),
+                            ("base_model", "pyautogui_think", PROMPTS["pyautogui_think"])]  # prefixes, base, baseline
