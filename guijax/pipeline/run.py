@@ -170,8 +170,9 @@ class Run:
     @contextlib.contextmanager
     def evaluation_engine(self, policy, temperature: float, prompt: str | None = None) -> Iterator[Any]:
         """A rollout engine sampling `policy` with the sampler `eval.backend` names, for evaluations, prompted
-        with `prompt` (a `rollout.prompt` name; default the run's): a serving engine starts from the policy's
-        own checkpoint directory, is handed its parameters before the first sample, and is closed on leaving."""
+        with `prompt` (a `rollout.prompt` name; default the run's): a serving engine (the process's one, started
+        from this policy's checkpoint directory if none is kept) is handed the policy's parameters before the
+        first sample; leaving closes what the sampler owns."""
         from guijax.rollout.backend import make_sampler
         from guijax.rollout.engine import RolloutEngine
         from guijax.trainer import rollout_config, sampling_config

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from typing import Any, Sequence
 
 import jax
@@ -23,6 +22,7 @@ from envs.actions.grammar import parse_response
 from envs.actions.model import Action
 from envs.api import Task
 from envs.pool import EnvPool
+from guijax.rollout.identity import params_matcher
 from guijax.rollout.prompt import SYSTEM_PROMPT, Turn, build_messages, guided_instruction
 from guijax.rollout.trajectory import Status, Step, Trajectory
 
@@ -99,28 +99,16 @@ class RolloutEngine:
         self.pool, self.sampler, self.processor, self.config = pool, sampler, processor, config
         self._synced: Any = None  # tells whether parameters are those a sampler with its own weights holds
 
-    @staticmethod
-    def _matcher(params: Any) -> Any:
-        """A test of whether other parameters are `params` that does not keep them alive: weak references to
-        every array (an object's id could be reused once it is freed, and the push then silently skipped; the
-        first array alone would miss new LoRA adapters beside a frozen base, which stays the same object)."""
-        leaves = jax.tree.leaves(params)
-        try:
-            refs = [weakref.ref(x) for x in leaves]
-        except TypeError:  # leaves that take no weak reference (Python numbers): hold the parameters
-            return lambda other: other is params
-        return lambda other: len(refs) == len(now := jax.tree.leaves(other)) and all(
-            r() is x for r, x in zip(refs, now))
-
     def _sync_weights(self, params: Any, version: int, timings: dict[str, float]) -> None:
         """Hand a sampler that holds its own copy of the weights (guijax.rollout.serving) the parameters it is
         asked to sample with, when they are not those it holds; the push is counted in `weight_sync_s`."""
         if not getattr(self.sampler, "needs_weight_sync", False):
             return
-        if self._synced is not None and self._synced(params):
+        holds = getattr(self.sampler, "holds", None)  # a sampler whose engine others push to knows what it serves
+        if holds(params) if holds is not None else (self._synced is not None and self._synced(params)):
             return
         pushed = self.sampler.sync_weights(params, version)
-        self._synced = self._matcher(params)
+        self._synced = params_matcher(params)
         timings["weight_sync_s"] = timings.get("weight_sync_s", 0.0) + pushed.seconds
         timings["weight_sync_bytes"] = timings.get("weight_sync_bytes", 0) + pushed.bytes
 

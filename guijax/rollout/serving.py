@@ -112,9 +112,37 @@ def collapse_image_pads(prompt_token_ids: Sequence[int], image_token_id: int) ->
     return out
 
 
+@dataclasses.dataclass
+class ServedWeights:
+    """What an engine shared by several samplers serves (held beside it, so every sampler sees the others'
+    pushes): the checkpoint directory it started from while nothing has been pushed since, else a test of
+    whether given parameters are the last ones pushed (the whole weights, or under LoRA the frozen base)."""
+
+    started_from: pathlib.Path | None = None
+    matcher: Any = None
+    last: Any = None  # a test of whether parameters are the last ones any sampler handed the engine
+
+    def holds(self, params: Any, source_dir: Any) -> bool:
+        if self.matcher is not None:
+            return self.matcher(params)
+        return self.started_from is not None and source_dir is not None and \
+            pathlib.Path(self.started_from) == pathlib.Path(source_dir)
+
+    def pushed(self, params: Any) -> None:
+        from guijax.rollout.identity import params_matcher
+
+        self.started_from, self.matcher = None, params_matcher(params)
+
+
 class ServingSampler:
     """The rollout engine's sampler, backed by a serving engine. `params` passed to `generate` are ignored:
-    the engine serves what the last `sync_weights` pushed."""
+    the engine serves what the last `sync_weights` pushed.
+
+    An engine of its own (`served=None`) started from this policy's checkpoint, so under LoRA its base is the
+    policy's and only adapters are pushed. A shared engine (`served` given, the run's one engine, see
+    guijax.rollout.backend) may hold another model's weights: a LoRA push then sends the frozen base first
+    unless the engine holds it already (it started from `source_dir`, or that base was the last pushed), and
+    closing the sampler leaves the engine open (`owns_engine=False`)."""
 
     name = "serving"  # a serving engine's sampler (rollout.backend other than jax)
     needs_weight_sync = True  # the rollout engine pushes the parameters whenever they change
@@ -122,7 +150,8 @@ class ServingSampler:
 
     def __init__(self, engine: ServingEngine, cfg: ModelConfig, config: SamplingConfig, tokenizer: Any, *,
                  lora: LoraConfig | None = None, adapter_root: str | pathlib.Path | None = None,
-                 weight_dtype: Any = None):
+                 weight_dtype: Any = None, served: ServedWeights | None = None, source_dir: Any = None,
+                 owns_engine: bool = True):
         if config.top_k or config.top_p < 1.0:
             raise ValueError(f"a serving engine's log-probs are of the top-k/top-p-truncated distribution, the "
                              f"trainer's of the whole one: set rollout.top_k=0 and rollout.top_p=1.0 (got "
@@ -130,6 +159,8 @@ class ServingSampler:
         self.engine, self.cfg, self.config, self.tokenizer = engine, cfg, config, tokenizer
         self.lora = lora
         self.weight_dtype = weight_dtype
+        self.served, self.source_dir, self.owns_engine = served, source_dir, owns_engine
+        self._last: Any = None  # what this sampler pushed last
         self._adapter_root_given = pathlib.Path(adapter_root) if adapter_root else None
         self._adapter_root: pathlib.Path | None = None  # made at the first adapter push
         self.version: int | None = None
@@ -137,18 +168,36 @@ class ServingSampler:
         self.text_mismatches = 0  # answers whose text is not what their ids decode to (logged, not fatal)
 
     # ------------------------------------------------------------------ weights
+    def holds(self, params: Any) -> bool:
+        """Whether the engine serves `params` now (the last parameters handed to it by any of its samplers); a
+        sampler that has pushed nothing yet pushes once all the same."""
+        last = self.served.last if self.served is not None else self._last
+        return self.version is not None and last is not None and last(params)
+
     def sync_weights(self, params: Any, version: int) -> WeightSync:
         """Push `params` to the engine (all tensors, or the adapters alone under LoRA); returns what it cost."""
+        from guijax.rollout.identity import params_matcher
+
         t0 = time.perf_counter()
         if self.lora is not None:
             count, size = self._push_adapters(params, version)
         else:
             count, size = self._push_weights(params)
+        self._last = params_matcher(params)
+        if self.served is not None:
+            self.served.last = self._last
         self.version = version
         self.last_sync = WeightSync(version, time.perf_counter() - t0, size, count, self.lora is not None)
         return self.last_sync
 
     def _push_weights(self, params: Any) -> tuple[int, int]:
+        counts = self._push_tensors(params)
+        if self.served is not None:
+            self.served.pushed(params)
+        return counts
+
+    def _push_tensors(self, params: Any) -> tuple[int, int]:
+        """Every tensor of plain `params` to the engine, by checkpoint name: (tensors, bytes)."""
         from guijax.models.weights import hf_entries
 
         counts = [0, 0]
@@ -165,8 +214,15 @@ class ServingSampler:
         return counts[0], counts[1]
 
     def _push_adapters(self, params: Any, version: int) -> tuple[int, int]:
+        from guijax.models.lora import split
         from guijax.models.peft_format import WEIGHTS_FILE, save_adapter
 
+        base_count = base_bytes = 0
+        if self.served is not None:
+            base = split(params)[1]
+            if not self.served.holds(base, self.source_dir):  # another model's weights are being served
+                base_count, base_bytes = self._push_tensors(base)
+                self.served.pushed(base)
         if self._adapter_root is None:
             root = self._adapter_root_given
             if root is not None:
@@ -183,7 +239,7 @@ class ServingSampler:
         from safetensors.numpy import load_file
 
         tensors = load_file(str(directory / WEIGHTS_FILE))
-        return len(tensors), sum(t.nbytes for t in tensors.values())
+        return base_count + len(tensors), base_bytes + sum(t.nbytes for t in tensors.values())
 
     # ------------------------------------------------------------------ sampling
     def generate(self, params: Any, rng: jax.Array, input_ids, attention_mask=None, pixel_values=None,
@@ -266,9 +322,10 @@ class ServingSampler:
                         self.text_mismatches)
 
     def close(self) -> None:
-        """Remove the adapter directories pushed so far (LoRA runs) and close the engine, if it closes."""
+        """Remove the adapter directories pushed so far (LoRA runs) and close the engine if it is this
+        sampler's own and closes."""
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
         closer = getattr(self.engine, "close", None)
-        if closer is not None:
+        if closer is not None and self.owns_engine:
             closer()

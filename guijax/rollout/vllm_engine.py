@@ -89,6 +89,7 @@ class VllmEngine:
         self.weights_device = gpus[0] if gpus else None
         self.image_token_id = image_token_id
         self._lora: Any = None
+        self._adapters_loaded = 0  # each adapter gets an id of its own: vLLM keeps adapters it saw by id
 
     def _model(self) -> Any:
         executor = self.llm.llm_engine.model_executor
@@ -124,19 +125,21 @@ class VllmEngine:
                     torch.cuda.synchronize()
 
         self._model().load_weights(handed())
+        self._lora = None  # an adapter was for the weights these replace
         self._reset_caches(self.vision_trained)
 
     def load_adapter(self, directory: pathlib.Path, version: int) -> None:
         from vllm.lora.request import LoRARequest
 
-        self._lora = LoRARequest(f"guijax-v{version}", version + 1, str(directory))
+        self._adapters_loaded += 1
+        self._lora = LoRARequest(f"guijax-v{version}", self._adapters_loaded, str(directory))
         self._reset_caches(False)
 
     def close(self) -> None:
-        """Give the engine's GPU memory back before the run's next engine or JAX stage: the engine dropped, then
-        vLLM's own teardown of its distributed state and memory (`cleanup_dist_env_and_memory`, where this vLLM
-        has it). An in-process vLLM engine has been reported to keep some of its memory all the same (vLLM
-        issue 21073), which no run here has checked."""
+        """Give the engine's GPU memory back (at exit, or before an engine with other settings replaces it): the
+        engine dropped, then vLLM's own teardown of its distributed state and memory
+        (`cleanup_dist_env_and_memory`, where this vLLM has it). An in-process vLLM engine has been reported to
+        keep some of its memory all the same (vLLM issue 21073), which is why a process keeps one engine."""
         import gc
 
         llm, self.llm = self.llm, None

@@ -187,6 +187,40 @@ def test_lora_runs_push_the_adapters_alone(cfg, proc, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["v000002"]  # the loaded one only
 
 
+def test_a_lora_learner_on_a_shared_engine_sends_its_base_when_other_weights_are_served(cfg, proc, tmp_path):
+    """One engine shared by a LoRA learner and an evaluation: the learner sends adapters alone while the engine
+    holds its base (started from its checkpoint, or its base pushed last), and the base first once the
+    evaluation has pushed a whole model; the evaluation's sampler leaves the engine open."""
+    from guijax.rollout.serving import ServedWeights
+
+    config = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    module = weights.build_module(cfg, lora=config)
+    base = weights.init_params(module.clone(lora=None), jax.random.PRNGKey(1))
+    adapters = jax.tree.map(lambda x: x + 0.01, weights.init_adapters(module, jax.random.PRNGKey(2)))
+    engine = ClosingEngine(module, proc.image_processor, proc.tokenizer,
+                           [(n, read()) for n, _, _, read in weights.hf_entries(base, cfg)])
+    served = ServedWeights(started_from=tmp_path / "base")
+    learner = ServingSampler(engine, cfg, _sampling(proc), proc.tokenizer, lora=config, adapter_root=tmp_path / "a",
+                             served=served, source_dir=tmp_path / "base", owns_engine=False)
+    learner.sync_weights(lora_lib.combine(base, adapters), 0)
+    assert engine.loads == ["adapter v0"]  # the engine started from the learner's checkpoint
+    other = weights.init_params(module.clone(lora=None), jax.random.PRNGKey(9))  # an evaluated model
+    evaluation = ServingSampler(engine, cfg, _sampling(proc), proc.tokenizer, served=served,
+                                source_dir=tmp_path / "trained", owns_engine=False)
+    evaluation.sync_weights(other, 0)
+    evaluation.close()
+    assert engine.loads[1:] == ["weights"] and not engine.closed
+    chex.assert_trees_all_close(engine.params, other)
+    moved = jax.tree.map(lambda x: x * 2, adapters)
+    pushed = learner.sync_weights(lora_lib.combine(base, moved), 1)
+    assert engine.loads[2:] == ["weights", "adapter v1"]  # its base again, then its adapters
+    chex.assert_trees_all_close(lora_lib.split(engine.params)[1], base)
+    chex.assert_trees_all_close(lora_lib.split(engine.params)[0], moved)
+    assert pushed.bytes > sum(x.size * 4 for x in jax.tree.leaves(moved))  # the base counted in the push
+    learner.sync_weights(lora_lib.combine(base, adapters), 2)
+    assert engine.loads[4:] == ["adapter v2"]  # the base it pushed last is still served
+
+
 class CountingSampler:
     """A sampler with weights of its own: counts the pushes the rollout engine makes."""
 
@@ -332,41 +366,45 @@ class ClosingEngine(JaxServingEngine):
         self.closed = True
 
 
-def test_evaluations_sample_with_the_serving_engine_and_give_it_back(tiny_config, tmp_path, monkeypatch):
-    """The eval stage with `eval.backend` served by a float32 fake engine: the engine starts from the
-    evaluated model's own directory, is pushed its weights once before sampling and is closed after; its greedy
-    episodes are the JAX sampler's, and the report says which sampler ran and what the push cost."""
+def test_evaluations_sample_with_the_runs_serving_engine_and_keep_it(tiny_config, tmp_path, monkeypatch):
+    """The eval stage with `eval.backend` served by a float32 fake engine through the real `make_sampler`: the
+    process's engine starts from the evaluated model's own directory, is pushed its weights once before
+    sampling and is kept open after (closed at exit); its greedy episodes are the JAX sampler's, and the
+    report says which sampler ran and what the push cost."""
     import json
 
     from guijax.data.store import TrajectoryStore
-    from guijax.models.processor import Processor
+    from guijax.models.policy import from_pretrained
     from guijax.models.safetensors_io import SafetensorsReader
     from guijax.pipeline.registry import run_stages
-    from guijax.rollout import backend
+    from guijax.rollout import backend, vllm_engine
 
     engines, started_from = [], []
-    jax_sampler = backend.make_sampler
 
-    def serving_sampler(config, module, sampling, mesh, tokenizer, model_dir=None, adapter_root=None, backend=None):
-        if backend == "jax":
-            return jax_sampler(config, module, sampling, mesh, tokenizer, model_dir, adapter_root, backend)
+    def start(model_dir, settings, seed):
         started_from.append(model_dir)
+        policy = from_pretrained(model_dir)  # the engine's own model, image processor and tokenizer
+        images = dataclasses.replace(policy.processor.image_processor, max_pixels=settings["max_pixels"])
         reader = SafetensorsReader(str(model_dir))
-        images = dataclasses.replace(Processor.from_pretrained(model_dir).image_processor,
-                                     max_pixels=config.model.image_max_pixels)
-        engine = ClosingEngine(module, images, tokenizer, [(k, reader.get(k)) for k in reader.keys()],
-                               prompt_buckets=sampling.prompt_buckets)
+        engine = ClosingEngine(policy.module, images, policy.processor.tokenizer,
+                               [(k, reader.get(k)) for k in reader.keys()], prompt_buckets=(256, 512, 1024))
         engines.append(engine)
-        return ServingSampler(engine, module.cfg, sampling, tokenizer)
+        return engine
 
+    monkeypatch.setattr(backend, "_start_vllm", start)
+    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: None)
+    backend.close_shared_engine()
     stages = ("stages=('base_model', 'tasks', 'eval_base')", "eval.temperature=0.0")
-    monkeypatch.setattr(backend, "make_sampler", serving_sampler)
     run_stages(tiny_config("grpo_cpu", *stages), tmp_path / "jax")  # eval.backend's default
     assert not engines
-    run_stages(tiny_config("grpo_cpu", *stages, "eval.backend=vllm"), tmp_path / "served")
-
-    [engine] = engines
-    assert started_from == [tmp_path / "served" / "base_model"] and engine.loads == ["weights"] and engine.closed
+    try:
+        run_stages(tiny_config("grpo_cpu", *stages, "eval.backend=vllm"), tmp_path / "served")
+        [engine] = engines
+        assert started_from == [tmp_path / "served" / "base_model"] and engine.loads == ["weights"]
+        assert not engine.closed  # kept for the process's next evaluation or trainer
+    finally:
+        backend.close_shared_engine()
+    assert engine.closed
     assert engine.requests  # every sampler call of the evaluation went to the engine
     reports = {name: json.loads((tmp_path / name / "eval_base.json").read_text()) for name in ("jax", "served")}
     assert reports["jax"]["sampling"]["sampler"] == "jax" and reports["jax"]["sampling"]["weight_sync_bytes"] == 0
@@ -378,3 +416,49 @@ def test_evaluations_sample_with_the_serving_engine_and_give_it_back(tiny_config
                 for name in ("jax", "served")}
     assert episodes["served"] == episodes["jax"] and episodes["jax"]
     assert reports["served"]["splits"] == reports["jax"]["splits"]
+
+
+def test_a_rollout_engine_pushes_again_after_another_sampler_of_its_engine_pushed(learner, proc):
+    """Two samplers on one engine, each behind its own rollout engine: what decides a push is what the engine
+    serves now, not what this rollout engine pushed last."""
+    from envs.api import Task
+    from guijax.rollout.engine import RolloutConfig, RolloutEngine
+    from guijax.rollout.serving import ServedWeights
+
+    module, params = learner
+    engine = _engine(learner, proc)
+    served = ServedWeights()
+    first, second = (ServingSampler(engine, module.cfg, _sampling(proc), proc.tokenizer, served=served,
+                                    owns_engine=False) for _ in range(2))
+    assert not first.holds(params)
+    first.sync_weights(params, 0)
+    assert first.holds(params) and not second.holds(params)  # second has pushed nothing yet
+    other = jax.tree.map(lambda x: x + 1, params)
+    second.sync_weights(other, 0)
+    assert not first.holds(params) and second.holds(other)
+
+    class Recording:  # the first sampler, its pushes counted
+        needs_weight_sync, wants_screenshots = True, True
+        pushes: list = []
+
+        def holds(self, p):
+            return first.holds(p)
+
+        def sync_weights(self, p, version):
+            self.pushes.append(version)
+            return first.sync_weights(p, version)
+
+        def generate(self, p, rng, images=None, **inputs):
+            from rollout_fakes import FakeSampler
+
+            return FakeSampler().generate(p, rng, **inputs)
+
+    from rollout_fakes import FakeProcessor
+
+    rollouts = RolloutEngine(OneStepPool(), Recording(), FakeProcessor(), RolloutConfig(show_progress=False))
+    rollouts.run(params, [Task(id="t", instruction="a")], 1, jax.random.PRNGKey(0), version=1)
+    rollouts.run(params, [Task(id="t", instruction="a")], 1, jax.random.PRNGKey(0), version=1)
+    assert Recording.pushes == [1]  # the engine held them the second time
+    second.sync_weights(other, 1)
+    rollouts.run(params, [Task(id="t", instruction="a")], 1, jax.random.PRNGKey(0), version=1)
+    assert Recording.pushes == [1, 1]  # pushed again: the engine had been handed other weights meanwhile

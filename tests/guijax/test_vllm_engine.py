@@ -17,6 +17,7 @@ from guijax.models.config import get_preset
 from guijax.models.fresh import create_checkpoint
 from guijax.models.processor import Processor
 from guijax.models.tokenizer import special_token_ids
+from guijax.rollout import backend
 from guijax.rollout.backend import make_sampler
 from guijax.sampling import Sampler, SamplingConfig
 
@@ -109,7 +110,9 @@ def stand_in_vllm(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     _LLM.instances.clear()
-    return _LLM.instances
+    backend.close_shared_engine()
+    yield _LLM.instances
+    backend.close_shared_engine()  # no stand-in engine outlives its test
 
 
 def test_the_vllm_adapter_sends_the_trainers_prompts_and_reads_the_answers(stand_in_vllm, tmp_path):
@@ -158,23 +161,40 @@ def test_the_vllm_adapter_sends_the_trainers_prompts_and_reads_the_answers(stand
     engine.load_adapter(tmp_path / "v000003", 3)
     assert llm.resets[2:] == ["prefix"]
     engine.generate(requests[1:], sampling)
-    assert llm.requests[1][2] == ("guijax-v3", 4, str(tmp_path / "v000003"))
+    assert llm.requests[1][2] == ("guijax-v3", 1, str(tmp_path / "v000003"))  # ids count the adapters loaded
+    engine.load_adapter(tmp_path / "v000000", 0)  # another learner's first version: a new id all the same
+    engine.generate(requests[1:], sampling)
+    assert llm.requests[2][2] == ("guijax-v0", 2, str(tmp_path / "v000000"))
+    engine.load_weights([("model.norm.weight", weights)])  # whole weights: the adapter no longer applies
+    engine.generate(requests[1:], sampling)
+    assert llm.requests[3][2] is None
     engine.close()
     assert engine.llm is None and sys.modules["vllm.distributed"].cleanups == ["cleanup"]  # vLLM's own teardown
 
 
-def test_a_lora_runs_evaluated_policy_is_served_whole_and_its_learner_by_adapters(stand_in_vllm, tiny_config,
-                                                                                   cfg, tmp_path):
-    """Under LoRA the learner's engine serves adapters; an evaluated (merged, plain) model of the same run gets
-    an engine without LoRA, pushed its whole weights."""
+def test_the_process_keeps_one_engine_for_its_learner_and_evaluations(stand_in_vllm, tiny_config, cfg, tmp_path):
+    """Under LoRA the learner is pushed adapters and an evaluated (merged, plain) model of the same run its whole
+    weights, both on the one engine the process keeps (LoRA enabled, started once from the first model's
+    directory); closing a sampler leaves it open, an engine with other settings replaces it, the old one closed
+    first."""
     from guijax.models.lora import from_run_config
 
     config = tiny_config("grpo_cpu", "rollout.backend=vllm", "lora.rank=4")
     learner = make_sampler(config, weights.build_module(cfg, lora=from_run_config(config)), SamplingConfig(), None,
-                           None, tmp_path)
-    evaluated = make_sampler(config, weights.build_module(cfg), SamplingConfig(), None, None, tmp_path)
-    assert learner.lora is not None and stand_in_vllm[0].kwargs.get("enable_lora")
-    assert evaluated.lora is None and not stand_in_vllm[1].kwargs.get("enable_lora")
+                           None, tmp_path / "base")
+    evaluated = make_sampler(config, weights.build_module(cfg), SamplingConfig(), None, None, tmp_path / "trained")
+    assert learner.lora is not None and evaluated.lora is None and learner.engine is evaluated.engine
+    [llm] = stand_in_vllm
+    assert llm.kwargs["enable_lora"] and llm.kwargs["model"] == str(tmp_path / "base")
+    learner.close()
+    evaluated.close()
+    assert learner.engine.llm is llm  # still open
+    other = tiny_config("grpo_cpu", "rollout.backend=vllm", "lora.rank=4", "rollout.max_images=2")
+    replaced = make_sampler(other, weights.build_module(cfg), SamplingConfig(), None, None, tmp_path / "trained")
+    assert learner.engine.llm is None and replaced.engine is not learner.engine and len(stand_in_vllm) == 2
+    reseeded = tiny_config("grpo_cpu", "rollout.backend=vllm", "lora.rank=4", "rollout.max_images=2", "seed=5")
+    assert make_sampler(reseeded, weights.build_module(cfg), SamplingConfig(), None, None, tmp_path).engine is \
+        replaced.engine  # each request carries its own seed
 
 
 def test_the_vllm_adapter_refuses_what_vllm_cannot_serve(stand_in_vllm, tmp_path):
