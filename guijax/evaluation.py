@@ -181,7 +181,7 @@ def evaluate_with_trajectories(engine: RolloutEngine, params: Any, splits: dict[
 
 
 # what an evaluation's report keeps of its rollouts' timings
-SAMPLING_TIMINGS = ("sample_s", "env_s", "sampled_tokens", "weight_sync_s", "weight_sync_bytes")
+SAMPLING_TIMINGS = ("sample_s", "env_s", "sampled_tokens", "weight_sync_s", "weight_sync_bytes", "parse_redraws")
 
 
 def evaluate(engine: RolloutEngine, params: Any, splits: dict[str, Sequence[Task]], episodes_per_task: int,

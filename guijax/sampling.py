@@ -217,6 +217,17 @@ class Sampler:
         if not config.stop_token_ids and self.cfg.eos_token_id is not None:
             self.config = dataclasses.replace(config, stop_token_ids=(self.cfg.eos_token_id,))
         self._programs = self._build_programs()
+        self._siblings: dict[float, Sampler] = {}
+
+    def with_temperature(self, temperature: float) -> "Sampler":
+        """The same sampler at another temperature (its own programs, compiled at first use and kept)."""
+        if temperature == self.config.temperature:
+            return self
+        if temperature not in self._siblings:
+            config = dataclasses.replace(self.config, temperature=temperature)
+            self._siblings[temperature] = Sampler(self.module, config, mesh=self.mesh, tokenizer=self.tokenizer,
+                                                  cache_dtype=self.cache_dtype)
+        return self._siblings[temperature]
 
     def _build_programs(self) -> dict[bool, Any]:
         """The jitted generation program, keyed by whether the rows divide over the data-parallel axes. With a mesh each

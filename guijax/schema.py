@@ -364,6 +364,11 @@ class Eval:
     # what samples the evaluations (eval stages, SGCD's csr): the JAX sampler | vLLM (an engine per evaluated
     # model, started one after another in the run's process), independently of rollout.backend
     backend: Literal["jax", "vllm"] = "jax"
+    # an unparsable answer drawn again up to this many times, the k-th time at eval.temperature times
+    # parse_retry_decay**k (SGCD's evaluation protocol: 10 retries at a reduced temperature); 0: it ends the
+    # episode as a parse error. Evaluations only: RL rollouts stay on-policy
+    parse_retries: int = ranged(0, low=0)
+    parse_retry_decay: float = ranged(0.5, low=0, high=1)
 
 
 @dataclasses.dataclass(frozen=True)

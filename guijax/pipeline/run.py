@@ -178,7 +178,10 @@ class Run:
         from guijax.trainer import rollout_config, sampling_config
 
         mesh = self.mesh()
-        settings = rollout_config(self.config, self.system_prompt)
+        ev = self.config.eval
+        settings = dataclasses.replace(rollout_config(self.config, self.system_prompt),
+                                       parse_retries=ev.get("parse_retries", 0),
+                                       retry_temperature_decay=ev.get("parse_retry_decay", 0.5))
         if prompt is not None and prompt != self.config.rollout.prompt:
             settings = dataclasses.replace(settings, system_prompt=prompt_template(prompt), grammar=grammar_of(prompt))
         pool = self.pool()  # before an engine starts

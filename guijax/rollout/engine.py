@@ -69,6 +69,13 @@ class RolloutConfig:
     # bucket, so an episode whose history outgrows it ends there, as at the step limit, instead of failing
     # the update that would batch it.
     max_prompt_tokens: int = 0
+    # Evaluation protocols that sample an unparsable answer again (SGCD's: up to 10 times, at a reduced
+    # temperature): up to `parse_retries` more draws for that step, the k-th at the temperature times
+    # `retry_temperature_decay`**k (a sampler without `with_temperature` redraws at its own). The last draw
+    # stands whatever it is; a greedy sampler is not asked again (its answer would not change). 0: an
+    # unparsable answer ends the episode, as the RL rollouts need (a redraw would not be on-policy).
+    parse_retries: int = 0
+    retry_temperature_decay: float = 0.5
 
 
 @dataclasses.dataclass
@@ -89,6 +96,7 @@ class _Episode:
     # episode continued from another policy's first k steps has handoff k too (guijax.rollout.handoff).
     guidance: str = ""
     handoff: int = 0
+    parse_redraws: int = 0  # answers drawn again because they did not parse (RolloutConfig.parse_retries)
 
     def guided(self) -> bool:
         return bool(self.guidance) and len(self.steps) >= self.handoff
@@ -240,14 +248,42 @@ class RolloutEngine:
         if not slots:
             return rng, {}, ending
         self._sync_weights(params, version, timings)
+        rng, actions, unparsed = self._draw(self.sampler, params, live, slots, prompts, inputs, rng, timings,
+                                            version)
+        base = getattr(getattr(self.sampler, "config", None), "temperature", 1.0)
+        for attempt in range(1, self.config.parse_retries + 1):
+            if not unparsed or base <= 0:
+                break
+            for slot in unparsed:  # the unparsable answer is dropped, as if never sampled
+                e = live[slot]
+                e.steps.pop()
+                e.versions.pop()
+                e.status, e.error = Status.STEP_LIMIT, None
+                e.parse_redraws += 1
+            timings["parse_redraws"] = timings.get("parse_redraws", 0) + len(unparsed)
+            colder = getattr(self.sampler, "with_temperature", None)
+            sampler = colder(base * self.config.retry_temperature_decay ** attempt) if colder else self.sampler
+            prompts = [self._prompt(live[s]) for s in unparsed]
+            inputs = self.processor([p for p, _ in prompts], [imgs for _, imgs in prompts])
+            rng, more, unparsed = self._draw(sampler, params, live, unparsed, prompts, inputs, rng, timings,
+                                             version)
+            actions.update(more)
+        return rng, actions, ending + unparsed
+
+    def _draw(self, sampler: Any, params: Any, live: dict[int, _Episode], slots: list[int], prompts, inputs,
+              rng: jax.Array, timings: dict[str, float], version: int
+              ) -> tuple[jax.Array, dict[int, list[Action]], list[int]]:
+        """One sampler call for `slots`, each answer recorded as a step and parsed: (the advanced key, the
+        parsed actions by slot, the slots whose answer did not parse, marked PARSE_ERROR)."""
         rng, key = jax.random.split(rng)
         t0 = time.perf_counter()
-        if getattr(self.sampler, "wants_screenshots", False):  # an engine that preprocesses them itself
+        if getattr(sampler, "wants_screenshots", False):  # an engine that preprocesses them itself
             inputs = dict(inputs, images=[imgs for _, imgs in prompts])
-        out = self.sampler.generate(params, key, **inputs)
+        out = sampler.generate(params, key, **inputs)
         timings["sample_s"] += time.perf_counter() - t0
         timings["sampled_tokens"] += int(out.lengths.sum())
         actions: dict[int, list[Action]] = {}
+        unparsed: list[int] = []
         for row, slot in enumerate(slots):
             e = live[slot]
             tokens = out.tokens[row, :out.lengths[row]].copy()
@@ -263,8 +299,8 @@ class RolloutEngine:
             except (ActionParseError, ValueError) as err:
                 step.error = str(err)
                 e.status, e.error = Status.PARSE_ERROR, f"step {len(e.steps)}: {err}"
-                ending.append(slot)  # ends here, unstepped, and is evaluated
-        return rng, actions, ending
+                unparsed.append(slot)  # ends here, unstepped, and is evaluated (unless drawn again)
+        return rng, actions, unparsed
 
     @staticmethod
     def record(e: _Episode, actions: list[Action], result: Any) -> str:
@@ -340,5 +376,7 @@ class RolloutEngine:
             meta["handoff"] = e.handoff
         if e.guidance:
             meta["guided"] = True
+        if e.parse_redraws:
+            meta["parse_redraws"] = e.parse_redraws
         return Trajectory(e.task.id, e.task.instruction, e.steps, e.reward, e.status, plan=e.plan, error=e.error,
                           meta=meta)

@@ -17,6 +17,7 @@ logged per iteration (`time_weight_sync_s`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pathlib
 import shutil
@@ -168,6 +169,12 @@ class ServingSampler:
         self.text_mismatches = 0  # answers whose text is not what their ids decode to (logged, not fatal)
 
     # ------------------------------------------------------------------ weights
+    def with_temperature(self, temperature: float) -> "ServingSampler":
+        """The same sampler, on the same engine and weights, sampling at another temperature."""
+        sibling = copy.copy(self)
+        sibling.config = dataclasses.replace(self.config, temperature=temperature)
+        return sibling
+
     def holds(self, params: Any) -> bool:
         """Whether the engine serves `params` now (the last parameters handed to it by any of its samplers); a
         sampler that has pushed nothing yet pushes once all the same."""

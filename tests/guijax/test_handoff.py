@@ -3,6 +3,8 @@ another policy's prefix branched from one prefix by snapshot or by replay, repla
 desk's snapshots continuing exactly."""
 from __future__ import annotations
 
+import types
+
 import chex
 import jax
 import numpy as np
@@ -234,3 +236,69 @@ def test_a_policy_in_another_grammar_continues_with_the_prefix_rewritten_into_it
     first = sampler.prompts[0]  # depth 1: the plain policy's wait, shown as the baseline writes a step
     assert "[think]\nI wait for the screen.\n[/think]\n## Action: Wait.\n## Code:\n```python\ncomputer.wait()" in first
     assert "Action: wait()" not in first
+
+
+class _Cooling(PromptPolicySampler):
+    """A scripted sampler with a temperature: answers `script[k]` at its k-th call, recording temperatures."""
+
+    def __init__(self, processor, script, temperature=1.0, calls=None):
+        super().__init__(processor, lambda params, prompt: script[min(len(self.calls) - 1, len(script) - 1)])
+        self.config = types.SimpleNamespace(temperature=temperature)
+        self.calls = [] if calls is None else calls
+
+    def generate(self, params, rng, rows, prompts):
+        self.calls.append(self.config.temperature)
+        return super().generate(params, rng, rows, prompts)
+
+    def with_temperature(self, t):
+        sibling = _Cooling.__new__(_Cooling)
+        sibling.__dict__.update(self.__dict__)
+        sibling.config = types.SimpleNamespace(temperature=t)
+        return sibling
+
+
+@pytest.mark.parametrize("retries, temperature", [(3, 1.0), (1, 1.0), (3, 0.0)])
+def test_an_unparsable_answer_is_drawn_again_at_a_lower_temperature(pool, tasks, retries, temperature):
+    """SGCD's evaluation protocol: an answer that does not parse is dropped and drawn again, each time colder;
+    the last draw stands; a greedy sampler is not asked again."""
+    from desk_policies import button_center
+
+    x, y, name = button_center(tasks[0], SCREEN)
+    script = ["no action here", "still none", f"Thought: {name}.\nAction: click(start_box='({x},{y})')",
+              "Thought: done.\nAction: finished(content='ok')"]
+    processor = TextProcessor()
+    sampler = _Cooling(processor, script, temperature)
+    engine = RolloutEngine(pool, sampler, processor, RolloutConfig(show_progress=False, parse_retries=retries,
+                                                                   retry_temperature_decay=0.5))
+    (traj,), timings = engine.run("p", tasks[:1], 1, jax.random.PRNGKey(0))
+    if retries == 3 and temperature:
+        assert sampler.calls == [1.0, 0.5, 0.25, 1.0] and traj.reward == 1.0 and traj.status == Status.DONE
+        assert [s.response for s in traj.steps] == script[2:] and traj.meta["parse_redraws"] == 2
+        assert timings["parse_redraws"] == 2
+    elif retries == 1:  # the second draw does not parse either: it stands
+        assert sampler.calls == [1.0, 0.5] and traj.status == Status.PARSE_ERROR
+        assert [s.response for s in traj.steps] == ["still none"] and traj.meta["parse_redraws"] == 1
+    else:
+        assert sampler.calls == [0.0] and traj.status == Status.PARSE_ERROR and "parse_redraws" not in traj.meta
+
+
+def test_evaluations_take_the_parse_retries_and_rl_rollouts_do_not(tiny_config, tmp_path):
+    from guijax import trainer as trainer_lib
+    from guijax.pipeline.run import Run
+
+    config = tiny_config("grpo_cpu", "eval.parse_retries=10", "eval.parse_retry_decay=0.7")
+    run = Run(config, tmp_path)
+    assert trainer_lib.rollout_config(config, run.system_prompt).parse_retries == 0
+    import guijax.rollout.backend as backend
+    import guijax.trainer
+
+    policy = types.SimpleNamespace(module=None, processor=types.SimpleNamespace(tokenizer=None), path=None)
+    patches = pytest.MonkeyPatch()
+    patches.setattr(backend, "make_sampler", lambda *a, **k: object())
+    patches.setattr(guijax.trainer, "sampling_config", lambda *a, **k: None)
+    try:
+        with run.evaluation_engine(policy, 0.6) as engine:
+            assert (engine.config.parse_retries, engine.config.retry_temperature_decay) == (10, 0.7)
+    finally:
+        patches.undo()
+        run.close()

@@ -462,3 +462,19 @@ def test_a_rollout_engine_pushes_again_after_another_sampler_of_its_engine_pushe
     second.sync_weights(other, 1)
     rollouts.run(params, [Task(id="t", instruction="a")], 1, jax.random.PRNGKey(0), version=1)
     assert Recording.pushes == [1, 1]  # pushed again: the engine had been handed other weights meanwhile
+
+
+def test_a_colder_sibling_samples_on_the_same_engine_and_weights(learner, proc):
+    from guijax.sampling import Sampler
+
+    module, params = learner
+    engine = _engine(learner, proc)
+    sampler = ServingSampler(engine, module.cfg, _sampling(proc), proc.tokenizer)
+    sampler.sync_weights(params, 4)
+    colder = sampler.with_temperature(0.25)
+    assert colder.engine is engine and colder.version == 4 and colder.holds(params)
+    assert (colder.config.temperature, sampler.config.temperature) == (0.25, 1.0)
+    jax_sampler = Sampler(module, _sampling(proc))
+    assert jax_sampler.with_temperature(1.0) is jax_sampler
+    assert jax_sampler.with_temperature(0.5) is jax_sampler.with_temperature(0.5)  # kept, compiled once
+    assert jax_sampler.with_temperature(0.5).config.temperature == 0.5

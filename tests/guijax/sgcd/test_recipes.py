@@ -20,6 +20,7 @@ def test_accelerator_recipes_dry_run(recipe, params, mesh):
     assert config.sgcd.skill_extractor == config.sgcd.judge == "chat" and config.sgcd.branching == "live"
     # Fig. 9's grammar; the ViT and aligner frozen (Table 8): no moments for them
     assert config.rollout.prompt == "pyautogui" and config.model.frozen == ("visual",)
+    assert config.eval.parse_retries == 10  # Appendix I's retries of an unparsable answer
     assert report["trained_params"] == params - report["vision_params"] > 0.9 * params
 
 
