@@ -6,7 +6,7 @@ $OPENAI_API_KEY), handoff depths k = 1..20 with a fresh plain prefix per depth o
 way: OSWorld VMs cannot save their state), the LLM judge (shown the screens of the last four continuation
 steps: the paper's judge inspects the observations, how many is not printed), Stage IV at lr 1e-5 on rows of
 at most 10,240 tokens, three screenshots of history (the paper's H = 3), sampling at temperature 1.0 / top-p
-0.95, an unparsable answer drawn again up to 10 times at a halved temperature each time when evaluating
+0.95, an unparsable answer drawn again up to 10 times at half the temperature when evaluating
 (Appendix I: "a retry with reduced temperature", by how much is not printed).
 Edit model.path, env.osworld_dir, env.server_urls and sgcd.chat_url for your machines; Qwen3-VL-30B-A3B:
 --config.model.preset=qwen3_vl_30b_a3b --config.model.path=/models/Qwen3-VL-30B-A3B-Instruct --config.mesh.expert=8.

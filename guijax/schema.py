@@ -361,14 +361,14 @@ class Eval:
     # episodes on each evaluation's inspector page (every task's first episode, then its second, ...; the
     # stored episodes keep all of them); 0: no page. Pages embed screenshots, so full-HD desktops make them large
     inspector_episodes: int = ranged(24, low=0)
-    # what samples the evaluations (eval stages, SGCD's csr): the JAX sampler | vLLM (an engine per evaluated
-    # model, started one after another in the run's process), independently of rollout.backend
+    # what samples the evaluations (eval stages, SGCD's csr): the JAX sampler | vLLM (the process's serving
+    # engine, guijax.rollout.backend.shared_engine), independently of rollout.backend
     backend: Literal["jax", "vllm"] = "jax"
-    # an unparsable answer drawn again up to this many times, the k-th time at eval.temperature times
-    # parse_retry_decay**k (SGCD's evaluation protocol: 10 retries at a reduced temperature); 0: it ends the
-    # episode as a parse error. Evaluations only: RL rollouts stay on-policy
+    # an unparsable answer drawn again up to this many times, at eval.temperature times parse_retry_decay
+    # (SGCD's evaluation protocol: 10 retries at a reduced temperature); 0: it ends the episode as a parse
+    # error. Evaluations only: RL rollouts stay on-policy
     parse_retries: int = ranged(0, low=0)
-    parse_retry_decay: float = ranged(0.5, low=0, high=1)
+    parse_retry_decay: float = ranged(0.5, low=0, high=1, low_open=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,14 +106,16 @@ def _semantic(response: str, grammar: str) -> str:
 
 
 def convert_response(response: str, *, source: str, target: str, screen_hw: tuple[int, int],
-                     coordinate_model: str = "uitars-1.5") -> str:
-    """A response written in `source` shown as `target` would have written it: the same thought, action in
-    words (or `action_words` where `source` has none) and actions, in `target`'s form and coordinates. Used
-    when one policy continues another's episode in another grammar (SGCD's handoffs to a baseline prompted
-    otherwise). A response that does not parse in `source` is kept as it is."""
+                     coordinate_model: str = "uitars-1.5", target_coordinate_model: str | None = None) -> str:
+    """A response written in `source` (UI-TARS coordinates by `coordinate_model`) shown as `target` would have
+    written it (by `target_coordinate_model`, default the same): the same thought, action in words (or
+    `action_words` where `source` has none) and actions, in `target`'s form and coordinates. Used when one
+    policy continues another's episode in another grammar (SGCD's handoffs to a baseline prompted otherwise).
+    A response that does not parse in `source` is kept as it is."""
     _check(source)
     _check(target)
-    if source == target:
+    target_coordinate_model = target_coordinate_model or coordinate_model
+    if source == target and (source != "uitars" or target_coordinate_model == coordinate_model):
         return response
     try:
         actions = parse_response(response, grammar=source, screen_hw=screen_hw, coordinate_model=coordinate_model)
@@ -122,6 +124,6 @@ def convert_response(response: str, *, source: str, target: str, screen_hw: tupl
     semantic = _semantic(response, source) or action_words(actions)
     try:
         return render_response(reasoning(response, source), semantic, actions, grammar=target, screen_hw=screen_hw,
-                               coordinate_model=coordinate_model)
+                               coordinate_model=target_coordinate_model)
     except ValueError:  # an action `target` cannot write (e.g. a triple click in UI-TARS text)
         return response

@@ -13,7 +13,7 @@ import ml_collections
 from guijax.models.lora import from_run_config
 from guijax.pipeline.records import StageRecords
 from guijax.rng import Streams
-from guijax.rollout.prompt import grammar_of, prompt_template
+from guijax.rollout.prompt import coordinates_of, grammar_of, prompt_template
 
 
 def adapter_dir(model_dir: pathlib.Path) -> pathlib.Path:
@@ -183,7 +183,8 @@ class Run:
                                        parse_retries=ev.get("parse_retries", 0),
                                        retry_temperature_decay=ev.get("parse_retry_decay", 0.5))
         if prompt is not None and prompt != self.config.rollout.prompt:
-            settings = dataclasses.replace(settings, system_prompt=prompt_template(prompt), grammar=grammar_of(prompt))
+            settings = dataclasses.replace(settings, system_prompt=prompt_template(prompt), grammar=grammar_of(prompt),
+                                           coordinate_model=coordinates_of(prompt))
         pool = self.pool()  # before an engine starts
         sampler = make_sampler(self.config, policy.module,
                                sampling_config(self.config, policy.processor, temperature, mesh), mesh,

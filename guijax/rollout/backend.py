@@ -10,7 +10,6 @@ the rollout engine calls whenever the parameters it is handed change.
 from __future__ import annotations
 
 import atexit
-import pathlib
 from typing import Any, Protocol
 
 import jax
@@ -30,15 +29,14 @@ def make_sampler(config: Any, module: Any, sampling: SamplingConfig, mesh: jax.s
                  backend: str | None = None) -> RolloutSampler:
     """The sampler `backend` (default: `config.rollout.backend`) names, for `module`'s policy. A serving engine starts from
     `model_dir` (the policy's Hugging Face directory) and fails here, before any rollout, when it is not
-    installed; a policy with LoRA adapters (`module.lora`) is pushed its adapters (and the frozen base when the
-    engine serves other weights), written under `adapter_root` (the run's workdir); a plain one (an evaluated
-    model) its whole weights. Every serving sampler of the process shares one engine (`shared_engine`)."""
+    installed; a policy with LoRA adapters (`module.lora`) is pushed its adapters alone, written under
+    `adapter_root` (the run's workdir); a plain one (an evaluated model) its whole weights. The serving
+    samplers of the process share one engine while they can (`shared_engine`)."""
     backend = backend or config.rollout.get("backend", "jax")
     if backend == "jax":
         return Sampler(module, sampling, mesh=mesh)
     if backend != "vllm":
         raise ValueError(f"rollout.backend={backend!r}: not one of {BACKENDS}")
-    from guijax.models.lora import from_run_config
     from guijax.rollout.serving import ServingSampler
     from guijax.rollout.vllm_engine import require_vllm
 
@@ -46,47 +44,59 @@ def make_sampler(config: Any, module: Any, sampling: SamplingConfig, mesh: jax.s
     if model_dir is None:
         raise ValueError(f"backend {backend!r} starts the engine from the policy's Hugging Face directory; this "
                          "policy has none")
-    run_lora = from_run_config(config)  # the engine serves adapters whenever the run trains them
+    lora = getattr(module, "lora", None)
     cfg = module.cfg
     settings = dict(image_token_id=cfg.image_token_id, dtype=config.model.dtype,
                     memory_fraction=config.rollout.engine_memory_fraction,
                     max_model_len=max(config.pipeline.length_buckets), max_images=config.rollout.max_images,
-                    lora_rank=run_lora.rank if run_lora is not None else 0, max_pixels=config.model.image_max_pixels,
-                    vision_trained=run_lora is None and "visual" not in config.model.frozen)
-    engine, served = shared_engine(backend, settings, model_dir, seed=config.seed)
+                    lora_rank=lora.rank if lora is not None else 0, max_pixels=config.model.image_max_pixels)
+    # A LoRA engine serves adapters on the base it started from and takes no whole weights (vLLM renames the
+    # layers it wraps for LoRA), so it serves learners of that one checkpoint; a plain one serves any model of
+    # the same architecture, each pushed whole.
+    serves = (repr(cfg), str(model_dir) if lora is not None else None)
+    # whole weights of another model may change the vision tower: its cached screenshot features must go
+    vision = lora is None and "visual" not in getattr(module, "frozen", ())
+    engine, served = shared_engine(backend, settings, model_dir, seed=config.seed, serves=serves, vision=vision)
     # pushed in the engine's compute dtype: float32 master weights would double the bytes for nothing
-    return ServingSampler(engine, cfg, sampling, tokenizer, lora=getattr(module, "lora", None),
-                          adapter_root=adapter_root, weight_dtype=config.model.dtype, served=served,
-                          source_dir=model_dir, owns_engine=False)
+    return ServingSampler(engine, cfg, sampling, tokenizer, lora=lora, adapter_root=adapter_root,
+                          weight_dtype=config.model.dtype, served=served, owns_engine=False)
 
 
-# The process's one serving engine, shared by the trainer's rollouts and the evaluations of every stage: an
-# engine is never started while another lives (one GPU holds one), and a vLLM engine deleted in its process has
-# been reported to keep part of its memory (vLLM issue 21073), so one is kept and handed each user's weights.
+# The process's one serving engine, shared by the trainers' rollouts and the evaluations of every stage while
+# they can share it: an engine is never started while another lives (one GPU holds one), and a vLLM engine
+# deleted in its process has been reported to keep part of its memory (vLLM issue 21073), so one is kept and
+# handed each user's weights, and replaced only for other settings, another architecture or, for LoRA, another
+# base checkpoint.
 _SHARED: dict[str, Any] = {}
 
 
-def _start_vllm(model_dir: Any, settings: dict[str, Any], seed: int) -> Any:
+def _start_vllm(model_dir: Any, settings: dict[str, Any], seed: int, vision: bool) -> Any:
     from guijax.rollout.vllm_engine import VllmEngine
 
-    return VllmEngine(model_dir, seed=seed, **settings)
+    return VllmEngine(model_dir, seed=seed, vision_trained=vision, **settings)
 
 
-def shared_engine(backend: str, settings: dict[str, Any], model_dir: Any, seed: int = 0) -> tuple[Any, Any]:
-    """(engine, what it serves) for `backend` with `settings`: the one kept if it was started with them, else
-    a new one from `model_dir` (after the old one is closed). `seed` (the engine's own, each request carries its
-    seed) does not count: a second run of the process reuses the engine."""
+def shared_engine(backend: str, settings: dict[str, Any], model_dir: Any, seed: int = 0, serves: Any = (),
+                  vision: bool = True) -> tuple[Any, Any]:
+    """(engine, what it serves) for `backend` with `settings`: the one kept if it was started with them for
+    the same models (`serves`: the architecture, and for a LoRA engine its checkpoint), else a new one from
+    `model_dir`, the old one closed first. `seed` (the engine's own; each request carries its seed) does not
+    count. `vision`: this user's pushes may change the vision tower, so the engine drops its cached screenshot
+    features after every push from now on."""
     from guijax.rollout.serving import ServedWeights
 
-    key = (backend, tuple(sorted(settings.items())))
+    key = (backend, tuple(sorted(settings.items())), serves)
     if _SHARED.get("key") != key:
         close_shared_engine()
-        engine = {"vllm": _start_vllm}[backend](model_dir, settings, seed)
-        _SHARED.update(key=key, engine=engine, served=ServedWeights(started_from=pathlib.Path(model_dir)))
+        engine = {"vllm": _start_vllm}[backend](model_dir, settings, seed, vision)
+        _SHARED.update(key=key, engine=engine, served=ServedWeights())
         if not _SHARED.get("registered"):
             atexit.register(close_shared_engine)
             _SHARED["registered"] = True
-    return _SHARED["engine"], _SHARED["served"]
+    engine = _SHARED["engine"]
+    if vision and not getattr(engine, "vision_trained", True):
+        engine.vision_trained = True
+    return engine, _SHARED["served"]
 
 
 def close_shared_engine() -> None:

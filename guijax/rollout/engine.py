@@ -70,10 +70,11 @@ class RolloutConfig:
     # the update that would batch it.
     max_prompt_tokens: int = 0
     # Evaluation protocols that sample an unparsable answer again (SGCD's: up to 10 times, at a reduced
-    # temperature): up to `parse_retries` more draws for that step, the k-th at the temperature times
-    # `retry_temperature_decay`**k (a sampler without `with_temperature` redraws at its own). The last draw
-    # stands whatever it is; a greedy sampler is not asked again (its answer would not change). 0: an
-    # unparsable answer ends the episode, as the RL rollouts need (a redraw would not be on-policy).
+    # temperature): up to `parse_retries` more draws for that step at the temperature times
+    # `retry_temperature_decay` (one more temperature: the JAX sampler compiles one more program; a sampler
+    # without `with_temperature` redraws at its own). The last draw stands whatever it is; a greedy sampler is
+    # not asked again (its answer would not change). 0: an unparsable answer ends the episode, as the RL
+    # rollouts need (a redraw would not be on-policy).
     parse_retries: int = 0
     retry_temperature_decay: float = 0.5
 
@@ -262,7 +263,7 @@ class RolloutEngine:
                 e.parse_redraws += 1
             timings["parse_redraws"] = timings.get("parse_redraws", 0) + len(unparsed)
             colder = getattr(self.sampler, "with_temperature", None)
-            sampler = colder(base * self.config.retry_temperature_decay ** attempt) if colder else self.sampler
+            sampler = colder(base * self.config.retry_temperature_decay) if colder else self.sampler
             prompts = [self._prompt(live[s]) for s in unparsed]
             inputs = self.processor([p for p, _ in prompts], [imgs for _, imgs in prompts])
             rng, more, unparsed = self._draw(sampler, params, live, unparsed, prompts, inputs, rng, timings,

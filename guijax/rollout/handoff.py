@@ -129,11 +129,13 @@ class HandoffRunner:
                  retries: int) -> jax.Array:
         """One prefix step of every live episode, as `RolloutEngine.advance`, except that an answer that would
         end the episode (a terminal action, or unparsable) is dropped and sampled again, up to `retries` times;
-        the last draw is taken whatever it is."""
+        the last draw is taken whatever it is. An engine that draws unparsable answers again itself
+        (`parse_retries`) is left to: only terminal actions are redrawn here then."""
         engine = self.engine
         rng, actions, ending = engine.sample(params, live, rng, timings)
+        redraws_unparsed = not engine.config.parse_retries  # else the engine has drawn them again already
         for _ in range(retries):
-            again = [s for s in ending if live[s].status == Status.PARSE_ERROR]
+            again = [s for s in ending if live[s].status == Status.PARSE_ERROR] if redraws_unparsed else []
             again += [s for s, acts in actions.items() if any(a.kind in TERMINAL_TYPES for a in acts)]
             if not again:
                 break
@@ -199,11 +201,14 @@ class HandoffRunner:
         the prefix policy wrote another (a baseline prompted otherwise continuing the plain policy's episode);
         the trajectory keeps the steps as they were written."""
         target = self.engine.config
-        if not prefix.grammar or prefix.grammar == target.grammar:
+        if not prefix.grammar:
+            return list(prefix.turns[:k])
+        if prefix.grammar == target.grammar and prefix.coordinate_model == target.coordinate_model:
             return list(prefix.turns[:k])
         return [Turn(t.screenshot, convert_response(t.response, source=prefix.grammar, target=target.grammar,
                                                     screen_hw=t.screenshot.shape[:2],
-                                                    coordinate_model=prefix.coordinate_model))
+                                                    coordinate_model=prefix.coordinate_model,
+                                                    target_coordinate_model=target.coordinate_model))
                 for t in prefix.turns[:k]]
 
     def _restore(self, sources, eps: dict[int, _Episode], timings) -> dict[int, _Episode]:

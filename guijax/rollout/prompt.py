@@ -114,6 +114,17 @@ PROMPT_GRAMMARS = {"uitars_official": "uitars", "uitars_v1": "uitars", "compact"
                    "pyautogui_think": "pyautogui_think"}
 
 
+# the UI-TARS coordinate convention each prompt's answers use, for a model prompted otherwise than the run
+# (an SGCD baseline): UI-TARS 1.0 answers in 0-1000, UI-TARS-1.5 in pixels; the others are 0-1000 by grammar
+PROMPT_COORDINATES = {"uitars_v1": "uitars-1.0"}
+
+
+def coordinates_of(name: str) -> str:
+    """The coordinate convention (`rollout.coordinate_model`) the prompt `name` asks for."""
+    prompt_template(name)
+    return PROMPT_COORDINATES.get(name, "uitars-1.5")
+
+
 def prompt_template(name: str) -> str:
     """The template a recipe's `rollout.prompt` names."""
     if name not in PROMPTS:

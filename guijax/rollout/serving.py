@@ -115,35 +115,20 @@ def collapse_image_pads(prompt_token_ids: Sequence[int], image_token_id: int) ->
 
 @dataclasses.dataclass
 class ServedWeights:
-    """What an engine shared by several samplers serves (held beside it, so every sampler sees the others'
-    pushes): the checkpoint directory it started from while nothing has been pushed since, else a test of
-    whether given parameters are the last ones pushed (the whole weights, or under LoRA the frozen base)."""
+    """What an engine shared by several samplers serves, held beside it so every sampler sees the others'
+    pushes: a test of whether given parameters are the last ones any of them handed the engine."""
 
-    started_from: pathlib.Path | None = None
-    matcher: Any = None
-    last: Any = None  # a test of whether parameters are the last ones any sampler handed the engine
-
-    def holds(self, params: Any, source_dir: Any) -> bool:
-        if self.matcher is not None:
-            return self.matcher(params)
-        return self.started_from is not None and source_dir is not None and \
-            pathlib.Path(self.started_from) == pathlib.Path(source_dir)
-
-    def pushed(self, params: Any) -> None:
-        from guijax.rollout.identity import params_matcher
-
-        self.started_from, self.matcher = None, params_matcher(params)
+    last: Any = None
 
 
 class ServingSampler:
     """The rollout engine's sampler, backed by a serving engine. `params` passed to `generate` are ignored:
     the engine serves what the last `sync_weights` pushed.
 
-    An engine of its own (`served=None`) started from this policy's checkpoint, so under LoRA its base is the
-    policy's and only adapters are pushed. A shared engine (`served` given, the run's one engine, see
-    guijax.rollout.backend) may hold another model's weights: a LoRA push then sends the frozen base first
-    unless the engine holds it already (it started from `source_dir`, or that base was the last pushed), and
-    closing the sampler leaves the engine open (`owns_engine=False`)."""
+    The engine started from this policy's checkpoint, so under LoRA its base is the policy's and only adapters
+    are pushed. An engine shared with other samplers (`served` given: the process's one engine, see
+    guijax.rollout.backend) is pushed again whenever another sampler handed it other weights, and closing the
+    sampler leaves it open (`owns_engine=False`)."""
 
     name = "serving"  # a serving engine's sampler (rollout.backend other than jax)
     needs_weight_sync = True  # the rollout engine pushes the parameters whenever they change
@@ -151,8 +136,7 @@ class ServingSampler:
 
     def __init__(self, engine: ServingEngine, cfg: ModelConfig, config: SamplingConfig, tokenizer: Any, *,
                  lora: LoraConfig | None = None, adapter_root: str | pathlib.Path | None = None,
-                 weight_dtype: Any = None, served: ServedWeights | None = None, source_dir: Any = None,
-                 owns_engine: bool = True):
+                 weight_dtype: Any = None, served: ServedWeights | None = None, owns_engine: bool = True):
         if config.top_k or config.top_p < 1.0:
             raise ValueError(f"a serving engine's log-probs are of the top-k/top-p-truncated distribution, the "
                              f"trainer's of the whole one: set rollout.top_k=0 and rollout.top_p=1.0 (got "
@@ -160,7 +144,7 @@ class ServingSampler:
         self.engine, self.cfg, self.config, self.tokenizer = engine, cfg, config, tokenizer
         self.lora = lora
         self.weight_dtype = weight_dtype
-        self.served, self.source_dir, self.owns_engine = served, source_dir, owns_engine
+        self.served, self.owns_engine = served, owns_engine
         self._last: Any = None  # what this sampler pushed last
         self._adapter_root_given = pathlib.Path(adapter_root) if adapter_root else None
         self._adapter_root: pathlib.Path | None = None  # made at the first adapter push
@@ -198,12 +182,6 @@ class ServingSampler:
         return self.last_sync
 
     def _push_weights(self, params: Any) -> tuple[int, int]:
-        counts = self._push_tensors(params)
-        if self.served is not None:
-            self.served.pushed(params)
-        return counts
-
-    def _push_tensors(self, params: Any) -> tuple[int, int]:
         """Every tensor of plain `params` to the engine, by checkpoint name: (tensors, bytes)."""
         from guijax.models.weights import hf_entries
 
@@ -221,15 +199,8 @@ class ServingSampler:
         return counts[0], counts[1]
 
     def _push_adapters(self, params: Any, version: int) -> tuple[int, int]:
-        from guijax.models.lora import split
         from guijax.models.peft_format import WEIGHTS_FILE, save_adapter
 
-        base_count = base_bytes = 0
-        if self.served is not None:
-            base = split(params)[1]
-            if not self.served.holds(base, self.source_dir):  # another model's weights are being served
-                base_count, base_bytes = self._push_tensors(base)
-                self.served.pushed(base)
         if self._adapter_root is None:
             root = self._adapter_root_given
             if root is not None:
@@ -246,7 +217,7 @@ class ServingSampler:
         from safetensors.numpy import load_file
 
         tensors = load_file(str(directory / WEIGHTS_FILE))
-        return base_count + len(tensors), base_bytes + sum(t.nbytes for t in tensors.values())
+        return len(tensors), sum(t.nbytes for t in tensors.values())
 
     # ------------------------------------------------------------------ sampling
     def generate(self, params: Any, rng: jax.Array, input_ids, attention_mask=None, pixel_values=None,

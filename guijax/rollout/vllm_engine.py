@@ -110,8 +110,8 @@ class VllmEngine:
                 reset()
                 return
         raise RuntimeError("this vLLM has no reset_encoder_cache: after new weights it would reuse screenshot "
-                           "features from the old vision tower; upgrade vLLM or freeze the tower "
-                           "(--config.model.frozen=\"('visual',)\")")
+                           "features from the old vision tower; upgrade vLLM (or, to train on it, freeze the tower: "
+                           "--config.model.frozen=\"('visual',)\"; evaluations on it need the reset)")
 
     def load_weights(self, tensors: Iterable[tuple[str, Any]]) -> None:
         def handed():
@@ -131,8 +131,8 @@ class VllmEngine:
     def load_adapter(self, directory: pathlib.Path, version: int) -> None:
         from vllm.lora.request import LoRARequest
 
-        self._adapters_loaded += 1
-        self._lora = LoRARequest(f"guijax-v{version}", self._adapters_loaded, str(directory))
+        self._adapters_loaded += 1  # vLLM tells adapters apart by name and id: both new for every push
+        self._lora = LoRARequest(f"guijax-{self._adapters_loaded}-v{version}", self._adapters_loaded, str(directory))
         self._reset_caches(False)
 
     def close(self) -> None:

@@ -267,3 +267,20 @@ def test_ui_tars_text_gets_its_action_in_words_when_shown_in_a_grammar_that_has_
         "## Thought: Save it.\n## Action: Press ctrl+s.\n## Code:\n```python\npyautogui.hotkey('ctrl', 's')\n```")
     assert action_words([Action(ActionType.TYPE, text="hi"), Action(ActionType.CLICK, point=(1, 2))]) == \
         "Type 'hi'; Click."
+    # UI-TARS-1.5's pixels shown to a UI-TARS 1.0 policy (0-1000) and back
+    pixels = "Thought: Open it.\nAction: click(start_box='(140,70)')"
+    relative = convert_response(pixels, source="uitars", target="uitars", screen_hw=(280, 280),
+                                coordinate_model="uitars-1.5", target_coordinate_model="uitars-1.0")
+    assert "(500,250)" in relative and relative.startswith("Thought: Open it.")
+    assert "(140,70)" in convert_response(relative, source="uitars", target="uitars", screen_hw=(280, 280),
+                                          coordinate_model="uitars-1.0", target_coordinate_model="uitars-1.5")
+    assert convert_response(pixels, source="uitars", target="uitars", screen_hw=(280, 280)) == pixels
+
+
+def test_a_prompt_names_its_coordinate_convention():
+    from guijax.rollout.prompt import coordinates_of
+
+    assert [coordinates_of(p) for p in ("uitars_v1", "uitars_official", "pyautogui")] == [
+        "uitars-1.0", "uitars-1.5", "uitars-1.5"]
+    with pytest.raises(ValueError, match="is not one of"):
+        coordinates_of("uitars")

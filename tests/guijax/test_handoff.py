@@ -259,8 +259,8 @@ class _Cooling(PromptPolicySampler):
 
 @pytest.mark.parametrize("retries, temperature", [(3, 1.0), (1, 1.0), (3, 0.0)])
 def test_an_unparsable_answer_is_drawn_again_at_a_lower_temperature(pool, tasks, retries, temperature):
-    """SGCD's evaluation protocol: an answer that does not parse is dropped and drawn again, each time colder;
-    the last draw stands; a greedy sampler is not asked again."""
+    """SGCD's evaluation protocol: an answer that does not parse is dropped and drawn again, colder; the last
+    draw stands; a greedy sampler is not asked again."""
     from desk_policies import button_center
 
     x, y, name = button_center(tasks[0], SCREEN)
@@ -272,7 +272,7 @@ def test_an_unparsable_answer_is_drawn_again_at_a_lower_temperature(pool, tasks,
                                                                    retry_temperature_decay=0.5))
     (traj,), timings = engine.run("p", tasks[:1], 1, jax.random.PRNGKey(0))
     if retries == 3 and temperature:
-        assert sampler.calls == [1.0, 0.5, 0.25, 1.0] and traj.reward == 1.0 and traj.status == Status.DONE
+        assert sampler.calls == [1.0, 0.5, 0.5, 1.0] and traj.reward == 1.0 and traj.status == Status.DONE
         assert [s.response for s in traj.steps] == script[2:] and traj.meta["parse_redraws"] == 2
         assert timings["parse_redraws"] == 2
     elif retries == 1:  # the second draw does not parse either: it stands

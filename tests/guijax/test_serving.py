@@ -187,40 +187,6 @@ def test_lora_runs_push_the_adapters_alone(cfg, proc, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["v000002"]  # the loaded one only
 
 
-def test_a_lora_learner_on_a_shared_engine_sends_its_base_when_other_weights_are_served(cfg, proc, tmp_path):
-    """One engine shared by a LoRA learner and an evaluation: the learner sends adapters alone while the engine
-    holds its base (started from its checkpoint, or its base pushed last), and the base first once the
-    evaluation has pushed a whole model; the evaluation's sampler leaves the engine open."""
-    from guijax.rollout.serving import ServedWeights
-
-    config = lora_lib.LoraConfig(rank=4, alpha=8.0)
-    module = weights.build_module(cfg, lora=config)
-    base = weights.init_params(module.clone(lora=None), jax.random.PRNGKey(1))
-    adapters = jax.tree.map(lambda x: x + 0.01, weights.init_adapters(module, jax.random.PRNGKey(2)))
-    engine = ClosingEngine(module, proc.image_processor, proc.tokenizer,
-                           [(n, read()) for n, _, _, read in weights.hf_entries(base, cfg)])
-    served = ServedWeights(started_from=tmp_path / "base")
-    learner = ServingSampler(engine, cfg, _sampling(proc), proc.tokenizer, lora=config, adapter_root=tmp_path / "a",
-                             served=served, source_dir=tmp_path / "base", owns_engine=False)
-    learner.sync_weights(lora_lib.combine(base, adapters), 0)
-    assert engine.loads == ["adapter v0"]  # the engine started from the learner's checkpoint
-    other = weights.init_params(module.clone(lora=None), jax.random.PRNGKey(9))  # an evaluated model
-    evaluation = ServingSampler(engine, cfg, _sampling(proc), proc.tokenizer, served=served,
-                                source_dir=tmp_path / "trained", owns_engine=False)
-    evaluation.sync_weights(other, 0)
-    evaluation.close()
-    assert engine.loads[1:] == ["weights"] and not engine.closed
-    chex.assert_trees_all_close(engine.params, other)
-    moved = jax.tree.map(lambda x: x * 2, adapters)
-    pushed = learner.sync_weights(lora_lib.combine(base, moved), 1)
-    assert engine.loads[2:] == ["weights", "adapter v1"]  # its base again, then its adapters
-    chex.assert_trees_all_close(lora_lib.split(engine.params)[1], base)
-    chex.assert_trees_all_close(lora_lib.split(engine.params)[0], moved)
-    assert pushed.bytes > sum(x.size * 4 for x in jax.tree.leaves(moved))  # the base counted in the push
-    learner.sync_weights(lora_lib.combine(base, adapters), 2)
-    assert engine.loads[4:] == ["adapter v2"]  # the base it pushed last is still served
-
-
 class CountingSampler:
     """A sampler with weights of its own: counts the pushes the rollout engine makes."""
 
@@ -381,7 +347,7 @@ def test_evaluations_sample_with_the_runs_serving_engine_and_keep_it(tiny_config
 
     engines, started_from = [], []
 
-    def start(model_dir, settings, seed):
+    def start(model_dir, settings, seed, vision):
         started_from.append(model_dir)
         policy = from_pretrained(model_dir)  # the engine's own model, image processor and tokenizer
         images = dataclasses.replace(policy.processor.image_processor, max_pixels=settings["max_pixels"])

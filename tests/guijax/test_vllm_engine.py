@@ -161,10 +161,10 @@ def test_the_vllm_adapter_sends_the_trainers_prompts_and_reads_the_answers(stand
     engine.load_adapter(tmp_path / "v000003", 3)
     assert llm.resets[2:] == ["prefix"]
     engine.generate(requests[1:], sampling)
-    assert llm.requests[1][2] == ("guijax-v3", 1, str(tmp_path / "v000003"))  # ids count the adapters loaded
+    assert llm.requests[1][2] == ("guijax-1-v3", 1, str(tmp_path / "v000003"))  # ids count the adapters loaded
     engine.load_adapter(tmp_path / "v000000", 0)  # another learner's first version: a new id all the same
     engine.generate(requests[1:], sampling)
-    assert llm.requests[2][2] == ("guijax-v0", 2, str(tmp_path / "v000000"))
+    assert llm.requests[2][2] == ("guijax-2-v0", 2, str(tmp_path / "v000000"))
     engine.load_weights([("model.norm.weight", weights)])  # whole weights: the adapter no longer applies
     engine.generate(requests[1:], sampling)
     assert llm.requests[3][2] is None
@@ -172,29 +172,40 @@ def test_the_vllm_adapter_sends_the_trainers_prompts_and_reads_the_answers(stand
     assert engine.llm is None and sys.modules["vllm.distributed"].cleanups == ["cleanup"]  # vLLM's own teardown
 
 
-def test_the_process_keeps_one_engine_for_its_learner_and_evaluations(stand_in_vllm, tiny_config, cfg, tmp_path):
-    """Under LoRA the learner is pushed adapters and an evaluated (merged, plain) model of the same run its whole
-    weights, both on the one engine the process keeps (LoRA enabled, started once from the first model's
-    directory); closing a sampler leaves it open, an engine with other settings replaces it, the old one closed
-    first."""
+def test_the_process_keeps_one_engine_while_its_users_can_share_it(stand_in_vllm, tiny_config, cfg, tmp_path):
+    """Plain models of one architecture share the kept engine, each pushed whole; closing a sampler leaves it
+    open; a LoRA learner gets an engine of its own checkpoint (vLLM's LoRA layers take no whole weights), the
+    old one closed first; so do new settings and another architecture, but not another seed. A user whose
+    pushes may change the vision tower makes the engine drop its screenshot features from then on."""
+    import dataclasses
+
     from guijax.models.lora import from_run_config
 
     config = tiny_config("grpo_cpu", "rollout.backend=vllm", "lora.rank=4")
-    learner = make_sampler(config, weights.build_module(cfg, lora=from_run_config(config)), SamplingConfig(), None,
-                           None, tmp_path / "base")
+    frozen_tower = weights.build_module(cfg, frozen=("visual",))
+    learner = make_sampler(config, frozen_tower, SamplingConfig(), None, None, tmp_path / "base")
     evaluated = make_sampler(config, weights.build_module(cfg), SamplingConfig(), None, None, tmp_path / "trained")
-    assert learner.lora is not None and evaluated.lora is None and learner.engine is evaluated.engine
     [llm] = stand_in_vllm
-    assert llm.kwargs["enable_lora"] and llm.kwargs["model"] == str(tmp_path / "base")
+    assert learner.engine is evaluated.engine and llm.kwargs["model"] == str(tmp_path / "base")
+    assert "enable_lora" not in llm.kwargs and evaluated.engine.vision_trained  # the evaluated model's tower
     learner.close()
     evaluated.close()
-    assert learner.engine.llm is llm  # still open
-    other = tiny_config("grpo_cpu", "rollout.backend=vllm", "lora.rank=4", "rollout.max_images=2")
-    replaced = make_sampler(other, weights.build_module(cfg), SamplingConfig(), None, None, tmp_path / "trained")
-    assert learner.engine.llm is None and replaced.engine is not learner.engine and len(stand_in_vllm) == 2
-    reseeded = tiny_config("grpo_cpu", "rollout.backend=vllm", "lora.rank=4", "rollout.max_images=2", "seed=5")
+    assert evaluated.engine.llm is llm  # still open
+    lora_module = weights.build_module(cfg, lora=from_run_config(config))
+    adapters = make_sampler(config, lora_module, SamplingConfig(), None, None, tmp_path / "base")
+    assert evaluated.engine.llm is None and adapters.lora is not None and stand_in_vllm[1].kwargs["enable_lora"]
+    assert make_sampler(config, lora_module, SamplingConfig(), None, None, tmp_path / "base").engine is adapters.engine
+    other_base = make_sampler(config, lora_module, SamplingConfig(), None, None, tmp_path / "other")
+    assert other_base.engine is not adapters.engine and len(stand_in_vllm) == 3
+    plain = make_sampler(config, weights.build_module(cfg), SamplingConfig(), None, None, tmp_path)
+    reseeded = tiny_config("grpo_cpu", "rollout.backend=vllm", "lora.rank=4", "seed=5")
     assert make_sampler(reseeded, weights.build_module(cfg), SamplingConfig(), None, None, tmp_path).engine is \
-        replaced.engine  # each request carries its own seed
+        plain.engine  # each request carries its own seed
+    bigger = weights.build_module(dataclasses.replace(cfg, num_hidden_layers=cfg.num_hidden_layers + 1))
+    assert make_sampler(config, bigger, SamplingConfig(), None, None, tmp_path).engine is not plain.engine
+    fewer = tiny_config("grpo_cpu", "rollout.backend=vllm", "rollout.max_images=2")
+    assert make_sampler(fewer, bigger, SamplingConfig(), None, None, tmp_path).engine is not stand_in_vllm[-2]
+    assert len(stand_in_vllm) == 6 and all(i.kwargs for i in stand_in_vllm)
 
 
 def test_the_vllm_adapter_refuses_what_vllm_cannot_serve(stand_in_vllm, tmp_path):

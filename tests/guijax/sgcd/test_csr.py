@@ -64,8 +64,12 @@ def test_baselines_are_read_strictly_naming_the_entry(tmp_path):
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
-    assert baselines([f"thinking={tmp_path}/m@pyautogui_think", f"other = {tmp_path}/m"]) == {
-        "thinking": (tmp_path / "m", "pyautogui_think"), "other": (tmp_path / "m", None)}
+    (tmp_path / "q@7B").mkdir()
+    (tmp_path / "q@7B" / "config.json").write_text("{}")
+    assert baselines([f"thinking={tmp_path}/m@pyautogui_think", f"other = {tmp_path}/m", f"at={tmp_path}/q@7B",
+                      f"at_prompted={tmp_path}/q@7B@pyautogui"]) == {
+        "thinking": (tmp_path / "m", "pyautogui_think"), "other": (tmp_path / "m", None),
+        "at": (tmp_path / "q@7B", None), "at_prompted": (tmp_path / "q@7B", "pyautogui")}
     for entry, match in ((f"{tmp_path}/m", "is not NAME=DIR"), (f"x={tmp_path}/m@", "is not NAME=DIR"),
                          (f"x={tmp_path}/m@uitars", "prompt 'uitars' is not one of"),
                          (f"x={tmp_path}/none", "holds no config.json"),
