@@ -78,17 +78,6 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
                        f"rollout.engine_memory_fraction={share:g} of the GPU and JAX "
                        f"preallocates {jax_share:g} of it: start the run with XLA_PYTHON_CLIENT_MEM_FRACTION="
                        f"{max(0.95 - share, 0.05):.2f} in the environment (or lower the engine's share)")
-    if backend != "jax":
-        from guijax.methods import REGISTRY
-        from guijax.pipeline.registry import STAGES, trained_methods
-
-        trained = [m for name in config.stages if name in STAGES and STAGES[name].trains
-                   for m in trained_methods(config, STAGES[name])]
-        own = sorted({m for m in trained if m in REGISTRY and REGISTRY[m].samples_on_its_own})
-        if own:
-            out.append(f"rollout.backend={backend!r} samples the RL trainer's rollouts, and {', '.join(own)} "
-                       "sample(s) rollouts in stages of their own, with the JAX sampler: use "
-                       "--config.rollout.backend=jax for them")
     for key, b in served.items():
         if config.rollout.top_k or config.rollout.top_p < 1.0:
             out.append(f"{key}={b!r} returns log-probs of the top-k/top-p-truncated distribution, the "

@@ -110,8 +110,6 @@ class Method:
     losses: ClassVar[tuple[str, ...]] = ("grpo",)  # losses it can train with; the first is its default
     normalizations: ClassVar[tuple[str, ...]] = ("token", "sequence")
     rl: ClassVar[bool] = True  # False: trains only in `before_rl` (offline methods, the SFT baseline)
-    # True: samples rollouts in its own stages (`before_rl`), with the JAX sampler, not the RL trainer's
-    samples_on_its_own: ClassVar[bool] = False
 
     def __init__(self, config: ml_collections.ConfigDict):
         self.config = config

@@ -66,7 +66,6 @@ class _EvoCUA(Method):
     options_class = EvoCUAOptions
     requires = ("budget",)
     rl = False
-    samples_on_its_own = True
 
     def rollouts(self, ctx: Context) -> list:
         train_ids = {t.id for t in ctx.train_tasks}

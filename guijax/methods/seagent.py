@@ -91,7 +91,6 @@ class SEAgent(Method):
     losses = ("grpo",)
     normalizations = ("sequence", "token")
     rl = False
-    samples_on_its_own = True
 
     @property
     def reads(self) -> tuple[str, ...]:

@@ -82,7 +82,6 @@ class SGCD(Method):
     requires = ("expert",)
     losses = ("sft",)  # Stage IV is supervised (and the dry run compiles that step)
     rl = False
-    samples_on_its_own = True
     continuations: ClassVar[bool] = True
     k_start: ClassVar[bool] = True  # supervise D_cont from the handoff on (Eq. 12)
 

@@ -157,15 +157,20 @@ class Run:
         return self._cache["pool"]
 
     def engine(self, policy, temperature: float):
-        """A rollout engine over the run's environments sampling `policy` with the JAX sampler (the methods'
-        own stages, which sample between their own updates)."""
+        """A rollout engine over the run's environments sampling `policy` with the sampler `rollout.backend`
+        names (the methods' own stages, which sample between their own updates: a serving engine, the process's
+        one, is handed the policy's parameters whenever they are not what it serves)."""
+        from guijax.rollout.backend import make_sampler
         from guijax.rollout.engine import RolloutEngine
-        from guijax.sampling import Sampler
         from guijax.trainer import rollout_config, sampling_config
 
         mesh = self.mesh()
-        sampler = Sampler(policy.module, sampling_config(self.config, policy.processor, temperature, mesh), mesh=mesh)
-        return RolloutEngine(self.pool(), sampler, policy.processor, rollout_config(self.config, self.system_prompt))
+        settings = rollout_config(self.config, self.system_prompt)
+        pool = self.pool()  # before an engine starts
+        sampler = make_sampler(self.config, policy.module,
+                               sampling_config(self.config, policy.processor, temperature, mesh), mesh,
+                               policy.processor.tokenizer, policy.path, adapter_root=self.workdir / "engine_adapters")
+        return RolloutEngine(pool, sampler, policy.processor, settings)
 
     @contextlib.contextmanager
     def evaluation_engine(self, policy, temperature: float, prompt: str | None = None) -> Iterator[Any]:

@@ -121,6 +121,16 @@ class RolloutEngine:
         timings["weight_sync_s"] = timings.get("weight_sync_s", 0.0) + pushed.seconds
         timings["weight_sync_bytes"] = timings.get("weight_sync_bytes", 0) + pushed.bytes
 
+    def generate(self, params: Any, rng: jax.Array, prompts: Sequence[tuple[str, list[np.ndarray]]],
+                 version: int = 0) -> Any:
+        """One sampler call for prompts built outside an episode (SEAgent's sampling at stored states): the
+        sampler is handed `params` first if it holds weights of its own, and the screenshots if it wants them."""
+        self._sync_weights(params, version, {})
+        inputs = self.processor([p for p, _ in prompts], [images for _, images in prompts])
+        if getattr(self.sampler, "wants_screenshots", False):
+            inputs = dict(inputs, images=[images for _, images in prompts])
+        return self.sampler.generate(params, rng, **inputs)
+
     def close(self) -> None:
         """Close the sampler, if it holds something to give back (a serving engine's memory)."""
         closer = getattr(self.sampler, "close", None)

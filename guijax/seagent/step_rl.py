@@ -57,16 +57,15 @@ def state_prompt(traj: Trajectory, k: int, rollout_config: Any, processor: Any) 
 def sample_at_states(engine: Any, params: Any, trajectories: Sequence[Trajectory], states: Sequence[State],
                      group_size: int, rng: jax.Array, max_rows: int = 64) -> list[list[Step]]:
     """G sampled steps at each state, with the rollout engine's sampler and processor (`max_rows` prompts per
-    sampler call)."""
+    sampler call; a serving engine is handed `params` first)."""
     prompts = [state_prompt(trajectories[s.trajectory], s.step, engine.config, engine.processor)
                for s in states for _ in range(group_size)]
     screens = [trajectories[s.trajectory].steps[s.step].screenshot for s in states for _ in range(group_size)]
     steps: list[Step] = []
     for first in range(0, len(prompts), max_rows):
         chunk = prompts[first:first + max_rows]
-        inputs = engine.processor([p for p, _ in chunk], [images for _, images in chunk])
         rng, key = jax.random.split(rng)
-        out = engine.sampler.generate(params, key, **inputs)
+        out = engine.generate(params, key, chunk)
         for row in range(len(chunk)):
             tokens = np.asarray(out.tokens[row, :out.lengths[row]], np.int32)
             steps.append(Step(screens[first + row], response_text(engine.processor.tokenizer, tokens), tokens,

@@ -147,10 +147,8 @@ def test_preflight_names_the_serving_engine_to_install(monkeypatch):
         "start the run with XLA_PYTHON_CLIENT_MEM_FRACTION=0.55 in the environment (or lower the engine's share)"]
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     assert preflight.problems(_config(**{"rollout.backend": "vllm"})) == []
-    seagent = launch.resolve("seagent_cpu", ["rollout.backend=vllm"])  # its phases sample on their own
-    assert preflight.problems(seagent) == [
-        "rollout.backend='vllm' samples the RL trainer's rollouts, and seagent sample(s) rollouts in stages of their "
-        "own, with the JAX sampler: use --config.rollout.backend=jax for them"]
+    seagent = launch.resolve("seagent_cpu", ["rollout.backend=vllm"])  # its phases sample on the engine too
+    assert preflight.problems(seagent) == []
     offline = launch.resolve("bepa_cpu", ["rollout.backend=vllm", "stages=('base_model', 'tasks', 'expert', 'methods')",
                                           "compare.methods=('grpo', 'sft')"])  # the SFT baseline samples nothing
     assert preflight.problems(offline) == []
@@ -162,7 +160,7 @@ def test_preflight_names_the_serving_engine_to_install(monkeypatch):
         "eval.backend='vllm' returns log-probs of the top-k/top-p-truncated distribution, the learner scores the "
         "whole one: set rollout.top_k=0 and rollout.top_p=1.0"]
     monkeypatch.setattr(preflight, "_has_module", lambda name: True)
-    assert preflight.problems(launch.resolve("seagent_cpu", ["eval.backend=vllm"])) == []  # its phases keep JAX
+    assert preflight.problems(launch.resolve("seagent_cpu", ["eval.backend=vllm"])) == []
 
 
 def test_preflight_reads_the_csr_baselines_before_the_run_trains():

@@ -444,3 +444,27 @@ def test_a_colder_sibling_samples_on_the_same_engine_and_weights(learner, proc):
     assert jax_sampler.with_temperature(1.0) is jax_sampler
     assert jax_sampler.with_temperature(0.5) is jax_sampler.with_temperature(0.5)  # kept, compiled once
     assert jax_sampler.with_temperature(0.5).config.temperature == 0.5
+
+
+def test_the_methods_own_stages_sample_with_the_rollout_backend(tiny_config, tmp_path, monkeypatch):
+    """Run.engine (SGCD's rounds, EvoCUA's budget, SEAgent's phases, BEPA's and ARPO's sampling stages) asks
+    make_sampler for `rollout.backend`'s sampler, as the trainer does; evaluations ask for `eval.backend`'s."""
+    import types
+
+    import guijax.trainer
+    from guijax.pipeline.run import Run
+    from guijax.rollout import backend
+
+    asked = []
+    monkeypatch.setattr(backend, "make_sampler", lambda config, *a, backend=None, **k: asked.append(
+        backend or config.rollout.backend) or object())
+    monkeypatch.setattr(guijax.trainer, "sampling_config", lambda *a, **k: None)
+    run = Run(tiny_config("grpo_cpu", "rollout.backend=vllm", "eval.backend=jax"), tmp_path)
+    policy = types.SimpleNamespace(module=None, processor=types.SimpleNamespace(tokenizer=None), path=tmp_path)
+    try:
+        run.engine(policy, 1.0)
+        with run.evaluation_engine(policy, 0.6):
+            pass
+    finally:
+        run.close()
+    assert asked == ["vllm", "jax"]

@@ -121,3 +121,42 @@ def test_eq4_rewards_read_the_rollouts_grammar(task, judged):
     first, second = rewards["uitars"]
     assert first[0] == 2.0 and 1.0 < first[1] < 2.0 and np.all(first[2:] == 0.0)
     np.testing.assert_array_equal(second, [0.0, 0.0, 0.0, 2.0, 0.0])
+
+
+class _OwnWeights(PromptPolicySampler):
+    """A scripted sampler that holds weights of its own and preprocesses screenshots itself, as a serving
+    engine does: it answers only after a push of the parameters it is asked to sample with."""
+
+    needs_weight_sync = wants_screenshots = True
+
+    def __init__(self, processor, respond):
+        super().__init__(processor, respond)
+        self.pushed, self.shots = [], []
+
+    def holds(self, params):
+        return bool(self.pushed) and self.pushed[-1] is params
+
+    def sync_weights(self, params, version):
+        from guijax.rollout.serving import WeightSync
+
+        self.pushed.append(params)
+        return WeightSync(version, 0.0, 0, 0)
+
+    def generate(self, params, rng, rows, prompts, images=None):
+        assert self.holds(params) and images is not None and len(images) == rows
+        self.shots.append([len(i) for i in images])
+        return super().generate(params, rng, rows, prompts)
+
+
+def test_sampling_at_states_hands_a_serving_engine_the_weights_and_the_screenshots(task, judged):
+    trajectories, labels, target, _ = judged
+    positives, _ = step_rl.labelled_states(labels)
+    processor = TextProcessor()
+    sampler = _OwnWeights(processor, lambda params, prompt: click(task, target))
+    params = {"w": np.zeros(1)}
+    with EnvPool(DeskFactory(SCREEN, step_limit=6, popups=False), 1, timeout_s=60) as pool:
+        engine = RolloutEngine(pool, sampler, processor, RolloutConfig(show_progress=False))
+        samples = step_rl.sample_at_states(engine, params, trajectories, positives[:2], 2, jax.random.PRNGKey(0),
+                                           max_rows=3)
+    assert [len(g) for g in samples] == [2, 2] and sampler.pushed == [params]  # pushed once, before the first call
+    assert sampler.shots == [[1, 1, 2], [2]]  # each prompt's screenshots: step 1's, or step 1's history and step 2's
