@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
+import shutil
 from typing import Any, Iterator
 
 import ml_collections
@@ -21,6 +22,11 @@ def adapter_dir(model_dir: pathlib.Path) -> pathlib.Path:
     transformers would take the directory for an adapter instead of a model)."""
     return model_dir.with_name(model_dir.name + "_adapter")
 
+
+
+# where the methods' own stages write the LoRA adapters they hand a serving engine: apart from the trainer's
+# (`engine_adapters/`), whose pushes and close clear their own folder
+STAGE_ADAPTERS = "engine_adapters_stages"
 
 
 def env_workers(env: ml_collections.ConfigDict) -> int:
@@ -169,7 +175,7 @@ class Run:
         pool = self.pool()  # before an engine starts
         sampler = make_sampler(self.config, policy.module,
                                sampling_config(self.config, policy.processor, temperature, mesh), mesh,
-                               policy.processor.tokenizer, policy.path, adapter_root=self.workdir / "engine_adapters")
+                               policy.processor.tokenizer, policy.path, adapter_root=self.workdir / STAGE_ADAPTERS)
         return RolloutEngine(pool, sampler, policy.processor, settings)
 
     @contextlib.contextmanager
@@ -202,8 +208,11 @@ class Run:
             engine.close()
 
     def close(self) -> None:
+        """The environments closed, and the adapters handed to a serving engine by the methods' own stages
+        removed (their samplers stay with the process's engine, so nothing else removes them)."""
         if "pool" in self._cache:
             self._cache["pool"].close()
+        shutil.rmtree(self.workdir / STAGE_ADAPTERS, ignore_errors=True)
 
     def all_tasks(self) -> list:
         """Every task of every split once, in split order."""

@@ -119,6 +119,7 @@ class ServedWeights:
     pushes: a test of whether given parameters are the last ones any of them handed the engine."""
 
     last: Any = None
+    version: int = 0  # the version those parameters were pushed as
 
 
 class ServingSampler:
@@ -160,10 +161,14 @@ class ServingSampler:
         return sibling
 
     def holds(self, params: Any) -> bool:
-        """Whether the engine serves `params` now (the last parameters handed to it by any of its samplers); a
-        sampler that has pushed nothing yet pushes once all the same."""
-        last = self.served.last if self.served is not None else self._last
-        return self.version is not None and last is not None and last(params)
+        """Whether the engine serves `params` now (the last parameters handed to it by any of its samplers)."""
+        if self.served is not None:
+            if self.served.last is None or not self.served.last(params):
+                return False
+            if self.version is None:  # another sampler of the engine pushed exactly these: nothing to push
+                self.version, self._last = self.served.version, self.served.last
+            return True
+        return self.version is not None and self._last is not None and self._last(params)
 
     def sync_weights(self, params: Any, version: int) -> WeightSync:
         """Push `params` to the engine (all tensors, or the adapters alone under LoRA); returns what it cost."""
@@ -176,7 +181,7 @@ class ServingSampler:
             count, size = self._push_weights(params)
         self._last = params_matcher(params)
         if self.served is not None:
-            self.served.last = self._last
+            self.served.last, self.served.version = self._last, version
         self.version = version
         self.last_sync = WeightSync(version, time.perf_counter() - t0, size, count, self.lora is not None)
         return self.last_sync

@@ -398,7 +398,8 @@ def test_a_rollout_engine_pushes_again_after_another_sampler_of_its_engine_pushe
                                     owns_engine=False) for _ in range(2))
     assert not first.holds(params)
     first.sync_weights(params, 0)
-    assert first.holds(params) and not second.holds(params)  # second has pushed nothing yet
+    assert first.holds(params) and second.holds(params)  # the engine serves them, whoever pushed them
+    assert second.version == 0  # adopted: it samples without a push
     other = jax.tree.map(lambda x: x + 1, params)
     second.sync_weights(other, 0)
     assert not first.holds(params) and second.holds(other)
@@ -461,10 +462,13 @@ def test_the_methods_own_stages_sample_with_the_rollout_backend(tiny_config, tmp
     monkeypatch.setattr(guijax.trainer, "sampling_config", lambda *a, **k: None)
     run = Run(tiny_config("grpo_cpu", "rollout.backend=vllm", "eval.backend=jax"), tmp_path)
     policy = types.SimpleNamespace(module=None, processor=types.SimpleNamespace(tokenizer=None), path=tmp_path)
+    from guijax.pipeline.run import STAGE_ADAPTERS
+
     try:
         run.engine(policy, 1.0)
         with run.evaluation_engine(policy, 0.6):
             pass
+        (tmp_path / STAGE_ADAPTERS / "v000001").mkdir(parents=True)  # what a LoRA method's stage pushed
     finally:
         run.close()
-    assert asked == ["vllm", "jax"]
+    assert asked == ["vllm", "jax"] and not (tmp_path / STAGE_ADAPTERS).exists()  # removed when the run ends
