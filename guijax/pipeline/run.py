@@ -166,17 +166,10 @@ class Run:
         """A rollout engine over the run's environments sampling `policy` with the sampler `rollout.backend`
         names (the methods' own stages, which sample between their own updates: a serving engine, the process's
         one, is handed the policy's parameters whenever they are not what it serves)."""
-        from guijax.rollout.backend import make_sampler
-        from guijax.rollout.engine import RolloutEngine
-        from guijax.trainer import rollout_config, sampling_config
+        from guijax.trainer import rollout_config
 
-        mesh = self.mesh()
-        settings = rollout_config(self.config, self.system_prompt)
-        pool = self.pool()  # before an engine starts
-        sampler = make_sampler(self.config, policy.module,
-                               sampling_config(self.config, policy.processor, temperature, mesh), mesh,
-                               policy.processor.tokenizer, policy.path, adapter_root=self.workdir / STAGE_ADAPTERS)
-        return RolloutEngine(pool, sampler, policy.processor, settings)
+        return self._rollout_engine(policy, temperature, rollout_config(self.config, self.system_prompt),
+                                    self.workdir / STAGE_ADAPTERS)
 
     @contextlib.contextmanager
     def evaluation_engine(self, policy, temperature: float, prompt: str | None = None) -> Iterator[Any]:
@@ -184,11 +177,8 @@ class Run:
         with `prompt` (a `rollout.prompt` name; default the run's): a serving engine (the process's one, started
         from this policy's checkpoint directory if none is kept) is handed the policy's parameters before the
         first sample; leaving closes what the sampler owns."""
-        from guijax.rollout.backend import make_sampler
-        from guijax.rollout.engine import RolloutEngine
-        from guijax.trainer import rollout_config, sampling_config
+        from guijax.trainer import rollout_config
 
-        mesh = self.mesh()
         ev = self.config.eval
         settings = dataclasses.replace(rollout_config(self.config, self.system_prompt),
                                        parse_retries=ev.get("parse_retries", 0),
@@ -196,16 +186,27 @@ class Run:
         if prompt is not None and prompt != self.config.rollout.prompt:
             settings = dataclasses.replace(settings, system_prompt=prompt_template(prompt), grammar=grammar_of(prompt),
                                            coordinate_model=coordinates_of(prompt))
-        pool = self.pool()  # before an engine starts
-        sampler = make_sampler(self.config, policy.module,
-                               sampling_config(self.config, policy.processor, temperature, mesh), mesh,
-                               policy.processor.tokenizer, policy.path, adapter_root=self.workdir / "engine_adapters",
-                               backend=self.config.eval.get("backend", "jax"))
-        engine = RolloutEngine(pool, sampler, policy.processor, settings)
+        engine = self._rollout_engine(policy, temperature, settings, self.workdir / "engine_adapters",
+                                      backend=ev.get("backend", "jax"))
         try:
             yield engine
         finally:
             engine.close()
+
+    def _rollout_engine(self, policy, temperature: float, settings: Any, adapter_root: pathlib.Path,
+                        backend: str | None = None):
+        """A rollout engine with `settings` over the run's pool, its sampler `backend`'s (default
+        `rollout.backend`); the pool is started before a serving engine, so a pool that fails leaves none."""
+        from guijax.rollout.backend import make_sampler
+        from guijax.rollout.engine import RolloutEngine
+        from guijax.trainer import sampling_config
+
+        mesh = self.mesh()
+        pool = self.pool()
+        sampler = make_sampler(self.config, policy.module,
+                               sampling_config(self.config, policy.processor, temperature, mesh), mesh,
+                               policy.processor.tokenizer, policy.path, adapter_root=adapter_root, backend=backend)
+        return RolloutEngine(pool, sampler, policy.processor, settings)
 
     def close(self) -> None:
         """The environments closed, and the adapters handed to a serving engine by the methods' own stages

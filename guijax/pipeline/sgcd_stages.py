@@ -50,12 +50,11 @@ def baselines(entries: Sequence[str], taken: Sequence[str] = ()) -> dict[str, tu
 
     out: dict[str, tuple[pathlib.Path, str | None]] = {}
     for entry in entries:
-        name, sep, rest = entry.partition("=")
-        where, at, prompt = rest.rpartition("@")
-        if not at or (prompt.strip() not in PROMPTS and (pathlib.Path(rest.strip()) / "config.json").exists()):
-            where, prompt = rest, ""  # no prompt: an '@' in the directory's own name
-        name, where, prompt = name.strip(), where.strip(), prompt.strip()
-        if not sep or not name or not where or (at and where != rest.strip() and not prompt):
+        name, sep, rest = (part.strip() for part in entry.partition("="))
+        where, at, prompt = (part.strip() for part in rest.rpartition("@"))
+        if not at or (prompt not in PROMPTS and (pathlib.Path(rest) / "config.json").exists()):
+            where, at, prompt = rest, "", ""  # no prompt: an '@' in the directory's own name
+        if not sep or not name or not where or (at and not prompt):
             raise ValueError(f"sgcd.csr_baselines entry {entry!r} is not NAME=DIR or NAME=DIR@PROMPT")
         if name in out or name in taken:
             raise ValueError(f"sgcd.csr_baselines entry {entry!r}: the name {name!r} is taken (by the base policy, a "

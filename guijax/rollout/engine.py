@@ -103,6 +103,14 @@ class _Episode:
         return bool(self.guidance) and len(self.steps) >= self.handoff
 
 
+def _generate(sampler: Any, params: Any, key: jax.Array, prompts, inputs: dict[str, Any]) -> Any:
+    """One sampler call on encoded `inputs`, the screenshots of `prompts` handed over too to a sampler that
+    preprocesses them itself (a serving engine)."""
+    if getattr(sampler, "wants_screenshots", False):
+        inputs = dict(inputs, images=[images for _, images in prompts])
+    return sampler.generate(params, key, **inputs)
+
+
 class RolloutEngine:
     def __init__(self, pool: EnvPool, sampler: Any, processor: Any, config: RolloutConfig = RolloutConfig()):
         self.pool, self.sampler, self.processor, self.config = pool, sampler, processor, config
@@ -127,9 +135,7 @@ class RolloutEngine:
         sampler is handed `params` first if it holds weights of its own, and the screenshots if it wants them."""
         self._sync_weights(params, version, {})
         inputs = self.processor([p for p, _ in prompts], [images for _, images in prompts])
-        if getattr(self.sampler, "wants_screenshots", False):
-            inputs = dict(inputs, images=[images for _, images in prompts])
-        return self.sampler.generate(params, rng, **inputs)
+        return _generate(self.sampler, params, rng, prompts, inputs)
 
     def close(self) -> None:
         """Close the sampler, if it holds something to give back (a serving engine's memory)."""
@@ -261,6 +267,7 @@ class RolloutEngine:
         self._sync_weights(params, version, timings)
         rng, actions, unparsed = self._draw(self.sampler, params, live, slots, prompts, inputs, rng, timings,
                                             version)
+        prompt_of = dict(zip(slots, prompts))  # a redraw is prompted as the draw it replaces
         base = getattr(getattr(self.sampler, "config", None), "temperature", 1.0)
         for attempt in range(1, self.config.parse_retries + 1):
             if not unparsed or base <= 0:
@@ -274,7 +281,7 @@ class RolloutEngine:
             timings["parse_redraws"] = timings.get("parse_redraws", 0) + len(unparsed)
             colder = getattr(self.sampler, "with_temperature", None)
             sampler = colder(base * self.config.retry_temperature_decay) if colder else self.sampler
-            prompts = [self._prompt(live[s]) for s in unparsed]
+            prompts = [prompt_of[s] for s in unparsed]
             inputs = self.processor([p for p, _ in prompts], [imgs for _, imgs in prompts])
             rng, more, unparsed = self._draw(sampler, params, live, unparsed, prompts, inputs, rng, timings,
                                              version)
@@ -288,9 +295,7 @@ class RolloutEngine:
         parsed actions by slot, the slots whose answer did not parse, marked PARSE_ERROR)."""
         rng, key = jax.random.split(rng)
         t0 = time.perf_counter()
-        if getattr(sampler, "wants_screenshots", False):  # an engine that preprocesses them itself
-            inputs = dict(inputs, images=[imgs for _, imgs in prompts])
-        out = sampler.generate(params, key, **inputs)
+        out = _generate(sampler, params, key, prompts, inputs)
         timings["sample_s"] += time.perf_counter() - t0
         timings["sampled_tokens"] += int(out.lengths.sum())
         actions: dict[int, list[Action]] = {}

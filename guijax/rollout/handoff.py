@@ -201,9 +201,8 @@ class HandoffRunner:
         the prefix policy wrote another (a baseline prompted otherwise continuing the plain policy's episode);
         the trajectory keeps the steps as they were written."""
         target = self.engine.config
-        if not prefix.grammar:
-            return list(prefix.turns[:k])
-        if prefix.grammar == target.grammar and prefix.coordinate_model == target.coordinate_model:
+        if not prefix.grammar or (prefix.grammar, prefix.coordinate_model) == (target.grammar,
+                                                                              target.coordinate_model):
             return list(prefix.turns[:k])
         return [Turn(t.screenshot, convert_response(t.response, source=prefix.grammar, target=target.grammar,
                                                     screen_hw=t.screenshot.shape[:2],
