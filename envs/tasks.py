@@ -24,14 +24,28 @@ def load_tasks(path: str | pathlib.Path) -> list[Task]:
         return [Task.from_file(f) for f in files]
     data = read_json(path)
     if isinstance(data, list):
-        return [Task.from_dict(item, source=f"{path}[{i}]") for i, item in enumerate(data)]
+        return [_listed(item, f"{path}[{i}]") for i, item in enumerate(data)]
     return [Task.from_dict(data, domain=path.parent.name, source=str(path))]
+
+
+# A task saved in a list keeps the file it was first read from: its relative download URLs and cached
+# files are beside that file, not beside the list (a run's tasks.json)
+SOURCE_KEY = "guijax_task_file"
+
+
+def _listed(item: object, where: str) -> Task:
+    if isinstance(item, dict) and isinstance(item.get(SOURCE_KEY), str):
+        item = dict(item)
+        return Task.from_dict(item, source=item.pop(SOURCE_KEY))
+    return Task.from_dict(item, source=where)
 
 
 def save_tasks(tasks: Iterable[Task], path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_text_atomic(path, json.dumps([t.to_dict() for t in tasks], indent=1))
+    entries = [{**t.to_dict(), **({SOURCE_KEY: t.source} if t.source and pathlib.Path(t.source).is_file() else {})}
+               for t in tasks]
+    return write_text_atomic(path, json.dumps(entries, indent=1))
 
 
 def by_id(tasks: Sequence[Task], task_id: str) -> Task:

@@ -97,6 +97,16 @@ def _describe(run: Run) -> str:
             f"{run.grammar} grammar; hindsight thoughts by {writer}")
 
 
+def _evaluation_task_ids(run: Run) -> set[str]:
+    """Ids of the run's tasks in any split but `train`: traces recorded for them (the desktop's recorder replays
+    every synthesized task) must not teach the policy the answers it is evaluated on. Empty before the run has
+    splits."""
+    if not (run.workdir / "splits.json").exists():
+        return set()
+    splits = json.loads((run.workdir / "splits.json").read_text())
+    return {i for name, ids in splits.items() if name != "train" for i in ids} - set(splits.get("train", ()))
+
+
 def _take_recorded(run: Run, folder: str) -> str:
     """The stage's outputs from traces recorded elsewhere, checked to be in the grammar the policy writes."""
     import pathlib
@@ -108,6 +118,12 @@ def _take_recorded(run: Run, folder: str) -> str:
         raise FileNotFoundError(f"coldstart.traces_dir={folder}: {source} holds no trajectories (record them with "
                                 "python -m guijax.evocua.office_coldstart --out=...)")
     traces = list(TrajectoryStore(source))
+    evaluated_only = _evaluation_task_ids(run)
+    withheld = sorted({t.task_id for t in traces} & evaluated_only)
+    traces = [t for t in traces if t.task_id not in evaluated_only]
+    if not traces:
+        raise ValueError(f"coldstart.traces_dir={folder}: every trace is of a task the run holds out for evaluation "
+                         f"({', '.join(withheld)}); record traces of its training tasks")
     for t in traces:
         if t.meta.get("grammar") != run.grammar:
             raise ValueError(f"coldstart.traces_dir={folder}: task {t.task_id}'s trace is written in the "
@@ -116,8 +132,9 @@ def _take_recorded(run: Run, folder: str) -> str:
     trained = len(coldstart_refs(traces))
     if not trained:
         raise RuntimeError(f"coldstart.traces_dir={folder}: no step with a thought among {len(traces)} traces")
-    write_coldstart(run.workdir, traces, source=str(folder), grammar=run.grammar)
-    return f"{len(traces)} recorded traces from {folder}, {trained} steps with a thought"
+    write_coldstart(run.workdir, traces, source=str(folder), grammar=run.grammar, withheld_tasks=withheld)
+    note = f"; the traces of {len(withheld)} held-out task(s) left out" if withheld else ""
+    return f"{len(traces)} recorded traces from {folder}, {trained} steps with a thought{note}"
 
 
 @stage("coldstart", _describe, done=output_exists("coldstart.json"), reads=("seed", "env", "coldstart", "rollout.prompt"),

@@ -37,6 +37,29 @@ def test_task_files_round_trip_and_errors(tasks, tmp_path):
         DeskEnv().reset(Task(id="t", instruction="x"))
 
 
+def test_a_saved_task_still_finds_the_files_beside_its_own_file(tmp_path):
+    """A run saves its tasks to one list (tasks.json); a task's relative download URL must still resolve
+    against the folder of the file it came from, or its setup fails on the desktop."""
+    import os
+
+    from envs.desktop.cache import fetch_bytes
+
+    (tmp_path / "tasks" / "assets").mkdir(parents=True)
+    (tmp_path / "tasks" / "assets" / "doc.txt").write_text("the document")
+    (tmp_path / "tasks" / "editor").mkdir()
+    download = {"type": "download", "parameters": {"files": [{"url": "../assets/doc.txt", "path": "~/doc.txt"}]}}
+    (tmp_path / "tasks" / "editor" / "t.json").write_text(json.dumps({"id": "t", "instruction": "edit",
+                                                                       "config": [download]}))
+    (original,) = load_tasks(tmp_path / "tasks" / "editor")
+    saved = load_tasks(save_tasks([original], tmp_path / "run" / "tasks.json"))
+    again = load_tasks(save_tasks(saved, tmp_path / "other" / "tasks.json"))
+    for (task,) in (saved, again):
+        assert task.source == original.source and task.to_dict() == original.to_dict()
+        assert fetch_bytes("../assets/doc.txt", "~/doc.txt", (), os.path.dirname(task.source)) == b"the document"
+    (generated,) = load_tasks(save_tasks(generate_desk_tasks(1, seed=0), tmp_path / "desk.json"))
+    assert generated.source == f"{tmp_path / 'desk.json'}[0]"  # a task of no file is named by its place in the list
+
+
 @pytest.mark.parametrize("content, message", [
     (b'{"id": "x", "instruction": "caf\xe9"}', "is not UTF-8 text"),  # Latin-1 bytes
     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),

@@ -132,6 +132,29 @@ def test_the_coldstart_stage_takes_recorded_traces_in_the_policys_grammar(tmp_pa
         cs.coldstart.fn(run)
 
 
+def test_recorded_traces_of_tasks_held_out_for_evaluation_are_not_trained_on(tmp_path, tiny_config):
+    from guijax.data.store import TrajectoryStore
+    from guijax.pipeline import coldstart_stages as cs
+    from guijax.pipeline.run import Run
+
+    record = record_coldstart(ScriptedDesktop(), _tasks(tmp_path), NoteHindsight())
+    save(record, tmp_path / "recorded", grammar="computer_use")
+    kept, held = [t.task_id for t in record.trajectories]
+    config = tiny_config("grpo_cpu", "rollout.prompt=computer_use_compact",
+                         f"coldstart.traces_dir={tmp_path / 'recorded'}")
+    config.env.kind = "osworld"
+    run = Run(config, tmp_path / "run")
+    run.workdir.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "run" / "splits.json").write_text(json.dumps({"train": [kept, "other"], "held_out": [held]}))
+    headline = cs.coldstart.fn(run)
+    assert [t.task_id for t in TrajectoryStore(tmp_path / "run" / "coldstart_trajectories")] == [kept]
+    assert json.loads((tmp_path / "run" / "coldstart.json").read_text())["withheld_tasks"] == [held]
+    assert "1 recorded traces" in headline and "the traces of 1 held-out task(s) left out" in headline
+    (tmp_path / "run" / "splits.json").write_text(json.dumps({"train": ["other"], "held_out": [kept, held]}))
+    with pytest.raises(ValueError, match="every trace is of a task the run holds out"):
+        cs.coldstart.fn(run)
+
+
 def test_the_command_refuses_tasks_without_references(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("envs.desktop.checks.desktop_missing", lambda apps=False: None)
     (task,) = _tasks(tmp_path, ("text_append_line",))
