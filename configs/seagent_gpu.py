@@ -12,10 +12,13 @@ and seagent.chat_url for your machines; Qwen2.5-VL-7B (seagent_tpu's policy):
 --config.model.preset=qwen2_5_vl_7b --config.model.path=/models/Qwen2.5-VL-7B-Instruct
 --config.rollout.coordinate_model=uitars-1.5 --config.rollout.prompt=uitars_official.
 The policy is prompted with UI-TARS 1.0's OSWorld prompt (`rollout.prompt=uitars_v1`: its action space
-with call_user(), 0-1000 coordinates). Specialist to generalist: --config.method=seagent_s2g with
---config.seagent.apps naming the applications (task domains). Not here (not built): the curriculum generator on
-OSWorld (each phase rolls out the training split; the LLM generator's tasks run on the synthetic desk only so
-far). Check the sizes with --dry_run.
+with call_user(), 0-1000 coordinates). Specialist to generalist: --config.method=seagent_s2g
+--config.seagent.curriculum=none with --config.seagent.apps naming the applications (task domains). The curriculum is the paper's: an LLM at
+seagent.curriculum_url (the paper: Qwen2.5-72B) answers Fig. 9 from the World State Model's captions (of each
+training task's initial screen, set up once on the servers, then of each phase's steps), and its instructions run
+from the setup of the training task whose screen names their elements, judged by the World State Model alone;
+100 tasks and 100 change descriptions per phase, where Table 7's success plateaus (`--config.seagent.curriculum=none`
+rolls out the training split every phase instead). Check the sizes with --dry_run.
 
 Every parameter trains, the vision tower included, over 2-way data x 4-way FSDP: compiled by the H100 proxy
 (`python -m guijax.launch --config=seagent_gpu --dry_run --nodry_run_sampler`), the step holds 31.68 GiB per
@@ -51,7 +54,12 @@ def get_config():
     c.seagent.chat_url = "http://localhost:8001/v1"  # the World State Model, served (e.g. by vLLM)
     c.seagent.chat_model = "world-state-model"
     c.seagent.chat_api_key_env = "OPENAI_API_KEY"
-    c.seagent.curriculum = "none"
+    c.seagent.curriculum = "chat"
+    c.seagent.curriculum_url = "http://localhost:8002/v1"  # the task generator, served (e.g. by vLLM)
+    c.seagent.curriculum_model = "Qwen2.5-72B-Instruct"
+    c.seagent.curriculum_api_key_env = "OPENAI_API_KEY"
+    c.seagent.tasks_per_phase = 100
+    c.seagent.curriculum_descriptions = 100
     c.seagent.learning_rate = 2e-5
     c.seagent.batch_rows = 16
     c.seagent.update_epochs = 12

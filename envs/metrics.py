@@ -50,3 +50,10 @@ def combine(scores: list[float], conj: str = "and") -> float:
 def evaluator_funcs(evaluator: dict[str, Any]) -> list[str]:
     func = evaluator.get("func")
     return list(func) if isinstance(func, list) else ([func] if func else [])
+
+
+@register_metric("judged")
+def judged(*_: Any, **__: Any) -> float:
+    """A task with no validator, which only a trajectory judge rewards (SEAgent's generated tasks): every
+    environment verifies nothing and scores it 0; the run's judge decides its outcome."""
+    return 0.0

@@ -24,7 +24,7 @@ def load_tasks(path: str | pathlib.Path) -> list[Task]:
         return [Task.from_file(f) for f in files]
     data = read_json(path)
     if isinstance(data, list):
-        return [_listed(item, f"{path}[{i}]") for i, item in enumerate(data)]
+        return [task_from_entry(item, f"{path}[{i}]") for i, item in enumerate(data)]
     return [Task.from_dict(data, domain=path.parent.name, source=str(path))]
 
 
@@ -33,7 +33,14 @@ def load_tasks(path: str | pathlib.Path) -> list[Task]:
 SOURCE_KEY = "guijax_task_file"
 
 
-def _listed(item: object, where: str) -> Task:
+def task_entry(task: Task) -> dict:
+    """The task as a list entry: its JSON, and the file it was read from (if one) under SOURCE_KEY."""
+    kept = task.source and pathlib.Path(task.source).is_file()
+    return {**task.to_dict(), **({SOURCE_KEY: task.source} if kept else {})}
+
+
+def task_from_entry(item: object, where: str) -> Task:
+    """A list entry `task_entry` wrote (or any task JSON); `where` names it when it has no file of its own."""
     if isinstance(item, dict) and isinstance(item.get(SOURCE_KEY), str):
         item = dict(item)
         return Task.from_dict(item, source=item.pop(SOURCE_KEY))
@@ -43,9 +50,7 @@ def _listed(item: object, where: str) -> Task:
 def save_tasks(tasks: Iterable[Task], path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    entries = [{**t.to_dict(), **({SOURCE_KEY: t.source} if t.source and pathlib.Path(t.source).is_file() else {})}
-               for t in tasks]
-    return write_text_atomic(path, json.dumps(entries, indent=1))
+    return write_text_atomic(path, json.dumps([task_entry(t) for t in tasks], indent=1))
 
 
 def by_id(tasks: Sequence[Task], task_id: str) -> Task:

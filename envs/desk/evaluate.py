@@ -1,5 +1,5 @@
-"""The desk's executable validators: `desk_state` compares the final widget state with the expected one;
-`judged` marks a task no validator checks (scored 0, its outcome left to a judge).
+"""The desk's executable validator: `desk_state` compares the final widget state with the expected one (a task
+no validator checks has envs.metrics' `judged`, scored 0 everywhere, its outcome left to a judge).
 
 expected = {"Window title": {"saved": true, "widgets": {"Widget name": {"value": ..., "checked": ...,
 "text": ..., "clicks_at_least": 1}}}, "front": "Window title"}; sliders match within
@@ -51,14 +51,6 @@ def desk_state(result: dict[str, Any], expected: dict[str, Any], slider_toleranc
             if not _match_widget(window["widgets"][name], props, slider_tolerance):
                 return 0.0
     return 1.0
-
-
-@register_metric("judged")
-def judged(result: dict[str, Any], expected: Any = None) -> float:
-    """A task with no validator, which only a trajectory judge rewards (SEAgent's generated tasks): the desk
-    verifies nothing and scores it 0; the run's judge decides its outcome."""
-    del result, expected
-    return 0.0
 
 
 def evaluate_state(task: Task, state: dict[str, Any]) -> float:

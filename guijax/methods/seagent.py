@@ -13,7 +13,9 @@ On the desk each judged episode's state-change captions (the World State Model's
 
 A phase's tasks (`seagent.curriculum`): the training split; on the desk, the offline curriculum's tasks; or an
 LLM's (Fig. 9, `guijax.seagent.chat_curriculum`): instructions without validators, run from the training
-tasks' screens and judged by the chat judge, phase 1's from the captions of those screens.
+tasks' screens and judged by the chat judge, phase 1's from the captions of those screens. Off the desk the
+chat judge's endpoint writes those captions and each phase's change descriptions
+(`guijax.seagent.chat_captions`).
 
 With `seagent.judge=trained` the judge is a World State Model trained in guijax before phase 1
 (guijax.seagent.judge_training: LoRA on the base policy's model, ground-truth judgments and change descriptions
@@ -28,6 +30,7 @@ import json
 from typing import Any, Literal
 
 from envs.atomic import write_text_atomic
+from envs.tasks import task_entry, task_from_entry
 from guijax.methods.base import Context, Method, Round, resumable_rounds
 from guijax.schema import ranged
 
@@ -114,9 +117,6 @@ class SEAgent(Method):
             if o.judge != "chat":
                 raise ValueError("seagent.curriculum='chat' writes tasks without validators, which the oracle judge "
                                  "cannot judge: set seagent.judge='chat'")
-            if self.config.env.kind != "desk":
-                raise ValueError(f"seagent.curriculum='chat' runs its tasks from the desk's screens; env.kind is "
-                                 f"{self.config.env.kind!r}: use seagent.curriculum='none'")
         if o.judge in ("oracle", "trained") and self.config.env.kind != "desk":
             raise ValueError(f"seagent.judge={o.judge!r} reads the synthetic desk's ground truth (the trained judge "
                              f"learns from it); env.kind is {self.config.env.kind!r}: use seagent.judge='chat'")
@@ -156,7 +156,7 @@ class SEAgent(Method):
 
         return DeskCurriculum(self.ladder(), tuple(self.config.env.screen), self.options.tasks_per_phase, seed)
 
-    def phase_tasks(self, ctx: Context, p: int) -> tuple[list, Any]:
+    def phase_tasks(self, ctx: Context, p: int, engine: Any) -> tuple[list, Any]:
         """Phase p's tasks and, with the desk curriculum, its state (I_p, U_p): the initial one from the training
         split, later ones as phase p-1 left them in its folder."""
         from guijax.seagent.curriculum import Curriculum
@@ -164,7 +164,7 @@ class SEAgent(Method):
         if self.options.curriculum == "none":
             return list(ctx.train_tasks), None
         if self.options.curriculum == "chat":
-            return self.chat_phase_tasks(ctx, p), None
+            return self.chat_phase_tasks(ctx, p, engine), None
         if p == 1:
             cur = self.curriculum(ctx.streams.seed_for("curriculum")).initial(ctx.train_tasks)
         else:
@@ -179,54 +179,109 @@ class SEAgent(Method):
         return ChatCurriculumGenerator(ChatClient(o.curriculum_url, o.curriculum_model,
                                                   api_key_env=o.curriculum_api_key_env), retries=o.judge_retries)
 
-    def scenes(self, ctx: Context) -> list[tuple[Any, str]]:
-        """The "software": each distinct initial screen of the training tasks, as (task, accessibility tree)."""
-        from envs.desk.env import DeskEnv
+    def captioner(self) -> Any:
+        """The World State Model's captioning modes off the desk: the chat judge's endpoint."""
+        from guijax.chat import ChatClient
+        from guijax.seagent.chat_captions import ChatStateCaptioner
 
-        out, seen = [], set()
+        o = self.options
+        return ChatStateCaptioner(ChatClient(o.chat_url, o.chat_model, api_key_env=o.chat_api_key_env),
+                                  retries=o.judge_retries)
+
+    def scenes(self, ctx: Context, engine: Any) -> list[tuple[Any, list[str], list[str]]]:
+        """The "software": each distinct initial screen of the training tasks (one per setup), as (task, the names
+        of its elements, its captions C_0). On the desk they come from the accessibility tree. Elsewhere the
+        tasks are set up on the run's environments (a round per pool size) and the chat World State Model
+        captions each screenshot; the answers are kept in scenes.json with the setup and model they describe,
+        which later phases and a resumed run reuse. A screen whose setup keeps failing or whose captions the
+        model cannot write is left out of this phase with a warning (tried again next time)."""
+        distinct, seen = [], set()
         for task in ctx.train_tasks:
             key = json.dumps(task.config, sort_keys=True)
             if key not in seen:
                 seen.add(key)
-                out.append((task, DeskEnv(tuple(self.config.env.screen), popups=False).reset(task).a11y_tree or ""))
-        return out
+                distinct.append(task)
+        if self.config.env.kind == "desk":
+            from envs.desk.a11y import parse_tree
+            from envs.desk.env import DeskEnv
+            from guijax.seagent.captions import screen_captions
+
+            trees = [DeskEnv(tuple(self.config.env.screen), popups=False).reset(t).a11y_tree or "" for t in distinct]
+            return [(t, [n.name for n in parse_tree(tree)], screen_captions(tree)) for t, tree in zip(distinct, trees)]
+        return self._captioned_scenes(ctx, engine, distinct)
+
+    def _captioned_scenes(self, ctx: Context, engine: Any, distinct: list) -> list[tuple[Any, list[str], list[str]]]:
+        import logging
+
+        from guijax.chat import UnreadableAnswer
+
+        path, model = ctx.workdir / "scenes.json", self.options.chat_model
+        kept = json.loads(path.read_text()) if path.exists() else {}
+
+        def current(task) -> bool:
+            entry = kept.get(task.id)
+            return entry is not None and entry["model"] == model and (
+                json.dumps(entry["setup"], sort_keys=True) == json.dumps(task.config, sort_keys=True))
+
+        todo, captioner, pool = [t for t in distinct if not current(t)], None, engine.pool
+        for first in range(0, len(todo), pool.num_workers):
+            batch = todo[first:first + pool.num_workers]
+            results = pool.reset(batch, slots=range(len(batch)))
+            for _ in range(engine.config.reset_retries):  # a desktop's setup fails now and then
+                failed = [slot for slot, r in results.items() if not r.ok]
+                if failed:
+                    results.update(pool.reset([batch[i] for i in failed], slots=failed))
+            for slot, task in enumerate(batch):
+                if not results[slot].ok:
+                    logging.warning("seagent: task %s's setup failed, its screen is not captioned this phase: %s",
+                                    task.id, results[slot].error)
+                    continue
+                captioner = captioner or self.captioner()
+                try:
+                    shown = captioner.screen(results[slot].value.screenshot, f"task {task.id}'s initial screen")
+                except UnreadableAnswer as e:  # a down endpoint (ChatError) stops the run, as it stops the judge
+                    logging.warning("seagent: task %s's screen is not captioned this phase: %s", task.id, e)
+                    continue
+                kept[task.id] = {"setup": list(task.config), "model": model, "elements": list(shown.elements),
+                                 "captions": list(shown.captions)}
+                write_text_atomic(path, json.dumps(kept, indent=1))
+        scenes = [(t, kept[t.id]["elements"], kept[t.id]["captions"]) for t in distinct if current(t)]
+        if not scenes:
+            raise RuntimeError(f"seagent: none of the {len(distinct)} training screens could be set up and "
+                               "captioned for the curriculum (the warnings above say why)")
+        return scenes
 
     @staticmethod
     def buffer_path(ctx: Context, p: int) -> Any:
         """Where phase p's tasks and the guidebook they came with are written: by phase p-1, or before phase 1."""
         return ctx.workdir / (f"phase_{p - 1}" if p > 1 else "") / "curriculum.json"
 
-    def chat_buffer(self, ctx: Context, p: int, buffer: Any, scenes: list[tuple[Any, str]]) -> list:
+    def chat_buffer(self, ctx: Context, p: int, buffer: Any, scenes: list[tuple[Any, list[str], list[str]]]) -> list:
         """Phase p's tasks from a task buffer, placed on the training screens and written to `buffer_path` (the
         phase reads them from there when a run resumes)."""
-        from envs.desk.a11y import parse_tree
         from guijax.seagent.chat_curriculum import place_on_scenes
 
-        placed, left_out = place_on_scenes(buffer.instructions(), [task for task, _ in scenes],
-                                           [[n.name for n in parse_tree(tree)] for _, tree in scenes],
-                                           f"seagent-p{p}")
+        placed, left_out = place_on_scenes(buffer.instructions(), [task for task, _, _ in scenes],
+                                           [names for _, names, _ in scenes], f"seagent-p{p}")
         placed = placed[:self.options.tasks_per_phase]
         path = self.buffer_path(ctx, p)
         if not placed:
             raise RuntimeError(f"seagent: none of the generator's {len(buffer.tasks)} tasks for phase {p} names an "
                                f"element of the training screens ({path}); left out: {left_out[:5]}")
-        write_text_atomic(path, json.dumps({"phase": p, "tasks": [t.to_dict() for t in placed],
+        write_text_atomic(path, json.dumps({"phase": p, "tasks": [task_entry(t) for t in placed],
                                             "left_out": left_out, **buffer.to_json()}, indent=1))
         return placed
 
-    def chat_phase_tasks(self, ctx: Context, p: int) -> list:
+    def chat_phase_tasks(self, ctx: Context, p: int, engine: Any) -> list:
         """I_p: phase p-1's answer from the generator (written by that phase), or for phase 1 the generator's
         answer to the captions of the training screens (Alg. 1 lines 3-4), asked each time phase 1 starts (a
         kept answer could come from another configuration) and written where phase 1 reads its guidebook."""
-        from envs.api import Task
-        from guijax.seagent.captions import screen_captions
-
         if p == 1:
-            scenes = self.scenes(ctx)
-            c0 = [c for _, tree in scenes for c in screen_captions(tree)]
+            scenes = self.scenes(ctx, engine)
+            c0 = [c for _, _, captions in scenes for c in captions]
             return self.chat_buffer(ctx, 1, self.generator().update(c0), scenes)
-        return [Task.from_dict(t, domain=t.get("domain", ""))
-                for t in json.loads(self.buffer_path(ctx, p).read_text())["tasks"]]
+        path = self.buffer_path(ctx, p)  # a placed task keeps its scene's file: its setup's relative URLs
+        return [task_from_entry(t, f"{path} task {i}") for i, t in enumerate(json.loads(path.read_text())["tasks"])]
 
     _trained_judge: Any = None
 
@@ -251,7 +306,7 @@ class SEAgent(Method):
 
         o, p = self.options, rnd.index
         streams, folder, writer, engine = rnd.streams, rnd.folder, rnd.writer, rnd.engine
-        phase_tasks, cur = self.phase_tasks(ctx, p)
+        phase_tasks, cur = self.phase_tasks(ctx, p, engine)
         tasks = {t.id: t for t in phase_tasks}
         rollouts, _ = engine.run(policy.params, list(tasks.values()), o.episodes_per_task,
                                  jax.random.PRNGKey(streams.seed_for("rollouts")), seed=streams.seed_for("episodes"),
@@ -282,6 +337,12 @@ class SEAgent(Method):
                 policy, reference, data, self.loss(), self.config, pipeline, o.batch_rows, o.update_epochs,
                 o.learning_rate, streams.seed_for("batches"), log=writer.write)
         captions = [r.captions if r is not None else None for r in records]
+        described = None
+        if o.curriculum == "chat" and self.config.env.kind != "desk":  # the generator's feedback from the chat WSM
+            from guijax.seagent.chat_captions import episode_captions
+
+            described = episode_captions(self.captioner(), rollouts, o.curriculum_descriptions)
+            captions = described.captions
         verifiable = [not is_judged(tasks[t.task_id]) for t in rollouts]  # the curriculum's tasks have no validator
         score = score_judge([j for j, v in zip(judgments, verifiable) if v],
                             [t.success for t, v in zip(rollouts, verifiable) if v])
@@ -300,6 +361,8 @@ class SEAgent(Method):
             "loss_last": history[-1]["loss"] if history else None,
             "judgments": [{"task": t.task_id, **j.as_dict(), **({"captions": c} if c is not None else {})}
                           for j, t, c in zip(judgments, rollouts, captions)]}
+        if described is not None:
+            report["captions_asked"], report["captions_unreadable"] = described.requests, described.unreadable
         if cur is not None:  # U_{p+1}, I_{p+1} for the next phase (Eq. 1)
             nxt = self.curriculum(ctx.streams.seed_for("curriculum")).update(
                 cur, [(tasks[t.task_id], j) for t, j in zip(rollouts, judgments)])
@@ -315,7 +378,7 @@ class SEAgent(Method):
                 o.curriculum_descriptions)
             document = json.loads(self.buffer_path(ctx, p).read_text())["software document new"]
             buffer = self.generator().update(descriptions, document, exam, states)
-            nxt = self.chat_buffer(ctx, p + 1, buffer, self.scenes(ctx))
+            nxt = self.chat_buffer(ctx, p + 1, buffer, self.scenes(ctx, engine))
             report["tasks"], report["next_tasks"], report["guidebook"] = len(tasks), len(nxt), buffer.document
         write_text_atomic(folder / "phase.json", json.dumps(report, indent=1))
         writer.write({k: v for k, v in report.items() if isinstance(v, (int, float)) and v is not None})

@@ -13,9 +13,10 @@ is all that rewards them.
 `{"software document new": ..., "exam new": [...]}` is asked again, then refused with the reasons.
 `phase_feedback` turns a phase's judged episodes and their captions into the prompt's three inputs.
 
-On the synthetic desk the "software" is the set of the training tasks' screens: `place_on_scenes` runs each
-generated instruction from the initial screen of the training task whose elements it names most (a task with
-the `judged` evaluator: no validator, the judge alone decides), and leaves out one that names nothing there.
+The "software" is the set of the training tasks' initial screens: `place_on_scenes` runs each generated
+instruction from the setup of the training task whose screen names its elements most (a task with the `judged`
+evaluator: no validator, the judge alone decides), and leaves out one that names nothing there. The desk's
+accessibility tree names a screen's elements; elsewhere a vision model does (guijax.seagent.chat_captions).
 """
 from __future__ import annotations
 
@@ -186,8 +187,9 @@ def place_on_scenes(instructions: Sequence[str], scenes: Sequence[Task], element
             left_out.append(text)
             continue
         scene = scenes[best]
-        extra = {key: v for key, v in scene.extra.items() if key != "expert"} | {"source": "seagent_curriculum",
-                                                                                 "scene": scene.id}
+        # the scene task's own solutions (the desk's expert, a synthesized task's reference) solve another task
+        extra = {key: v for key, v in scene.extra.items() if key not in ("expert", "solution")} | {
+            "source": "seagent_curriculum", "scene": scene.id}
         placed.append(dataclasses.replace(scene, id=f"{id_prefix}-{k:03d}", instruction=text,
                                           evaluator=dict(JUDGED_EVALUATOR), extra=extra))
     return placed, left_out

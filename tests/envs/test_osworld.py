@@ -288,6 +288,12 @@ def test_env_infeasible_fail_and_conj(tmp_path):
     assert env.evaluate() == 0.0  # FAIL on a feasible task scores 0
 
 
+def test_a_task_only_a_judge_decides_scores_0_on_a_desktop_too(tmp_path):
+    env = OSWorldEnv(FakeController(), cache_root=str(tmp_path), settle_s=0, wait_s=0)
+    env.reset(_task({"func": "judged"}))  # SEAgent's generated tasks carry no validator
+    assert env.evaluate() == 0.0
+
+
 def test_unknown_metric_at_evaluation_names_the_task(tmp_path):
     env = OSWorldEnv(FakeController(), cache_root=str(tmp_path), settle_s=0)
     env.reset(_task({"func": "compare_pptx_files", "result": {"type": "rule", "rules": 1}}))

@@ -1,7 +1,5 @@
 """envs.server (OSWorld's VM endpoints on a local Xvfb) and envs.client over loopback."""
 import json
-import os
-import re
 import subprocess
 import sys
 import threading
@@ -23,25 +21,9 @@ AUTH = requests.Session()
 
 def _start(args, cache_dir):
     """(process, url, the token it printed or None)."""
-    env = {k: v for k, v in os.environ.items() if k != "GUIJAX_SERVER_TOKEN"}
-    proc = subprocess.Popen([sys.executable, "-m", "envs.server", "--port", "0", "--screen", "640x480",
-                             "--cache-dir", str(cache_dir), *args], stderr=subprocess.PIPE, text=True,
-                            cwd=os.getcwd(), env=env)
-    deadline = time.monotonic() + 30
-    lines, token = [], None
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        lines.append(line)
-        generated = re.search(r"GUIJAX_SERVER_TOKEN=(\S+?),", line)
-        token = generated.group(1) if generated else token
-        m = re.search(r"on http://([\d.]+):(\d+)", line)
-        if m:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining the log
-            return proc, f"http://{m.group(1)}:{m.group(2)}", token
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError("server did not start: " + "".join(lines))
+    from desktop_server import start_server
+
+    return start_server(args, cache_dir)
 
 
 @pytest.fixture(scope="module")

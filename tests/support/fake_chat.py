@@ -6,19 +6,24 @@ import contextlib
 import http.server
 import json
 import threading
+from typing import Callable
 
 
 @contextlib.contextmanager
-def fake_chat_server(replies: list[tuple[int, str]]):
-    """Yields (base URL, requests). Each request takes the next reply; the last one repeats."""
+def fake_chat_server(replies: list[tuple[int, str]] | Callable[[dict], tuple[int, str]]):
+    """Yields (base URL, requests). Each request takes the next reply; the last one repeats. `replies` may
+    instead be a function of the request body (for a server that plays several roles)."""
     requests: list[dict] = []
-    script = list(replies)
+    script = replies if callable(replies) else list(replies)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
-            status, text = script.pop(0) if len(script) > 1 else script[0]
+            if callable(script):
+                status, text = script(body)
+            else:
+                status, text = script.pop(0) if len(script) > 1 else script[0]
             payload = (json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]})
                        if status == 200 else json.dumps({"error": text})).encode()
             self.send_response(status)

@@ -360,6 +360,21 @@ def test_seagent_trains_its_world_state_model_then_judges_with_it(prepared, caps
     assert "world state model" not in out and (folder / "judge_eval.json").stat().st_mtime_ns == evaluated
 
 
+def _train_with_chat_curriculum(config, run, gen_url: str, judge_url: str, name: str, env_kind: str = "desk"):
+    """SEAgent with the LLM curriculum at `gen_url` and the chat judge at `judge_url`, trained into its own
+    folder of the run (returned); `env_kind` is what the method is told the environments are."""
+    config = copy.deepcopy(config)
+    with config.unlocked():
+        config.env.kind = env_kind
+        config.seagent.update(curriculum="chat", curriculum_url=gen_url, curriculum_model="qwen2.5-72b",
+                              curriculum_api_key_env="", judge="chat", chat_url=judge_url, chat_model="wsm",
+                              chat_api_key_env="", tasks_per_phase=4)
+    workdir = run.workdir / "methods" / name
+    workdir.mkdir(parents=True, exist_ok=True)
+    base_stages.train_with(run, get_method("seagent", config), workdir, "seagent")
+    return workdir
+
+
 def test_seagent_runs_the_llm_curriculums_tasks(prepared):
     """seagent.curriculum='chat': phase 1's tasks are the generator's answer to the training screens' captions,
     placed on the screen whose elements they name and judged by the chat judge alone (no validator); the phase
@@ -380,14 +395,7 @@ def test_seagent_runs_the_llm_curriculums_tasks(prepared):
     verdict = "res_dict = {'Correctness': False, 'First Error Step': 1, 'Error Type': 'wrong element'}"
     with fake_chat_server([(200, first), (200, second)]) as (gen_url, gen_requests), \
             fake_chat_server([(200, verdict)]) as (judge_url, _):
-        config = copy.deepcopy(config)
-        with config.unlocked():
-            config.seagent.update(curriculum="chat", curriculum_url=gen_url, curriculum_model="qwen2.5-72b",
-                                  curriculum_api_key_env="", judge="chat", chat_url=judge_url, chat_model="wsm",
-                                  chat_api_key_env="", tasks_per_phase=4)
-        workdir = run.workdir / "methods" / "seagent_chat"
-        workdir.mkdir(parents=True, exist_ok=True)
-        base_stages.train_with(run, get_method("seagent", config), workdir, "seagent")
+        workdir = _train_with_chat_curriculum(config, run, gen_url, judge_url, "seagent_chat")
     initial = json.loads((workdir / "curriculum.json").read_text())
     assert initial["left_out"] == ["Open the terminal"] and initial["software document new"] == "v1"
     assert [t["instruction"] for t in initial["tasks"]] == [f'Click "{n}"' for n in named]
@@ -401,6 +409,65 @@ def test_seagent_runs_the_llm_curriculums_tasks(prepared):
     assert json.dumps(["the answer did not parse; the episode ended."]) in prompt  # the phase's captions
     nxt = json.loads((workdir / "phase_1" / "curriculum.json").read_text())
     assert [t["instruction"] for t in nxt["tasks"]] == [f'Use "{named[0]}", then report it done']
+
+
+def test_seagent_runs_the_llm_curriculum_off_the_desk_from_the_chat_models_captions(prepared, monkeypatch):
+    """Off the desk (env.kind='osworld'; the environments here are desk workers, which the method does not read
+    the ground truth of) the World State Model's endpoint captions each training screen once, which the
+    generator starts from and its tasks are placed by; each phase's change descriptions come from it too."""
+    from fake_chat import fake_chat_server
+    from guijax.seagent import chat_captions
+
+    config, run, _ = prepared
+    train = run.tasks()["train"]
+    screens: list[int] = []
+
+    def wsm(body):
+        content = body["messages"][0]["content"]
+        text = content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
+        if '"elements"' in text:  # a training screen: the k-th is named Panel k
+            screens.append(len(screens))
+            return 200, json.dumps({"elements": [f"Panel {len(screens) - 1}"], "captions": [f"screen {len(screens) - 1}"]})
+        if "just before one action" in text:
+            return 200, "The screen did not change."
+        return 200, "res_dict = {'Correctness': False, 'First Error Step': 1, 'Error Type': 'wrong element'}"
+
+    described = []
+
+    def spy(captioner, rollouts, budget):
+        assert budget == config.seagent.curriculum_descriptions and len(rollouts) == 1  # the phase's episodes
+        described.append(chat_captions.episode_captions.__wrapped__(captioner, rollouts, budget))
+        return described[-1]
+
+    spy.__wrapped__ = chat_captions.episode_captions
+    monkeypatch.setattr(chat_captions, "episode_captions", spy)
+    first = json.dumps({"software document new": "v1", "exam new": [['Open "Panel 1"'], ["Open the terminal"]]})
+    second = json.dumps({"software document new": "v2", "exam new": [['Close "Panel 0"']]})
+    with fake_chat_server([(200, first), (200, second)]) as (gen_url, gen_requests), \
+            fake_chat_server(wsm) as (judge_url, _):
+        workdir = _train_with_chat_curriculum(config, run, gen_url, judge_url, "seagent_chat_off_desk",
+                                              env_kind="osworld")
+    distinct, seen = [], set()
+    for t in train:
+        if json.dumps(t.config, sort_keys=True) not in seen:
+            seen.add(json.dumps(t.config, sort_keys=True))
+            distinct.append(t)
+    assert len(screens) == len(distinct) >= 2  # each screen captioned once: phase 1's update reads scenes.json
+    kept = json.loads((workdir / "scenes.json").read_text())
+    assert (kept[distinct[1].id]["elements"], kept[distinct[1].id]["captions"]) == (["Panel 1"], ["screen 1"])
+    assert json.dumps([f"screen {k}" for k in range(len(distinct))]) in gen_requests[0]["body"]["messages"][0]["content"]
+    initial = json.loads((workdir / "curriculum.json").read_text())
+    (task,) = initial["tasks"]
+    assert initial["left_out"] == ["Open the terminal"] and task["instruction"] == 'Open "Panel 1"'
+    assert task["config"] == list(distinct[1].config) and task["evaluator"] == {"func": "judged"}
+    report = json.loads((workdir / "phase_1" / "phase.json").read_text())
+    assert report["episodes"] == 1 and report["verified_episodes"] == 0 and report["a_F"] == 1
+    (done,) = described
+    assert report["captions_asked"] == done.requests and report["captions_unreadable"] == 0
+    assert [j.get("captions") for j in report["judgments"]] == done.captions
+    nxt = json.loads((workdir / "phase_1" / "curriculum.json").read_text())
+    assert [t["instruction"] for t in nxt["tasks"]] == ['Close "Panel 0"'] and nxt["tasks"][0]["config"] == list(
+        distinct[0].config)
 
 
 def test_seagent_s2g_trains_a_specialist_per_application_then_the_generalist(prepared, monkeypatch, capsys):

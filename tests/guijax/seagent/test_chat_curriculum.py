@@ -101,7 +101,11 @@ def test_generated_instructions_run_as_judged_tasks_on_the_screen_they_name():
     from envs.tasks import generate_desk_tasks
     from guijax.seagent.chat_curriculum import JUDGED_EVALUATOR, is_judged, place_on_scenes
 
-    scenes = [click_task(), generate_desk_tasks(1, seed=1, families=["toggle_checkbox"], screen_hw=SCREEN)[0]]
+    import dataclasses
+
+    toggle = generate_desk_tasks(1, seed=1, families=["toggle_checkbox"], screen_hw=SCREEN)[0]
+    # a synthesized task's reference solves that task, not the instructions placed on its screen
+    scenes = [click_task(), dataclasses.replace(toggle, extra={**toggle.extra, "solution": [{"kind": "wait"}]})]
     names = [["Dialog", "Info", "Archive", "Print", "Export"], ["Settings", "Notifications", "Wi-Fi", "Dark mode"]]
     placed, left_out = place_on_scenes(["Turn on wi-fi", "Print twice", "Open the terminal",
                                         "Click Print in Settings", "Look at the reprints"], scenes, names, "gen")
@@ -109,7 +113,8 @@ def test_generated_instructions_run_as_judged_tasks_on_the_screen_they_name():
     assert [(t.id, t.instruction, t.extra["scene"]) for t in placed] == [
         ("gen-000", "Turn on wi-fi", scenes[1].id), ("gen-001", "Print twice", scenes[0].id),
         ("gen-003", "Click Print in Settings", scenes[1].id)]  # a tie goes to the longer name
-    assert all(t.evaluator == JUDGED_EVALUATOR and is_judged(t) and "expert" not in t.extra for t in placed)
+    assert all(t.evaluator == JUDGED_EVALUATOR and is_judged(t) and not {"expert", "solution"} & set(t.extra)
+               for t in placed)
     assert placed[0].config == scenes[1].config and not is_judged(scenes[0])
     env = DeskEnv(SCREEN, popups=False)
     env.reset(placed[0])

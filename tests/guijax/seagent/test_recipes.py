@@ -28,7 +28,8 @@ def test_accelerator_recipes_dry_run(recipe, params, mesh, coordinates):
     report = launch.dry_run(config)
     assert report["params"] == params and report["mesh"] == mesh
     method = get_method("seagent", config)
-    assert (method.options.judge, method.options.curriculum, method.options.phases) == ("chat", "none", 3)
+    assert (method.options.judge, method.options.curriculum, method.options.phases) == ("chat", "chat", 3)
+    assert (method.options.tasks_per_phase, method.options.curriculum_descriptions) == (100, 100)  # Table 7
     assert config.rollout.coordinate_model == coordinates and method.options.gamma == 0.2
 
 
@@ -48,10 +49,11 @@ def test_desk_only_parts_and_a_missing_chat_endpoint_are_named():
         get_method("seagent", launch.resolve("seagent_cpu", ["seagent.curriculum=chat"]))
     with pytest.raises(ValueError, match="the oracle judge cannot judge: set seagent.judge='chat'"):
         get_method("seagent", launch.resolve("seagent_cpu", chat))
-    with pytest.raises(ValueError, match="runs its tasks from the desk's screens; env.kind is 'osworld'"):
-        get_method("seagent", launch.resolve("grpo_gpu", ["method=seagent", "seagent.judge=chat",
-                                                           "seagent.chat_url=http://x/v1", "seagent.chat_model=m",
-                                                           *chat]))
+    # off the desk the chat curriculum runs from the training tasks' setups, captioned by the chat judge
+    off_desk = get_method("seagent", launch.resolve("grpo_gpu", ["method=seagent", "seagent.judge=chat",
+                                                                 "seagent.chat_url=http://x/v1",
+                                                                 "seagent.chat_model=m", *chat]))
+    assert off_desk.options.curriculum == "chat" and off_desk.config.env.kind == "osworld"
 
 
 @pytest.mark.parametrize("prompt, grammar", [("compact", "uitars"), ("computer_use", "computer_use")])
