@@ -87,8 +87,15 @@ def problems(config: ml_collections.ConfigDict) -> list[str]:
         if not _has_module("requests"):
             out.append(f"env.kind='osworld' talks to desktop servers with the 'requests' package, which is not "
                        f"installed: `{INSTALL['desktop']}`")
-        if "tasks" in stages and config.env.osworld_dir and not pathlib.Path(config.env.osworld_dir).is_dir():
+        if "tasks" in stages and not config.env.osworld_dir:
+            out.append("env.kind='osworld' needs env.osworld_dir: a folder of OSWorld task files (OSWorld's "
+                       "evaluation_examples, or what python -m guijax.evocua.office_synthesis --out= wrote)")
+        elif "tasks" in stages and not pathlib.Path(config.env.osworld_dir).is_dir():
             out.append(f"env.osworld_dir {config.env.osworld_dir} is not a directory (OSWorld's evaluation_examples)")
+    traces = config.get("coldstart", {}).get("traces_dir", "") if "coldstart" in stages else ""
+    if traces and not any((pathlib.Path(traces) / "coldstart_trajectories").glob("*.array_record")):
+        out.append(f"coldstart.traces_dir={traces} holds no coldstart_trajectories/ (record them with "
+                   "python -m guijax.evocua.office_coldstart --out=...)")
     if config.model.path and not (pathlib.Path(config.model.path) / "config.json").exists():
         out.append(f"model.path {config.model.path} has no config.json (a local Hugging Face Qwen2.5-VL directory)")
     if "csr" in stages and config.get("sgcd") is not None and config.sgcd.get("csr_baselines"):

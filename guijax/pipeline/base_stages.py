@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 from typing import Any
 
@@ -186,6 +187,9 @@ def sft(run: Run) -> str:
         trajectories = sft_trajectories(run)
         if run.config.sft.noisy_steps == "mask":
             refs = clean_step_refs(trajectories)
+    too_long = answers_beyond_budget(trajectories, refs, policy.processor.tokenizer, run.config.rollout.max_new_tokens)
+    if too_long:
+        logging.warning("sft: %s", too_long)
     writer = MetricsWriter(run.workdir, "sft_metrics.jsonl", console=False)
     params, losses_seen = sft_steps(policy, trajectories, policy.processor, run.config,
                                     pipeline_config(run.config, run.system_prompt, policy.mesh), run.config.sft.steps,
@@ -199,7 +203,27 @@ def sft(run: Run) -> str:
     kind = "cold-start" if run.config.sft.data == "coldstart" else "expert"
     masked = "" if refs is None or kind == "cold-start" else (
         f" ({sum(len(t.steps) for t in trajectories) - len(refs)} injected noise steps without loss)")
-    return f"{len(trajectories)} {kind} trajectories{masked}, loss {losses_seen[0]:.3f} -> {losses_seen[-1]:.3f}"
+    return (f"{len(trajectories)} {kind} trajectories{masked}, loss {losses_seen[0]:.3f} -> {losses_seen[-1]:.3f}"
+            + (f"; {too_long}" if too_long else ""))
+
+
+def answers_beyond_budget(trajectories, refs, tokenizer, max_new_tokens: int) -> str:
+    """What to warn of when the trained answers are longer than the rollouts let the policy write: every one
+    it then samples is cut off before its action (an hour of training spent on a policy that cannot act)."""
+    from guijax.data.pipeline import StepRef, text_response
+
+    refs = refs if refs is not None else [StepRef(i, j, 1.0) for i, t in enumerate(trajectories)
+                                          for j in range(len(t.steps))]
+    lengths = []
+    for ref in refs:
+        step = trajectories[ref.trajectory].steps[ref.step]
+        lengths.append(len(step.response_tokens) if len(step.response_tokens)
+                       else len(text_response(tokenizer, step.response)))
+    over = [n for n in lengths if n > max_new_tokens]
+    if not over:
+        return ""
+    return (f"{len(over)} of {len(lengths)} trained answers are longer than rollout.max_new_tokens={max_new_tokens} "
+            f"(up to {max(over)} tokens): the policy's own answers will be cut off before their action")
 
 
 def clean_step_refs(trajectories) -> list:

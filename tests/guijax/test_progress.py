@@ -170,6 +170,21 @@ def test_preflight_reads_the_csr_baselines_before_the_run_trains():
         "compare.methods or another baseline)"]
 
 
+def test_preflight_asks_the_desktop_recipe_for_its_tasks_and_traces(tmp_path):
+    config = launch.resolve("evocua_desktop_cpu", [])  # neither is set by the recipe
+    assert preflight.problems(config) == [
+        "env.kind='osworld' needs env.osworld_dir: a folder of OSWorld task files (OSWorld's evaluation_examples, "
+        "or what python -m guijax.evocua.office_synthesis --out= wrote)"]
+    (tmp_path / "traces" / "coldstart_trajectories").mkdir(parents=True)
+    config = launch.resolve("evocua_desktop_cpu", [f"env.osworld_dir={tmp_path}",
+                                                   f"coldstart.traces_dir={tmp_path / 'traces'}"])
+    assert preflight.problems(config) == [
+        f"coldstart.traces_dir={tmp_path / 'traces'} holds no coldstart_trajectories/ (record them with "
+        "python -m guijax.evocua.office_coldstart --out=...)"]
+    (tmp_path / "traces" / "coldstart_trajectories" / "coldstart-00000.array_record").write_bytes(b"")
+    assert preflight.problems(config) == []
+
+
 def test_cli_fails_at_start_with_one_line_per_unmet_need(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     run = subprocess.run([sys.executable, "-m", "guijax.launch", "--config=bepa_cpu", f"--workdir={tmp_path / 'w'}",

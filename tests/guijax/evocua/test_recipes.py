@@ -32,3 +32,16 @@ def test_the_cpu_recipe_runs_every_evocua_stage_in_order():
                                                    "compare.methods=('evocua_cycle',)"]))
     with pytest.raises(ValueError, match="sft.data='coldstart' trains on the coldstart stage's traces"):
         check_recipe(launch.resolve("evocua_cpu", ["stages=('base_model', 'tasks', 'sft', 'report')"]))
+
+
+def test_the_desktop_recipe_trains_on_recorded_traces_and_evaluates_on_desktop_servers():
+    from guijax.models.processor import smart_resize
+
+    config = launch.resolve("evocua_desktop_cpu", [])
+    check_recipe(config)
+    assert config.env.kind == "osworld" and config.sft.data == "coldstart" and config.rollout.prompt == "computer_use_compact"
+    assert list(config.stages).index("coldstart") < list(config.stages).index("sft") < list(config.stages).index("eval_base")
+    h, w = smart_resize(720, 1280, 28, max_pixels=config.model.image_max_pixels)
+    assert (h // 28) * (w // 28) == 144  # image tokens per 1280x720 screenshot, after the 2x2 merge
+    report = launch.dry_run(config)
+    assert report["model"] == "small" and report["trained_params"] == report["params"]
