@@ -121,6 +121,11 @@ def png_data_url(image: Any, max_side: int | None = None) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def image_part(image: Any, max_side: int | None = None) -> dict[str, Any]:
+    """A screenshot as one part of a chat message's content (OpenAI-compatible), `png_data_url(image, max_side)`."""
+    return {"type": "image_url", "image_url": {"url": png_data_url(image, max_side)}}
+
+
 def json_reply(text: str) -> object:
     """The JSON value a model answered, which may be wrapped in a ```json fence and nothing else (ValueError
     when it is not JSON, or nested too deeply to decode)."""

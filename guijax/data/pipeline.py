@@ -143,6 +143,11 @@ def text_response(tokenizer: Any, text: str) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
+def response_length(step: Any, tokenizer: Any) -> int:
+    """The tokens a step's response trains: its sampled ids, or its text tokenised as `text_response` does."""
+    return len(step.response_tokens) if len(step.response_tokens) else len(text_response(tokenizer, step.response))
+
+
 def supervised_tokens(prompt_ids: np.ndarray, response: np.ndarray, behaviour: np.ndarray, advantage: float,
                       max_tokens: int, where: str) -> dict[str, np.ndarray]:
     """An example's token-aligned arrays (the module docstring's convention): prompt then response ids, the loss
@@ -200,9 +205,7 @@ class EncodeStep(grain.transforms.Map):
         """The example's token count, prompt and response, without processing its screenshots: what
         token-budget minibatches are planned by (`PipelineConfig.pack_fill`)."""
         _, step, _, text, images = self._prompt(ref)
-        response = (len(step.response_tokens) if len(step.response_tokens)
-                    else len(text_response(self.processor.tokenizer, step.response)))
-        return self.processor.prompt_length(text, images) + response
+        return self.processor.prompt_length(text, images) + response_length(step, self.processor.tokenizer)
 
     def map(self, ref: StepRef) -> dict[str, Any]:
         traj, step, where, text, images = self._prompt(ref)

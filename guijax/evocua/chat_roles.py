@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Sequence
 
-from guijax.chat import ChatClient, UnreadableAnswer, ask_parsed, json_reply, png_data_url
+from guijax.chat import ChatClient, UnreadableAnswer, ask_parsed, image_part, json_reply
 from guijax.rollout.trajectory import Step, Trajectory
 
 DENOISE_PROMPT = """You are reviewing a successful trajectory of a computer-use agent, to keep only the steps worth learning from.
@@ -111,7 +111,7 @@ class ChatDenoiser:
         first = len(steps) - len(shown)
         for i, s in enumerate(shown):
             content += [{"type": "text", "text": f"Before step {first + i + 1}:"},
-                        {"type": "image_url", "image_url": {"url": png_data_url(s.screenshot, self.max_side)}}]
+                        image_part(s.screenshot, self.max_side)]
         return [{"role": "user", "content": content}]
 
     def __call__(self, trajectory: Trajectory) -> list[bool]:
@@ -139,7 +139,7 @@ class ChatReflectionWriter:
         text = REFLECT_PROMPT.format(instruction=instruction, tried=_action_words(failed_step),
                                      remedy=_thought_and_action(reference_step.response))
         return [{"role": "user", "content": [{"type": "text", "text": text},
-                                             {"type": "image_url", "image_url": {"url": png_data_url(screen, self.max_side)}}]}]
+                                             image_part(screen, self.max_side)]}]
 
     def __call__(self, instruction: str, failed_step: Step, reference_step: Step, screen: Any) -> str | None:
         """The thought (starting "Reflection:"), or None when no answer passed the check."""
@@ -177,8 +177,8 @@ class ChatStateAligner:
         text = ALIGN_PROMPT.format(instruction=instruction, action_a=_action_words(a), action_b=_action_words(b))
         return [{"role": "user", "content": [
             {"type": "text", "text": text},
-            {"type": "image_url", "image_url": {"url": png_data_url(a.screenshot, self.max_side)}},
-            {"type": "image_url", "image_url": {"url": png_data_url(b.screenshot, self.max_side)}}]}]
+            image_part(a.screenshot, self.max_side),
+            image_part(b.screenshot, self.max_side)]}]
 
     def __call__(self, instruction: str, a: Step, b: Step) -> bool:
         from guijax.evocua.step_dpo import same_state

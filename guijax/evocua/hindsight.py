@@ -422,7 +422,7 @@ class ChatHindsight:
     def messages(self, instruction: str, steps: Sequence[HindsightStep], index: int,
                  thoughts: Sequence[Thought], error_context: str = "") -> list[dict[str, Any]]:
         """The request for step `index` (Algorithm 1's CONSTRUCT*PROMPT), screenshots as PNG data URLs."""
-        from guijax.chat import png_data_url
+        from guijax.chat import image_part
 
         s = steps[index]
         kind = phase(index, steps, error_context)
@@ -440,7 +440,7 @@ class ChatHindsight:
             text = OBSERVE_PROMPT.format(instruction=instruction, history=history, action=action)
             frames = [steps[index - 1].screenshot, s.screenshot]
         content: list[dict[str, Any]] = [{"type": "text", "text": text}]
-        content += [{"type": "image_url", "image_url": {"url": png_data_url(f)}} for f in frames]
+        content += [image_part(f) for f in frames]
         return [{"role": "user", "content": content}]
 
     def thoughts(self, instruction: str, steps: Sequence[HindsightStep], *,

@@ -35,6 +35,11 @@ from guijax.methods.base import Context, Method, Round, resumable_rounds
 from guijax.schema import ranged
 
 
+def _setup_key(setup: Any) -> str:
+    """A task's setup steps as one comparable string: tasks with equal setups start from the same screen."""
+    return json.dumps(list(setup), sort_keys=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class SEAgentOptions:
     """`seagent`: phases, the judge, state-level sampling and the update."""
@@ -197,9 +202,8 @@ class SEAgent(Method):
         model cannot write is left out of this phase with a warning (tried again next time)."""
         distinct, seen = [], set()
         for task in ctx.train_tasks:
-            key = json.dumps(task.config, sort_keys=True)
-            if key not in seen:
-                seen.add(key)
+            if _setup_key(task.config) not in seen:
+                seen.add(_setup_key(task.config))
                 distinct.append(task)
         if self.config.env.kind == "desk":
             from envs.desk.a11y import parse_tree
@@ -220,17 +224,13 @@ class SEAgent(Method):
 
         def current(task) -> bool:
             entry = kept.get(task.id)
-            return entry is not None and entry["model"] == model and (
-                json.dumps(entry["setup"], sort_keys=True) == json.dumps(task.config, sort_keys=True))
+            return (entry is not None and entry["model"] == model
+                    and _setup_key(entry["setup"]) == _setup_key(task.config))
 
-        todo, captioner, pool = [t for t in distinct if not current(t)], None, engine.pool
-        for first in range(0, len(todo), pool.num_workers):
-            batch = todo[first:first + pool.num_workers]
-            results = pool.reset(batch, slots=range(len(batch)))
-            for _ in range(engine.config.reset_retries):  # a desktop's setup fails now and then
-                failed = [slot for slot, r in results.items() if not r.ok]
-                if failed:
-                    results.update(pool.reset([batch[i] for i in failed], slots=failed))
+        todo, captioner, workers = [t for t in distinct if not current(t)], None, engine.pool.num_workers
+        for first in range(0, len(todo), workers):
+            batch = todo[first:first + workers]
+            results = engine.reset(batch, range(len(batch)))  # retried as the rollouts' resets are
             for slot, task in enumerate(batch):
                 if not results[slot].ok:
                     logging.warning("seagent: task %s's setup failed, its screen is not captioned this phase: %s",

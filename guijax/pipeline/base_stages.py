@@ -210,15 +210,10 @@ def sft(run: Run) -> str:
 def answers_beyond_budget(trajectories, refs, tokenizer, max_new_tokens: int) -> str:
     """What to warn of when the trained answers are longer than the rollouts let the policy write: every one
     it then samples is cut off before its action (an hour of training spent on a policy that cannot act)."""
-    from guijax.data.pipeline import StepRef, text_response
+    from guijax.data.pipeline import response_length, step_refs
 
-    refs = refs if refs is not None else [StepRef(i, j, 1.0) for i, t in enumerate(trajectories)
-                                          for j in range(len(t.steps))]
-    lengths = []
-    for ref in refs:
-        step = trajectories[ref.trajectory].steps[ref.step]
-        lengths.append(len(step.response_tokens) if len(step.response_tokens)
-                       else len(text_response(tokenizer, step.response)))
+    lengths = [response_length(trajectories[r.trajectory].steps[r.step], tokenizer)
+               for r in (refs if refs is not None else step_refs(trajectories))]
     over = [n for n in lengths if n > max_new_tokens]
     if not over:
         return ""

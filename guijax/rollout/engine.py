@@ -192,20 +192,27 @@ class RolloutEngine:
         while live:
             rng = self.advance(params, live, rng, timings, version)
 
-    def start(self, eps: dict[int, _Episode], timings: dict[str, float]) -> dict[int, _Episode]:
-        """Reset each episode on its slot (failed resets retried `reset_retries` times); returns those that
-        started, by slot. The others end as ENV_ERROR with the reset's error."""
-        slots = list(eps)
-        t0 = time.perf_counter()
-        reset = self.pool.reset([eps[s].task for s in slots], slots=slots, seeds=[eps[s].seed for s in slots])
+    def reset(self, tasks: Sequence[Task], slots: Sequence[int], seeds: Sequence[int] | None = None) -> dict:
+        """Set `tasks` up on `slots` (with `seeds`), failed resets retried `reset_retries` times with a warning
+        naming them; slot -> envs.pool.Result."""
+        tasks, slots = list(tasks), list(slots)
+        reset = self.pool.reset(tasks, slots=slots, seeds=seeds)
         for attempt in range(self.config.reset_retries):
-            failed = [slot for slot, r in reset.items() if not r.ok]
+            failed = [i for i, slot in enumerate(slots) if not reset[slot].ok]
             if not failed:
                 break
             logging.warning("retrying %d failed environment reset(s) (attempt %d): %s", len(failed), attempt + 1,
-                            "; ".join(f"{eps[s].task.id}: {reset[s].error}" for s in failed)[:500])
-            reset.update(self.pool.reset([eps[s].task for s in failed], slots=failed,
-                                         seeds=[eps[s].seed for s in failed]))
+                            "; ".join(f"{tasks[i].id}: {reset[slots[i]].error}" for i in failed)[:500])
+            reset.update(self.pool.reset([tasks[i] for i in failed], slots=[slots[i] for i in failed],
+                                         seeds=None if seeds is None else [seeds[i] for i in failed]))
+        return reset
+
+    def start(self, eps: dict[int, _Episode], timings: dict[str, float]) -> dict[int, _Episode]:
+        """Reset each episode on its slot (`reset`); returns those that started, by slot. The others end as
+        ENV_ERROR with the reset's error."""
+        slots = list(eps)
+        t0 = time.perf_counter()
+        reset = self.reset([eps[s].task for s in slots], slots, [eps[s].seed for s in slots])
         _count_env_call(timings, t0, len(slots))
         live: dict[int, _Episode] = {}
         for slot, e in eps.items():

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from guijax.chat import ChatClient, UnreadableAnswer, ask_parsed, json_reply, png_data_url
+from guijax.chat import ChatClient, UnreadableAnswer, ask_parsed, image_part, json_reply
 
 SCREEN_PROMPT = """This is the initial screen of a software application that a computer-use agent will learn to use by exploring it. Caption the GUI densely: every menu, toolbar button, tab, panel, field, list and other control you can see, with the text written on it, and what the main area shows.
 Answer with one JSON object and nothing else:
@@ -61,10 +61,6 @@ def parse_change(text: str) -> str:
     return line[:MAX_CAPTION_CHARS]
 
 
-def _image(screenshot: np.ndarray) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": png_data_url(screenshot, max_side=MAX_SIDE)}}
-
-
 class ChatStateCaptioner:
     """Both captioning modes through an OpenAI-compatible vision model; `retries` more requests on an unreadable
     answer, then guijax.chat.UnreadableAnswer."""
@@ -73,12 +69,12 @@ class ChatStateCaptioner:
         self.client, self.retries = client, retries
 
     def screen(self, screenshot: np.ndarray, what: str = "the initial screen") -> ScreenCaptions:
-        messages = [{"role": "user", "content": [_image(screenshot), {"type": "text", "text": SCREEN_PROMPT}]}]
+        messages = [{"role": "user", "content": [image_part(screenshot, MAX_SIDE), {"type": "text", "text": SCREEN_PROMPT}]}]
         return ask_parsed(self.client, messages, parse_screen_captions, self.retries, f"captions of {what}")
 
     def change(self, before: np.ndarray, after: np.ndarray, action: str) -> str:
         prompt = CHANGE_PROMPT.format(action=action)
-        messages = [{"role": "user", "content": [_image(before), _image(after), {"type": "text", "text": prompt}]}]
+        messages = [{"role": "user", "content": [image_part(before, MAX_SIDE), image_part(after, MAX_SIDE), {"type": "text", "text": prompt}]}]
         return ask_parsed(self.client, messages, parse_change, self.retries, "change description")
 
 
@@ -101,21 +97,16 @@ def episode_captions(captioner: ChatStateCaptioner, trajectories: Sequence[Any],
     step's; a trajectory keeps none after its last action) first, then the one before, round by round, so
     every episode's end is described before any episode's start. A step the model cannot describe is counted
     and left out; each episode's captions come in step order."""
-    out = EpisodeCaptions([[] for _ in trajectories])
-    found: list[dict[int, str]] = [{} for _ in trajectories]
     longest = max((len(t.steps) - 1 for t in trajectories), default=0)
-    for back in range(longest):
-        for i, trajectory in enumerate(trajectories):
-            k = len(trajectory.steps) - 2 - back
-            if k < 0:
-                continue
-            if out.requests >= budget:
-                break
-            out.requests += 1
-            steps = trajectory.steps
-            try:
-                found[i][k] = captioner.change(steps[k].screenshot, steps[k + 1].screenshot, action_text(steps[k]))
-            except UnreadableAnswer:  # a down endpoint still stops the phase, as it stops the judge
-                out.unreadable += 1
-    out.captions = [[f"Step {k + 1}: {text}" for k, text in sorted(d.items())] for d in found]
-    return out
+    order = [(i, len(t.steps) - 2 - back) for back in range(longest) for i, t in enumerate(trajectories)
+             if len(t.steps) - 2 - back >= 0][:budget]  # (episode, step) pairs, every episode's end first
+    found: list[dict[int, str]] = [{} for _ in trajectories]
+    unreadable = 0
+    for i, k in order:
+        steps = trajectories[i].steps
+        try:
+            found[i][k] = captioner.change(steps[k].screenshot, steps[k + 1].screenshot, action_text(steps[k]))
+        except UnreadableAnswer:  # a down endpoint still stops the phase, as it stops the judge
+            unreadable += 1
+    return EpisodeCaptions([[f"Step {k + 1}: {text}" for k, text in sorted(d.items())] for d in found],
+                           unreadable, len(order))

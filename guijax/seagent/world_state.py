@@ -30,7 +30,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from envs.api import Task
-from guijax.chat import ChatClient, ask_parsed, png_data_url
+from guijax.chat import ChatClient, ask_parsed, image_part
 from guijax.rollout.trajectory import Trajectory
 
 # Fig. 8 as printed (its item numbers included); the figure is cut after the last field, whose quotes are closed
@@ -251,7 +251,7 @@ class ChatWorldStateJudge:
                  final_screenshot: np.ndarray | None = None) -> list[dict[str, Any]]:
         parts = keyframe_parts(trajectory.instruction or task.instruction, episode_frames(trajectory, final_screenshot))
         return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else
-                                             {"type": "image_url", "image_url": {"url": png_data_url(p)}}
+                                             image_part(p)
                                              for p in parts]}]
 
     def judge(self, task: Task, trajectory: Trajectory, final_screenshot: np.ndarray | None = None) -> Judgment:

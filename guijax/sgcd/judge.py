@@ -24,7 +24,7 @@ from envs.actions import ActionParseError
 from envs.actions.grammar import parse_response, reasoning
 from envs.actions.model import Action, ActionType
 from envs.api import Task
-from guijax.chat import ChatClient, ChatError, json_reply, png_data_url
+from guijax.chat import ChatClient, ChatError, image_part, json_reply
 from guijax.rollout.trajectory import Status, Step, Trajectory
 
 JUDGE_PROMPT = """You review one computer-use episode in which an agent continued a task from a state reached by another policy (the first {handoff} steps, shown for context). The environment's verifier has already accepted the final state.
@@ -138,7 +138,7 @@ class ChatJudge:
         for i, line in enumerate(lines):
             if i in shown:
                 content += [{"type": "text", "text": f"Screen before step {i + 1}:"},
-                            {"type": "image_url", "image_url": {"url": png_data_url(steps[i].screenshot, self.max_side)}}]
+                            image_part(steps[i].screenshot, self.max_side)]
             content.append({"type": "text", "text": line})
         content.append({"type": "text", "text": tail})
         return [system, {"role": "user", "content": content}]

@@ -89,7 +89,7 @@ class FakePool:
         self.num_workers, self.resets = num_workers, []
         self.left = {task_id: failures for task_id in failing}
 
-    def reset(self, tasks, slots):
+    def reset(self, tasks, slots, seeds=None):
         from envs.api import Observation
         from envs.pool import Result
 
@@ -114,6 +114,7 @@ def test_off_the_desk_each_training_screen_is_set_up_captioned_and_kept(tmp_path
     from envs.api import Task
     from guijax import launch
     from guijax.methods import get_method
+    from guijax.rollout.engine import RolloutConfig, RolloutEngine
 
     tasks = [Task(f"t{i}", f"do {i}", config=({"type": "open", "parameters": {"path": f"~/{i}.txt"}},))
              for i in range(3)]
@@ -130,7 +131,7 @@ def test_off_the_desk_each_training_screen_is_set_up_captioned_and_kept(tmp_path
                                                 "seagent.chat_model=wsm", "seagent.chat_api_key_env="])
         method = get_method("seagent", config)
         ctx = types.SimpleNamespace(workdir=tmp_path)
-        engine = types.SimpleNamespace(pool=FakePool(2, failing={"t1"}), config=types.SimpleNamespace(reset_retries=1))
+        engine = RolloutEngine(FakePool(2, failing={"t1"}), None, None, RolloutConfig(reset_retries=1))
         scenes = method._captioned_scenes(ctx, engine, tasks[:3])
         assert [(t.id, names, captions) for t, names, captions in scenes] == [
             ("t1", ["One"], ["screen 1"]), ("t2", ["Two"], ["screen 2"])]
