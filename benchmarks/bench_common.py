@@ -71,8 +71,25 @@ def source_commit() -> str | None:
     return head.stdout.strip() + ("+changes" if changed else "")
 
 
+# The vector and matrix extensions that decide which kernels XLA:CPU's and PyTorch's libraries run: the same
+# benchmark on hosts with and without AVX-512 is not the same comparison.
+CPU_EXTENSIONS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+
+
+def cpu_description(cpuinfo: pathlib.Path = pathlib.Path("/proc/cpuinfo")) -> tuple[str | None, list[str]]:
+    """(the CPU's model name, which of CPU_EXTENSIONS it has), read from Linux's cpuinfo; (None, []) elsewhere."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None, []
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return model, [ext for ext in CPU_EXTENSIONS if ext in flags]
+
+
 def machine_info() -> dict[str, Any]:
     dev = jax.devices()[0]
+    cpu_model, cpu_extensions = cpu_description()
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -85,12 +102,16 @@ def machine_info() -> dict[str, Any]:
         "backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
         "cpu_count": os.cpu_count(), "cpus_usable": affinity, "load_average_at_start": load,
         "machine": platform.machine(), "processor": platform.processor() or None, "host": platform.node(),
+        "cpu_model": cpu_model, "cpu_extensions": cpu_extensions,
         "python": platform.python_version(), "jax": jax.__version__, "commit": source_commit(),
     }
 
 
 def machine_line(info: dict[str, Any]) -> str:
-    return (f"{info['host']}: {info['machine']}, {info['cpus_usable']}/{info['cpu_count']} CPUs usable, "
+    cpu = info.get("cpu_model")
+    extensions = ", ".join(info.get("cpu_extensions") or []) or "none of " + "/".join(CPU_EXTENSIONS)
+    return (f"{info['host']}: {info['machine']}" + (f" ({cpu}; {extensions})" if cpu else "")
+            + f", {info['cpus_usable']}/{info['cpu_count']} CPUs usable, "
             f"backend {info['backend']} ({info['device_kind']} x{info['device_count']}), jax {info['jax']}, "
             f"load average at start {info['load_average_at_start']}"
             + (f", commit {info['commit']}" if info.get("commit") else ""))

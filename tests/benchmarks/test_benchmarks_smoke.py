@@ -36,6 +36,21 @@ def test_train_step_benchmark_with_screenshots(tmp_path):
     assert row["vision_flops"] > 0 and row["last_skipped"] == 0 and row["tokens_per_s"] > 0
 
 
+def test_machine_line_names_the_cpu_and_its_vector_extensions(tmp_path):
+    """Ratios against PyTorch moved by a third between hosts: every figure says which CPU gave it."""
+    bc = load_script("bench_common")
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu sse2 avx2 avx512f avx512bw "
+                       "avx512_vnni\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu\n")
+    assert bc.cpu_description(cpuinfo) == ("AMD EPYC 9B14", ["avx2", "avx512f", "avx512_vnni"])
+    assert bc.cpu_description(tmp_path / "absent") == (None, [])
+    info = dict(bc.machine_info(), cpu_model="AMD EPYC 9B14", cpu_extensions=[])
+    assert "(AMD EPYC 9B14; none of avx2/" in bc.machine_line(info)
+    info["cpu_extensions"] = ["avx2", "avx512f"]
+    assert "(AMD EPYC 9B14; avx2, avx512f)" in bc.machine_line(info)
+    assert "(" not in bc.machine_line(dict(info, cpu_model=None)).split(",")[0]
+
+
 def test_screenshot_batch_places_one_pad_token_per_merged_patch():
     mod = load_script("train_step")
     cfg = mod.model_config("tiny")
