@@ -12,7 +12,7 @@
 # SECONDS: the whole budget (default 560); PARTS: which parts, in which order (default: what has not run on
 # a GPU yet or has changed since, machine,grpo_gpu_scan,attention_packed_0_5b,sampler_7b,remat_gui_0_5b,
 # vs_torch_gui_0_5b_cudnn,vs_torch_gui_3b,grpo_gpu_frozen_tower_scan). Also:
-#   gpu_tests: the GPU-only tests (cuDNN attention, Pallas kernels);
+#   gpu_tests: the GPU-only tests (cuDNN attention, its packed layout, Pallas kernels);
 #   grpo_gpu_step: the 7B step training every parameter, its layers unrolled (84.43 GiB: an H200, not an H100);
 #   grpo_gpu_scan: the same with its layers under scan, as the recipe runs (68.69 GiB compiled by XLA:GPU
 #     without a GPU: one H100);
@@ -28,8 +28,8 @@
 #     per attention call under `auto`) before each attention;
 #   profile_gui_0_5b: a kernel-level profile of the 0.5B GUI step;
 #   attention_packed_0_5b: the 0.5B update on one 16,384-token row, unpacked (cuDNN attention under `auto`)
-#     against two 8,192-token steps packed into it (no segment-aware cuDNN: the blockwise path), which decides
-#     whether packing the GPU recipes' rows pays;
+#     against two 8,192-token steps packed into it, under `auto` (cuDNN's packed layout on a Hopper GPU) and
+#     the blockwise path (`xla`), which decides whether packing the GPU recipes' rows pays;
 #   sampler_7b: the 7B sampler's decode at batch 8 and 64 with screenshot-length prompts (prefilled 8 rows at a
 #     time) against its roofline; each batch size's row is written as it finishes.
 set -u
@@ -58,7 +58,7 @@ run_part() {
     machine) part machine 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
       python3 -c "import jax, jaxlib, flax, optax; print(jax.devices(), jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__)"' ;;
     gpu_tests) part gpu_tests 150 python3 -m pytest -q -p no:xdist -o addopts="-p no:cacheprovider --import-mode=importlib" \
-      -m gpu tests/guijax/test_attention.py tests/guijax/test_kernels.py ;;
+      -m gpu tests/guijax/test_attention.py tests/guijax/test_cudnn_packed.py tests/guijax/test_kernels.py ;;
     grpo_gpu_step) part grpo_gpu_step 330 python3 benchmarks/recipe_step.py --config=grpo_gpu \
       --config.model.scan_layers=False --steps=3 \
       --json="$out/recipe_step_grpo_gpu.json" --markdown="$out/recipe_step_grpo_gpu.md" ;;
@@ -75,8 +75,8 @@ run_part() {
     grpo_gpu_lora) part grpo_gpu_lora 220 python3 benchmarks/recipe_step.py --config=grpo_gpu --config.lora.rank=128 \
       --config.model.scan_layers=False --steps=3 --json="$out/recipe_step_grpo_gpu_lora.json" \
       --markdown="$out/recipe_step_grpo_gpu_lora.md" ;;
-    attention_packed_0_5b) part attention_packed_0_5b 150 python3 benchmarks/attention_tile.py --preset qwen2_5_0_5b \
-      --rows 1 --seq 16384 --examples 0,8192 --blocks 512 --dtype bfloat16 --repeats 3 \
+    attention_packed_0_5b) part attention_packed_0_5b 240 python3 benchmarks/attention_tile.py --preset qwen2_5_0_5b \
+      --rows 1 --seq 16384 --examples 0,8192 --attention auto,xla --blocks 512 --dtype bfloat16 --repeats 3 \
       --json="$out/attention_packed_0_5b.json" --markdown="$out/attention_packed_0_5b.md" ;;
     train_step_gui_0_5b) part train_step_gui_0_5b 75 python3 benchmarks/train_step.py --presets qwen2_5_0_5b \
       --batch 1 --screenshots 5 --remat full --repeats 3 --json="$out/train_step_gui_0_5b.json" \

@@ -182,10 +182,12 @@ def optim_config(**overrides: Any):
 
 
 def build(cfg: ModelConfig, dtype: str, remat: str = "none", seed: int = 0, attention_block: int = 512,
-          scan_layers: bool = True):
-    """(jitted step, fresh TrainState factory, params) on the real guijax code path."""
+          scan_layers: bool = True, attention: str = "auto"):
+    """(jitted step, fresh TrainState factory, params) on the real guijax code path; `attention` is the
+    backend (guijax.models.attention.IMPLEMENTATIONS)."""
     module = weights.build_module(cfg, dtype=optim.resolve_dtype(dtype), param_dtype=jnp.float32,
-                                  remat_policy=remat, attention_block=attention_block, scan_layers=scan_layers)
+                                  remat_policy=remat, attention_block=attention_block, scan_layers=scan_layers,
+                                  attention_impl=attention)
     # Random init on the host: on an H100, XLA:GPU had not compiled the 0.5B model's jitted init after 2.5 min.
     with jax.default_device(jax.devices("cpu")[0]):
         params = weights.init_params(module, jax.random.PRNGKey(seed))

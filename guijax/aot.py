@@ -227,12 +227,19 @@ class Target:
 def traceable(config: ml_collections.ConfigDict, target: Target) -> ml_collections.ConfigDict:
     """The recipe as the dry run traces it for `target`: a kernel it names (`model.attention`) that the target
     cannot trace (cuDNN on the v5p proxy or XLA:CPU, splash off a TPU) is traced as the blockwise path, as `auto`
-    is there; the report's `attention_traced` says which."""
+    is there; cuDNN's packed layout for a GPU target, which JAX traces only with a Hopper GPU as the default
+    device, is traced as `auto` without it (cuDNN with lengths, else the blockwise path); the report's
+    `attention_traced` says which."""
+    from guijax.models import cudnn_packed
     from guijax.models.attention import KERNEL_PLATFORMS
 
     named = config.model.attention
     platform = target.attention_platform or jax.default_backend()
     if KERNEL_PLATFORMS.get(named, platform) == platform:
+        if named != "cudnn_packed" or not cudnn_packed.unavailable():
+            return config
+        config = ml_collections.ConfigDict(config.to_dict())
+        config.model.attention = "auto"
         return config
     config = ml_collections.ConfigDict(config.to_dict())
     config.model.attention = "xla"

@@ -86,7 +86,7 @@ class Model:
     # guijax.models.scan.REMAT_POLICIES
     remat: Literal["none", "full", "dots_saveable", "attention_saveable"] = "none"
     # attention backend (guijax/models/attention.py: IMPLEMENTATIONS)
-    attention: Literal["auto", "reference", "xla", "cudnn", "splash"] = "auto"
+    attention: Literal["auto", "reference", "xla", "cudnn", "cudnn_packed", "splash"] = "auto"
     # the blockwise ("xla") attention's query/key tile in the decoder: tiles whose pairs are all masked are
     # skipped, so smaller tiles skip more of a packed row's cross-example pairs; larger ones are fewer matmuls
     attention_block: int = ranged(512, low=16)

@@ -33,12 +33,18 @@ Backends (`implementation`):
       the row's queries and keys, zeros after it.
   The first two are static and raise ValueError when unmet. The last depends on values; rows that break it
   come back as NaN rather than silently wrong.
+* "cudnn_packed": cuDNN flash attention in its packed layout (`guijax.models.cudnn_packed`): each run of one
+  segment id is a sequence of its own, so packed rows (several examples end to end) stay on cuDNN. It applies
+  on a Hopper-or-newer GPU under the same static conditions as "cudnn", for self-attention (sq == sk, the
+  same ids for queries and keys); rows whose ids are not runs that fit (a non-padding id in two runs, more
+  than `cudnn_packed.DEFAULT_MAX_RUNS` runs) come back as NaN, as "cudnn" does with rows it cannot describe.
 * "splash": Pallas splash attention on a TPU (`guijax.models.splash_attention`): the kernel skips the tiles
   its causal or full mask leaves empty and takes the segment ids as they are, so packed rows and per-image
   vision segments need no rewriting. It applies when the target is a TPU and positions are the defaults.
 * "auto": on a TPU, splash when it applies (a sequence of at least one 128-token tile) and "xla" otherwise;
-  on a GPU when the cuDNN static conditions hold, a `lax.cond` checks the row layout at run time and takes
-  cuDNN when it holds and "xla" otherwise, each device for its own rows (`guijax.models.local_rows`). Inside
+  on a GPU when the cuDNN static conditions hold, a run-time branch checks the row layout and takes cuDNN
+  with lengths for right-padded rows, cuDNN's packed layout for packed rows (where "cudnn_packed" applies)
+  and "xla" otherwise, each device for its own rows (`guijax.models.local_rows`). Inside
   a vmap that check would be batched, so both branches would run and their results be selected: callers
   whose rows are right-padded by construction (the vision tower, vmapped over per-device blocks) say so with
   `right_padded=True`, and `auto` takes cuDNN there with no check. Everywhere else "xla".
@@ -58,13 +64,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from guijax.models import splash_attention
+from guijax.models import cudnn_packed, splash_attention
 from guijax.models.local_rows import on_local_rows
 
 PAD_SEGMENT = 0
-IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
+IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "cudnn_packed", "splash")
 # the kernels a caller can name, and the one platform each can be traced for ("xla" runs everywhere)
-KERNEL_PLATFORMS = {"cudnn": "gpu", "splash": "tpu"}
+KERNEL_PLATFORMS = {"cudnn": "gpu", "cudnn_packed": "gpu", "splash": "tpu"}
 # Finite stand-in for -inf: exp(M_INIT - m) underflows to exactly 0 and M_INIT - M_INIT stays 0, where -inf
 # would turn the running-max rescaling of an all-masked row into NaN.
 M_INIT = -1e30
@@ -153,14 +159,26 @@ def attention(
         if reason:
             raise ValueError(f"cudnn attention does not apply: {reason}")
         return jnp.where(_right_padded(q_seg, kv_seg), _cudnn(q, k, v, q_seg, kv_seg, causal, scale), jnp.nan)
+    packed_reason = reason or _packed_unsupported(sq, sk)
+    if implementation == "cudnn_packed":
+        if packed_reason:
+            raise ValueError(f"cudnn_packed attention does not apply: {packed_reason}")
+        fits = cudnn_packed.fits(q_seg, kv_seg)[:, None, None, None]
+        return jnp.where(fits, cudnn_packed.attention(q, k, v, q_seg, causal=causal, scale=scale), jnp.nan)
     if implementation == "auto" and not reason:
         # each device checks and runs its own rows: under the partitioner, cuDNN's custom partitioning inside
         # the branch gathered every device's rows to each one (no reason given means default positions)
         def local(q, k, v, q_seg, kv_seg):
             q_pos, kv_pos = _ids(None, *q_seg.shape, None), _ids(None, *kv_seg.shape, None)
-            return lax.cond(jnp.all(_right_padded(q_seg, kv_seg)),
-                            lambda: _cudnn(q, k, v, q_seg, kv_seg, causal, scale),
-                            lambda: _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, scale, block_q, block_k))
+            branches = [
+                lambda: _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, scale, block_q, block_k),
+                lambda: _cudnn(q, k, v, q_seg, kv_seg, causal, scale),
+            ]
+            branch = jnp.where(jnp.all(_right_padded(q_seg, kv_seg)), 1, 0)
+            if not packed_reason:
+                branches.append(lambda: cudnn_packed.attention(q, k, v, q_seg, causal=causal, scale=scale))
+                branch = jnp.where((branch == 0) & jnp.all(cudnn_packed.fits(q_seg, kv_seg)), 2, branch)
+            return lax.switch(branch, branches)
 
         return on_local_rows(local, q, k, v, (q_seg, kv_seg), row_axis)
     return blockwise()
@@ -369,6 +387,13 @@ def _cudnn_unsupported(q: jax.Array, k: jax.Array, causal: bool, default_positio
     if causal and q.shape[1] != k.shape[1]:
         return f"causal attention with sq ({q.shape[1]}) != sk ({k.shape[1]})"
     return ""
+
+
+def _packed_unsupported(sq: int, sk: int) -> str:
+    """Why cuDNN's packed layout cannot take a call that plain cuDNN can ('' when it can)."""
+    if sq != sk:
+        return f"packed rows are self-attention (sq == sk); got sq {sq}, sk {sk}"
+    return cudnn_packed.unavailable()
 
 
 def _right_padded(q_seg: jax.Array, kv_seg: jax.Array) -> jax.Array:

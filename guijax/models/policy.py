@@ -140,7 +140,7 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: Any = "float32", param_d
     the family; safetensors with optional index; tokenizer).
 
     dtype is the compute dtype; param_dtype defaults to it. With a mesh, every device reads only its shard.
-    attention_impl picks the attention backend ("auto", "xla", "cudnn", "splash", "reference"), attention_block the
+    attention_impl picks the attention backend ("auto", "xla", "cudnn", "cudnn_packed", "splash", "reference"), attention_block the
     blockwise backend's tile. With `lora`, fresh
     adapters (drawn from `lora_seed`) join the loaded weights, which training then leaves frozen.
     expert_capacity_factor sizes a MoE model's expert-parallel buffers (guijax.models.moe; 0: dropless).

@@ -205,7 +205,7 @@ class DecoderLayer(nn.Module):
 class Qwen2_5_VL(nn.Module):
     """The full policy network. Inputs are device arrays; image-size-dependent indices come precomputed
     (see `guijax.models.positions`). `attention_impl` picks the attention backend of the decoder and the
-    vision tower ("auto", "xla", "cudnn", "splash" or the dense "reference"; see `guijax.models.attention`).
+    vision tower ("auto", "xla", "cudnn", "cudnn_packed", "splash" or the dense "reference"; see `guijax.models.attention`).
 
     scan_layers: run the decoder layers (and vision blocks) under `nn.scan`, parameters stacked on a leading
     layer axis (params["layers"][...] is [num_hidden_layers, ...]), so compile time does not grow with depth.

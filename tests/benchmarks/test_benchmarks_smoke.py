@@ -368,15 +368,18 @@ def test_attention_tile_benchmark_packs_rows():
     assert batch["loss_mask"].tolist() == [[1, 1, 1, 0, 1, 1, 1, 0]]
 
 
-@pytest.mark.slow  # 30 s: two compiles of the step; test_attention checks the tile's parity in the model
+@pytest.mark.slow  # 60 s: four compiles of the step; test_attention checks the tile's parity in the model
 def test_attention_tile_benchmark_keeps_the_loss_across_tiles(tmp_path):
     mod = load_script("attention_tile")
     payload = mod.main(["--preset", "tiny", "--rows", "1", "--seq", "64", "--examples", "16", "--blocks", "16,512",
-                        "--repeats", "1"] + outputs(tmp_path, "tiles"))
-    small, large = payload["rows"]
+                        "--attention", "auto,reference", "--repeats", "1"] + outputs(tmp_path, "tiles"))
+    small, large, dense, _ = payload["rows"]
     assert (small["block"], large["block"]) == (16, 512) and small["loss"] == pytest.approx(large["loss"], rel=1e-5)
+    assert (small["attention"], dense["attention"]) == ("auto", "reference")
+    assert dense["loss"] == pytest.approx(small["loss"], rel=1e-5)
     assert read_outputs(tmp_path, "tiles")["rows"] == payload["rows"]
-    assert "| 4 of 16 tokens | 16 |" in (tmp_path / "tiles.md").read_text()
+    text = (tmp_path / "tiles.md").read_text()
+    assert "| 4 of 16 tokens | auto | 16 |" in text and "| 4 of 16 tokens | reference | 512 |" in text
 
 
 def test_packing_fill_counts_token_and_screenshot_slots():

@@ -615,7 +615,8 @@ def test_a_kernel_the_target_cannot_trace_is_traced_as_the_blockwise_path(capsys
     cpu = aot.Target("cpu", [], None, False, "")
     gpu = aot.Target("xla:gpu", [], None, True, "", attention_platform="gpu")
     for attention, target, traced in (("cudnn", cpu, "xla"), ("splash", gpu, "xla"), ("cudnn", gpu, "cudnn"),
-                                      ("auto", cpu, "auto")):
+                                      ("auto", cpu, "auto"), ("cudnn_packed", cpu, "xla"),
+                                      ("cudnn_packed", gpu, "auto")):  # no Hopper GPU here to trace it for
         config = launch.resolve("grpo_gpu", [f"model.attention={attention}"])
         assert aot.traceable(config, target).model.attention == traced
         assert config.model.attention == attention  # the recipe itself is left as it was

@@ -172,3 +172,43 @@ def test_the_one_gpu_recipes_full_fine_tune_fits_one_h100(name):
     assert compiled[True]["scan_layers"] is True and compiled[True]["fits"] is True
     assert compiled[False]["compiled"] is True and compiled[False]["fits"] is False
     assert compiled[True]["peak_bytes_per_device"] < compiled[False]["peak_bytes_per_device"]
+
+
+@pytest.mark.skipif(not _registered(), reason="needs JAX's CUDA plugin, registered (pip install -e '.[gpu-compile]' "
+                                               "and JAX_PLATFORMS=cpu)")
+def test_cudnns_packed_layout_compiles_for_a_compile_only_h100(monkeypatch):
+    """XLA:GPU compiles packed rows' attention, forward and backward, into cuDNN's fused kernel in its packed
+    layout (runs' lengths and offsets as operands, softmax statistics per run), and `auto` holds that branch
+    beside the lengths one. JAX checks for a Hopper GPU while tracing by asking the default device, which is
+    this machine's CPU: the check is told the target's answer."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax._src.cudnn import fused_attention_stablehlo
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from guijax.models import cudnn_packed
+    from guijax.models.attention import attention, compiling_for
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(cudnn_packed, "unavailable", lambda: "")
+    whole = NamedSharding(Mesh(np.asarray(gpu_target.devices("h100", 1)), ("rows",)), P())
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16, sharding=whole)
+    kv = jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16, sharding=whole)
+    seg = jax.ShapeDtypeStruct((1, 4096), jnp.int32, sharding=whole)
+    runs = cudnn_packed.DEFAULT_MAX_RUNS
+    for impl in ("cudnn_packed", "auto"):
+        def loss(q, k, v, seg):
+            out = attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, implementation=impl)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        with compiling_for("gpu"):
+            hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile().as_text()
+        forward = [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$fmhaSoftmax"' in line]
+        packed = [line for line in forward if f"s32[1,{runs}]" in line and f"s32[1,{runs + 1}]" in line]
+        assert packed and f"f32[{runs},8,4096]" in packed[0], impl  # statistics per run, 8 heads
+        assert "__cudnn$fmhaSoftmaxBackward" in hlo
+        assert len(forward) == (1 if impl == "cudnn_packed" else 2), impl  # auto: lengths and packed
+        assert not re.search(r"f32\[1,8,4096,4096\]", hlo)  # no dense score matrix anywhere
