@@ -15,9 +15,13 @@ caller to route elsewhere (`guijax.models.attention` checks and falls back to th
 The packed layout is JAX's own cuDNN binding (`jax._src.cudnn.fused_attention_stablehlo`), which
 `jax.nn.dot_product_attention` uses without exposing its offsets; JAX requires a Hopper GPU or newer for it
 and checks that while tracing, so a program with this path is traced where such a GPU is the default device.
+Before jax 0.11 that binding turned the keys' and values' token offsets into element offsets with the
+queries' head count, wrong for grouped heads (every Qwen model here): where the installed JAX does so
+(`kv_offsets_follow_kv_heads`), keys and values are repeated to the queries' heads before the call.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -43,6 +47,22 @@ def _mask_type(causal: bool) -> Any:
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
 
     return MaskType.PADDING_CAUSAL if causal else MaskType.PADDING
+
+
+@functools.cache
+def kv_offsets_follow_kv_heads() -> bool:
+    """Whether JAX's binding scales the keys' run offsets by the keys' own head count (jax >= 0.11), read off
+    its offset fix-up on a tiny grouped-heads example; False where that cannot be read (then guijax repeats
+    the keys' heads, which is right either way)."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import _fix_seqlen_offsets
+        with jax.ensure_compile_time_eval():
+            q, k = jnp.zeros((1, 2, 4, 8), jnp.bfloat16), jnp.zeros((1, 2, 1, 8), jnp.bfloat16)
+            lengths, starts = jnp.asarray([[1, 1]], jnp.int32), jnp.asarray([[0, 1, -1]], jnp.int32)
+            kv_offsets = _fix_seqlen_offsets(lengths, lengths, starts, starts, q, k)[3]
+            return int(kv_offsets.reshape(-1)[1]) == 1 * 1 * 8  # token 1 at 1 kv head x 8 dims
+    except Exception:  # noqa: BLE001 (a private function: any change to it means "cannot tell")
+        return False
 
 
 def unavailable() -> str:
@@ -98,7 +118,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, causa
     """q [b, s, h, d], k, v [b, s, kvh, d], seg [b, s] (the same ids for queries and keys) -> [b, s, h, d],
     each run of one id attending only itself (causally from its own start when causal); padding queries give
     0. Rows for which `fits` is False come back wrong: the caller checks."""
+    if max_runs < 2:  # JAX's binding reads one run per row as plain per-row lengths
+        raise ValueError(f"max_runs must be at least 2, got {max_runs}")
     starts, lengths, _ = segment_runs(seg, max_runs)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if kv_heads != heads and not kv_offsets_follow_kv_heads():
+        k, v = (jnp.repeat(x, heads // kv_heads, axis=2) for x in (k, v))
     out = _fused()(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts, kv_offsets=starts,
                    scale=scale, mask_type=_mask_type(causal), qkv_layout="BTNH")
     return jnp.where((seg != PAD_SEGMENT)[:, :, None, None], out, 0).astype(q.dtype)

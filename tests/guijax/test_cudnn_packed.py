@@ -150,6 +150,7 @@ def test_packed_rows_on_the_kernel_equal_the_reference(stand_in, causal):
     padding = np.asarray(seg) == 0
     for x in (out, *grads):
         assert not np.asarray(x, np.float32)[padding].any()
+    jax.effects_barrier()
     assert stand_in
 
 
@@ -197,6 +198,45 @@ def test_the_packed_kernel_is_not_traced_without_a_hopper_gpu():
         attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, implementation="cudnn_packed")
     with compiling_for("gpu"), pytest.raises(ValueError, match="self-attention"):
         attention(q, k[:, :8], v[:, :8], implementation="cudnn_packed")
+
+
+def test_the_key_offsets_cudnn_reads_count_the_keys_own_heads(monkeypatch):
+    """JAX's binding turns each run's token offset into an element offset. With grouped heads the keys' must
+    count the keys' own heads; JAX before 0.11 counted the queries', so there guijax repeats the keys' heads.
+    Checked on JAX's own fix-up of exactly what guijax passes it, two rows of 8 tokens."""
+    from jax._src.cudnn.fused_attention_stablehlo import _fix_seqlen_offsets
+
+    seen = {}
+
+    def binding(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, **kw):
+        q_elements, kv_elements = _fix_seqlen_offsets(q_seqlen, kv_seqlen, q_offsets, kv_offsets, q, k)[2:]
+        seen.update(q=np.asarray(q_elements).reshape(-1), kv=np.asarray(kv_elements).reshape(-1), k=k, v=v)
+        return jnp.zeros_like(q)
+
+    monkeypatch.setattr(cudnn_packed, "_fused", lambda: binding)
+    q, k, v = _qkv(0, 2, 8, h=4, kvh=2, d=16)
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 0, 0, 0], [1] * 8], jnp.int32)
+    cudnn_packed.attention(q, k, v, seg, causal=True, scale=1.0)
+    tokens = [0, 3, 5, 8]  # row 0's three runs, then row 1's one, which starts at token 8 of the flattened rows
+    kv_heads = seen["k"].shape[2]
+    assert seen["q"][:4].tolist() == [t * 4 * 16 for t in tokens]
+    assert seen["kv"][:4].tolist() == [t * kv_heads * 16 for t in tokens]
+    if kv_heads == 4:  # repeated: query head i still reads key head i // 2, as grouped attention does
+        chex.assert_trees_all_equal(seen["k"][:, :, ::2], k, seen["k"][:, :, 1::2], k)
+        chex.assert_trees_all_equal(seen["v"][:, :, ::2], v)
+
+
+def test_a_named_packed_kernel_gives_the_vision_windows_to_plain_cudnn(monkeypatch):
+    """The tower's window rows hold one group each and are vmapped over per-device blocks, which JAX's packed
+    binding cannot batch: naming cudnn_packed gives them to cuDNN with lengths."""
+    from guijax.models import vision
+
+    named = []
+    monkeypatch.setattr(vision, "attention", lambda q, k, v, **kw: named.append(kw["implementation"]) or q)
+    q = jnp.zeros((6, 2, 8))
+    vision.window_attention(q, q, q, jnp.asarray([[0, 1, 2], [3, 4, 5]]), jnp.arange(6), "cudnn_packed")
+    vision.window_attention(q, q, q, jnp.asarray([[0, 1, 2], [3, 4, 5]]), jnp.arange(6), "auto")
+    assert named == ["cudnn", "auto"]
 
 
 def _hopper() -> bool:
