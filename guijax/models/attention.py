@@ -275,14 +275,7 @@ def _flash_forward(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg,
     probabilities are masked to 0 in the backward pass anyway)."""
     _, b, bq, kvh, g, d = qb.shape
     if qb.shape[0] == 1 and kb.shape[0] == 1:  # one tile: no loop, no skip test, no running rescale
-        mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)[:, None, None]
-        s = jnp.where(mask, _scores(qb[0], kb[0], scale), M_INIT)
-        m = s.max(-1)
-        p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-        l = p.sum(-1)
-        acc = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb[0], preferred_element_type=jnp.float32)
-        out, lse = _normalise(m, l, acc)
-        return jnp.moveaxis(out, 3, 1).astype(qb.dtype)[None], lse[None]
+        return _one_tile_forward(causal, scale, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos)
 
     def q_block(_, xs):
         q_blk, qs, qp = xs
@@ -310,6 +303,86 @@ def _flash_forward(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg,
 
     _, (out, lse) = lax.scan(q_block, None, (qb, q_seg, q_pos))
     return out, lse
+
+
+# One tile, laid out for the matmuls: grouped query heads become rows of their key/value head, [b, kvh, g * bq,
+# d] against [b, kvh, bk, d], so every product is a plain batched matmul over (b, kvh) with contiguous operands.
+# Contracting the blocked layouts' interleaved axes directly made XLA:CPU copy or recompute each operand per
+# product (the score gradient twice, once per layout): the small CPU model's attention took 3x as long.
+def _rows(x: jax.Array) -> jax.Array:
+    """[b, bq, kvh, g, d] -> [b, kvh, g * bq, d]."""
+    b, bq, kvh, g, d = x.shape
+    return jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, kvh, g * bq, d)
+
+
+def _unrows(x: jax.Array, g: int) -> jax.Array:
+    """[b, kvh, g * bq, d] -> [b, bq, kvh, g, d]."""
+    b, kvh, r, d = x.shape
+    return jnp.transpose(x.reshape(b, kvh, g, r // g, d), (0, 3, 1, 2, 4))
+
+
+def _heads_first(x: jax.Array) -> jax.Array:
+    """[b, bk, kvh, d] -> [b, kvh, bk, d] (and back: the same swap)."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _row_mask(causal: bool, g: int, q_seg, q_pos, kv_seg, kv_pos) -> jax.Array:
+    """bool [b, 1, g * bq, bk]: the tile's mask for every query row of a key/value head."""
+    mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)  # [b, bq, bk]
+    b, bq, bk = mask.shape
+    return jnp.broadcast_to(mask[:, None, None], (b, 1, g, bq, bk)).reshape(b, 1, g * bq, bk)
+
+
+# Below this many queries per tile (a KV-cache decode step) the keys are the cache itself: laying them out anew
+# would copy the whole cache per step (a CPU decode of 64 rows over 2k keys took 1.3x as long), so such tiles
+# contract the blocked layouts in place.
+ROW_LAYOUT_MIN_QUERIES = 16
+
+
+def _one_tile_forward(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
+    """_flash_forward for one query tile and one key tile, without loops or the running rescale."""
+    _, b, bq, kvh, g, d = qb.shape
+    if bq < ROW_LAYOUT_MIN_QUERIES:
+        mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)[:, None, None]
+        s = jnp.where(mask, _scores(qb[0], kb[0], scale), M_INIT)
+        m = s.max(-1)
+        p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+        acc = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb[0], preferred_element_type=jnp.float32)
+        out, lse = _normalise(m, p.sum(-1), acc)
+        return jnp.moveaxis(out, 3, 1).astype(qb.dtype)[None], lse[None]
+    mask = _row_mask(causal, g, q_seg, q_pos, kv_seg, kv_pos)
+    q, k, v = _rows(qb[0]), _heads_first(kb[0]), _heads_first(vb[0])
+    s = jnp.einsum("bkrd,bksd->bkrs", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask, s, M_INIT)
+    m = s.max(-1)
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    acc = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out, lse = _normalise(m, p.sum(-1), acc)
+    return _unrows(out, g).astype(qb.dtype)[None], lse.reshape(b, kvh, g, bq)[None]
+
+
+def _one_tile_backward(causal: bool, scale: float, res, d_out, delta):
+    """_flash_bwd for one tile: dq, dk, dv from p recomputed off the saved logsumexp."""
+    qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos, _, lse = res
+    _, b, bq, kvh, g, d = qb.shape
+    if bq < ROW_LAYOUT_MIN_QUERIES:
+        mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)[:, None, None]
+        dq, dk, dv = _tile_grads(mask, scale, qb[0], kb[0], vb[0], d_out[0], lse[0], delta[0])
+        return (dq.astype(qb.dtype)[None], dk.astype(kb.dtype)[None], dv.astype(vb.dtype)[None],
+                None, None, None, None)
+    mask = _row_mask(causal, g, q_seg, q_pos, kv_seg, kv_pos)
+    q, k, v, do = _rows(qb[0]), _heads_first(kb[0]), _heads_first(vb[0]), _rows(d_out[0])
+    lse, delta = (x[0].reshape(b, kvh, g * bq, 1) for x in (lse, delta))
+    f32 = dict(preferred_element_type=jnp.float32)
+    s = jnp.einsum("bkrd,bksd->bkrs", q, k, **f32) * scale
+    p = jnp.where(mask, jnp.exp(s - lse), 0.0)
+    dv = jnp.einsum("bkrs,bkrd->bksd", p.astype(do.dtype), do, **f32)
+    dp = jnp.einsum("bkrd,bksd->bkrs", do, v, **f32)
+    ds = p * (dp - delta) * scale
+    dq = jnp.einsum("bkrs,bksd->bkrd", ds.astype(k.dtype), k, **f32)
+    dk = jnp.einsum("bkrs,bkrd->bksd", ds.astype(q.dtype), q, **f32)
+    return (_unrows(dq, g).astype(qb.dtype)[None], _heads_first(dk).astype(kb.dtype)[None],
+            _heads_first(dv).astype(vb.dtype)[None], None, None, None, None)
 
 
 def _tile_grads(mask, scale: float, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk):
@@ -341,10 +414,7 @@ def _flash_bwd(causal: bool, scale: float, res, d_out):
     delta = jnp.moveaxis(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1), 2, -1)
     d_out = d_out.astype(qb.dtype)
     if qb.shape[0] == 1 and kb.shape[0] == 1:  # one tile: no loops, no skip test, no zero accumulators
-        mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)[:, None, None]
-        dq, dk, dv = _tile_grads(mask, scale, qb[0], kb[0], vb[0], d_out[0], lse[0], delta[0])
-        return (dq.astype(qb.dtype)[None], dk.astype(kb.dtype)[None], dv.astype(vb.dtype)[None],
-                None, None, None, None)
+        return _one_tile_backward(causal, scale, res, d_out, delta)
 
     def k_block(dq, xs):
         k_blk, v_blk, ks, kp = xs
