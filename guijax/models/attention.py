@@ -227,37 +227,76 @@ def _reference(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float
 
 
 # ------------------------------------------------------------------------------------------------ blockwise
+# Tiles are laid out for the matmuls: a key/value head's grouped query heads become rows of that head, queries
+# [b, kvh, bq * g, d] (query-major, each query's g heads side by side) against keys [b, kvh, bk, d], so every
+# product is a plain batched matmul over (row, kv head) with contiguous operands. Contracting the interleaved
+# [b, q, kvh, g, d] layout directly made XLA:CPU copy or recompute operands for each product (the score
+# gradient twice, once per layout), and a tile took 3x as long.
+#
+# Fewer queries than ROW_LAYOUT_MIN_QUERIES against a single tile of keys (a KV-cache decode step, whose keys
+# are the cache) take `_few_queries` instead: one tile computed densely, linear in the keys at that size, which
+# reads the cache where it is; laying it out anew would copy the whole cache per step (a CPU decode of 64 rows
+# over 2k keys took 1.3x as long that way).
+ROW_LAYOUT_MIN_QUERIES = 16
+
+
 def _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float, block_q: int,
                block_k: int) -> jax.Array:
     """Pad both lengths to whole blocks, lay the blocks out on a leading axis, run the flash kernel."""
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
     bq, bk = max(1, min(block_q, sq)), max(1, min(block_k, sk))
     if bq < block_q:  # few queries (a decode step): wider key tiles, at most the same score-tile area, as
         widest = max(1, block_q * block_k // bq)  # few as that allows, balanced so little is padded
         bk = -(-sk // -(-sk // widest))
     nq, nk = -(-sq // bq), -(-sk // bk)
+    if nq == 1 and nk == 1 and bq < ROW_LAYOUT_MIN_QUERIES:
+        return _few_queries(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, scale)
 
-    def blocks(x: jax.Array, n: int, size: int, fill: int = 0) -> jax.Array:
-        pad = [(0, 0), (0, n * size - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    def blocks(x: jax.Array, n: int, size: int, axis: int, fill: int = 0) -> jax.Array:
+        """x with axis `axis` padded to n * size and cut into n blocks, the block index leading."""
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, n * size - x.shape[axis])
         x = jnp.pad(x, pad, constant_values=fill)
-        return jnp.moveaxis(x.reshape(x.shape[0], n, size, *x.shape[2:]), 1, 0)
+        return jnp.moveaxis(x.reshape(*x.shape[:axis], n, size, *x.shape[axis + 1:]), axis, 0)
 
     # Tie the ids to the queries: under a scan over layers the ids are loop-invariant, and JAX's scan partial
     # evaluation hoists everything computed from them alone out of the loop, so every tile's mask (and the
     # masked fill of its scores) would be materialised at once, [nq, nk, b, h, bq, bk]: 10.7 GiB at 14k
     # tokens instead of one tile. After the barrier they count as depending on the layer's input.
     q, q_seg, kv_seg, q_pos, kv_pos = lax.optimization_barrier((q, q_seg, kv_seg, q_pos, kv_pos))
-    qb = blocks(_group(q, kvh), nq, bq)
-    kb, vb = blocks(k, nk, bk), blocks(v, nk, bk)
-    out = _flash(causal, scale, qb, kb, vb, blocks(q_seg, nq, bq, PAD_SEGMENT), blocks(q_pos, nq, bq),
-                 blocks(kv_seg, nk, bk, PAD_SEGMENT), blocks(kv_pos, nk, bk))
-    return jnp.moveaxis(out, 0, 1).reshape(b, nq * bq, h, d)[:, :sq]
+    qb = blocks(jnp.swapaxes(_group(q, kvh), 1, 2), nq, bq, axis=2)  # [nq, b, kvh, bq, g, d]
+    qb = qb.reshape(nq, b, kvh, bq * g, d)
+    kb, vb = (blocks(jnp.swapaxes(x, 1, 2), nk, bk, axis=2) for x in (k, v))  # [nk, b, kvh, bk, d]
+    out = _flash(causal, scale, g, qb, kb, vb, blocks(q_seg, nq, bq, 1, PAD_SEGMENT), blocks(q_pos, nq, bq, 1),
+                 blocks(kv_seg, nk, bk, 1, PAD_SEGMENT), blocks(kv_pos, nk, bk, 1))
+    out = jnp.moveaxis(out.reshape(nq, b, kvh, bq, g, d), 0, 2).reshape(b, kvh, nq * bq, g, d)
+    return jnp.swapaxes(out, 1, 2).reshape(b, nq * bq, h, d)[:, :sq]
+
+
+def _few_queries(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float) -> jax.Array:
+    """A few queries against one tile of keys, in the callers' layout; plain autodiff, whose saved probabilities
+    are [b, h, sq, sk] with sq < ROW_LAYOUT_MIN_QUERIES."""
+    b, sq, h, d = q.shape
+    mask = _tile_mask(q_seg, kv_seg, q_pos, kv_pos, causal)[:, None, None]
+    s = jnp.einsum("bqkgd,bskd->bkgqs", _group(q, k.shape[2]), k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask, s, M_INIT)
+    m = s.max(-1)
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    acc = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = _normalise(m, p.sum(-1), acc)[0]
+    return jnp.moveaxis(out, 3, 1).reshape(b, sq, h, d).astype(q.dtype)
+
+
+def _row_mask(qs, ks, qp, kp, causal: bool, g: int) -> jax.Array:
+    """bool [b, 1, bq * g, bk]: the tile's mask for each query row of a key/value head."""
+    return jnp.repeat(_tile_mask(qs, ks, qp, kp, causal), g, axis=1)[:, None]
 
 
 def _scores(q_blk, k_blk, scale: float) -> jax.Array:
-    """q [b, bq, kvh, g, d], k [b, bk, kvh, d] -> float32 [b, kvh, g, bq, bk]."""
-    return jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
+    """q [b, kvh, r, d], k [b, kvh, bk, d] -> float32 [b, kvh, r, bk]."""
+    return jnp.einsum("bkrd,bksd->bkrs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
 
 
 def _normalise(m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -268,160 +307,87 @@ def _normalise(m: jax.Array, l: jax.Array, acc: jax.Array) -> tuple[jax.Array, j
     return out, jnp.where(seen, m + jnp.log(l_safe), 0.0)
 
 
-def _flash_forward(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
-    """Blocked inputs ([n, b, block, ...]) -> (output like qb, logsumexp [nq, b, kvh, g, bq] float32).
+def _flash_forward(causal: bool, scale: float, g: int, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
+    """Row-laid blocks (qb [nq, b, kvh, r, d], kb / vb [nk, b, kvh, bk, d], ids [n, b, block]) -> (output like
+    qb, logsumexp [nq, b, kvh, r] float32).
 
     A query row with no visible key has l == 0: its output is 0 and its logsumexp is stored as 0 (its
     probabilities are masked to 0 in the backward pass anyway)."""
-    _, b, bq, kvh, g, d = qb.shape
-    if qb.shape[0] == 1 and kb.shape[0] == 1:  # one tile: no loop, no skip test, no running rescale
-        return _one_tile_forward(causal, scale, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos)
+    _, b, kvh, r, d = qb.shape
+
+    def tile(q_blk, k_blk, v_blk, mask, m, l, acc):
+        """Fold one key tile into the running (max, sum, weighted values)."""
+        s = jnp.where(mask, _scores(q_blk, k_blk, scale), M_INIT)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkrs,bksd->bkrd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+        return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+    init = (jnp.full((b, kvh, r), M_INIT, jnp.float32), jnp.zeros((b, kvh, r), jnp.float32),
+            jnp.zeros((b, kvh, r, d), jnp.float32))
+    if qb.shape[0] == 1 and kb.shape[0] == 1:  # one tile: no loop, no skip test, no zero accumulators
+        mask = _row_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal, g)
+        out, lse = _normalise(*tile(qb[0], kb[0], vb[0], mask, *init))
+        return out.astype(qb.dtype)[None], lse[None]
 
     def q_block(_, xs):
         q_blk, qs, qp = xs
 
         def k_block(carry, ys):
             k_blk, v_blk, ks, kp = ys
-            mask = _tile_mask(qs, ks, qp, kp, causal)[:, None, None]
+            mask = _row_mask(qs, ks, qp, kp, causal, g)
+            return lax.cond(jnp.any(mask), lambda c: tile(q_blk, k_blk, v_blk, mask, *c), lambda c: c, carry), None
 
-            def update(carry):
-                m, l, acc = carry
-                s = jnp.where(mask, _scores(q_blk, k_blk, scale), M_INIT)
-                m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-                alpha = jnp.exp(m - m_new)
-                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
-                return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
-
-            return lax.cond(jnp.any(mask), update, lambda c: c, carry), None
-
-        init = (jnp.full((b, kvh, g, bq), M_INIT, jnp.float32), jnp.zeros((b, kvh, g, bq), jnp.float32),
-                jnp.zeros((b, kvh, g, bq, d), jnp.float32))
         (m, l, acc), _ = lax.scan(k_block, init, (kb, vb, kv_seg, kv_pos))
         out, lse = _normalise(m, l, acc)
-        return None, (jnp.moveaxis(out, 3, 1).astype(qb.dtype), lse)
+        return None, (out.astype(qb.dtype), lse)
 
     _, (out, lse) = lax.scan(q_block, None, (qb, q_seg, q_pos))
     return out, lse
 
 
-# One tile, laid out for the matmuls: grouped query heads become rows of their key/value head, [b, kvh, g * bq,
-# d] against [b, kvh, bk, d], so every product is a plain batched matmul over (b, kvh) with contiguous operands.
-# Contracting the blocked layouts' interleaved axes directly made XLA:CPU copy or recompute each operand per
-# product (the score gradient twice, once per layout): the small CPU model's attention took 3x as long.
-def _rows(x: jax.Array) -> jax.Array:
-    """[b, bq, kvh, g, d] -> [b, kvh, g * bq, d]."""
-    b, bq, kvh, g, d = x.shape
-    return jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, kvh, g * bq, d)
-
-
-def _unrows(x: jax.Array, g: int) -> jax.Array:
-    """[b, kvh, g * bq, d] -> [b, bq, kvh, g, d]."""
-    b, kvh, r, d = x.shape
-    return jnp.transpose(x.reshape(b, kvh, g, r // g, d), (0, 3, 1, 2, 4))
-
-
-def _heads_first(x: jax.Array) -> jax.Array:
-    """[b, bk, kvh, d] -> [b, kvh, bk, d] (and back: the same swap)."""
-    return jnp.swapaxes(x, 1, 2)
-
-
-def _row_mask(causal: bool, g: int, q_seg, q_pos, kv_seg, kv_pos) -> jax.Array:
-    """bool [b, 1, g * bq, bk]: the tile's mask for every query row of a key/value head."""
-    mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)  # [b, bq, bk]
-    b, bq, bk = mask.shape
-    return jnp.broadcast_to(mask[:, None, None], (b, 1, g, bq, bk)).reshape(b, 1, g * bq, bk)
-
-
-# Below this many queries per tile (a KV-cache decode step) the keys are the cache itself: laying them out anew
-# would copy the whole cache per step (a CPU decode of 64 rows over 2k keys took 1.3x as long), so such tiles
-# contract the blocked layouts in place.
-ROW_LAYOUT_MIN_QUERIES = 16
-
-
-def _one_tile_forward(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
-    """_flash_forward for one query tile and one key tile, without loops or the running rescale."""
-    _, b, bq, kvh, g, d = qb.shape
-    if bq < ROW_LAYOUT_MIN_QUERIES:
-        mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)[:, None, None]
-        s = jnp.where(mask, _scores(qb[0], kb[0], scale), M_INIT)
-        m = s.max(-1)
-        p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-        acc = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb[0], preferred_element_type=jnp.float32)
-        out, lse = _normalise(m, p.sum(-1), acc)
-        return jnp.moveaxis(out, 3, 1).astype(qb.dtype)[None], lse[None]
-    mask = _row_mask(causal, g, q_seg, q_pos, kv_seg, kv_pos)
-    q, k, v = _rows(qb[0]), _heads_first(kb[0]), _heads_first(vb[0])
-    s = jnp.einsum("bkrd,bksd->bkrs", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask, s, M_INIT)
-    m = s.max(-1)
-    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-    acc = jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out, lse = _normalise(m, p.sum(-1), acc)
-    return _unrows(out, g).astype(qb.dtype)[None], lse.reshape(b, kvh, g, bq)[None]
-
-
-def _one_tile_backward(causal: bool, scale: float, res, d_out, delta):
-    """_flash_bwd for one tile: dq, dk, dv from p recomputed off the saved logsumexp."""
-    qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos, _, lse = res
-    _, b, bq, kvh, g, d = qb.shape
-    if bq < ROW_LAYOUT_MIN_QUERIES:
-        mask = _tile_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal)[:, None, None]
-        dq, dk, dv = _tile_grads(mask, scale, qb[0], kb[0], vb[0], d_out[0], lse[0], delta[0])
-        return (dq.astype(qb.dtype)[None], dk.astype(kb.dtype)[None], dv.astype(vb.dtype)[None],
-                None, None, None, None)
-    mask = _row_mask(causal, g, q_seg, q_pos, kv_seg, kv_pos)
-    q, k, v, do = _rows(qb[0]), _heads_first(kb[0]), _heads_first(vb[0]), _rows(d_out[0])
-    lse, delta = (x[0].reshape(b, kvh, g * bq, 1) for x in (lse, delta))
-    f32 = dict(preferred_element_type=jnp.float32)
-    s = jnp.einsum("bkrd,bksd->bkrs", q, k, **f32) * scale
-    p = jnp.where(mask, jnp.exp(s - lse), 0.0)
-    dv = jnp.einsum("bkrs,bkrd->bksd", p.astype(do.dtype), do, **f32)
-    dp = jnp.einsum("bkrd,bksd->bkrs", do, v, **f32)
-    ds = p * (dp - delta) * scale
-    dq = jnp.einsum("bkrs,bksd->bkrd", ds.astype(k.dtype), k, **f32)
-    dk = jnp.einsum("bkrs,bkrd->bksd", ds.astype(q.dtype), q, **f32)
-    return (_unrows(dq, g).astype(qb.dtype)[None], _heads_first(dk).astype(kb.dtype)[None],
-            _heads_first(dv).astype(vb.dtype)[None], None, None, None, None)
-
-
 def _tile_grads(mask, scale: float, q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk):
     """One tile's float32 shares of dq, dk, dv, its probabilities recomputed from the saved logsumexp."""
+    f32 = dict(preferred_element_type=jnp.float32)
     p = jnp.where(mask, jnp.exp(_scores(q_blk, k_blk, scale) - lse_blk[..., None]), 0.0)
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do_blk.dtype), do_blk, preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", do_blk, v_blk, preferred_element_type=jnp.float32)
+    dv = jnp.einsum("bkrs,bkrd->bksd", p.astype(do_blk.dtype), do_blk, **f32)
+    dp = jnp.einsum("bkrd,bksd->bkrs", do_blk, v_blk, **f32)
     ds = p * (dp - delta_blk[..., None]) * scale
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k_blk.dtype), k_blk, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q_blk.dtype), q_blk, preferred_element_type=jnp.float32)
+    dq = jnp.einsum("bkrs,bksd->bkrd", ds.astype(k_blk.dtype), k_blk, **f32)
+    dk = jnp.einsum("bkrs,bkrd->bksd", ds.astype(q_blk.dtype), q_blk, **f32)
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
-    return _flash_forward(causal, scale, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(causal: bool, scale: float, g: int, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
+    return _flash_forward(causal, scale, g, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos)[0]
 
 
-def _flash_fwd(causal: bool, scale: float, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
-    out, lse = _flash_forward(causal, scale, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos)
+def _flash_fwd(causal: bool, scale: float, g: int, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos):
+    out, lse = _flash_forward(causal, scale, g, qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos)
     return out, (qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos, out, lse)
 
 
-def _flash_bwd(causal: bool, scale: float, res, d_out):
+def _flash_bwd(causal: bool, scale: float, g: int, res, d_out):
     """FlashAttention-2 backward: an outer scan over key blocks accumulates that block's dk, dv while an
     inner scan over query blocks recomputes p = exp(s - lse) and adds each query block's dq share."""
     qb, kb, vb, q_seg, q_pos, kv_seg, kv_pos, out, lse = res
-    # delta_i = sum_d dO_i * O_i = sum_j p_ij dP_ij, the softmax Jacobian's row term, as [nq, b, kvh, g, bq]
-    delta = jnp.moveaxis(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1), 2, -1)
+    # delta_i = sum_d dO_i * O_i = sum_j p_ij dP_ij, the softmax Jacobian's row term, as [nq, b, kvh, r]
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1)
     d_out = d_out.astype(qb.dtype)
     if qb.shape[0] == 1 and kb.shape[0] == 1:  # one tile: no loops, no skip test, no zero accumulators
-        return _one_tile_backward(causal, scale, res, d_out, delta)
+        mask = _row_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal, g)
+        dq, dk, dv = _tile_grads(mask, scale, qb[0], kb[0], vb[0], d_out[0], lse[0], delta[0])
+        return (dq.astype(qb.dtype)[None], dk.astype(kb.dtype)[None], dv.astype(vb.dtype)[None],
+                None, None, None, None)
 
     def k_block(dq, xs):
         k_blk, v_blk, ks, kp = xs
 
         def q_block(carry, ys):
             q_blk, do_blk, lse_blk, delta_blk, qs, qp, dq_blk = ys
-            mask = _tile_mask(qs, ks, qp, kp, causal)[:, None, None]
+            mask = _row_mask(qs, ks, qp, kp, causal, g)
 
             def update(args):
                 dk, dv, dq_blk = args

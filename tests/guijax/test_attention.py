@@ -451,7 +451,7 @@ def test_a_decode_query_reads_a_long_cache_as_one_tile():
           "q_positions": jnp.full((b, 1), 1050, jnp.int32)}
     small = dict(implementation="xla", block_q=32, block_k=32)
     tiled = jax.make_jaxpr(lambda k: attention(q, k, k, **small, **kw))(k[:, :1100])
-    assert "f32[2,2,550,2,16]" in str(tiled) and "1024" not in str(tiled)  # [tiles, b, keys, kv heads, d]
+    assert "f32[2,2,2,550,16]" in str(tiled) and "1024" not in str(tiled)  # [tiles, b, kv heads, keys, d]
     chex.assert_trees_all_close(attention(q, k[:, :1100], v[:, :1100], **small, **kw),
                                 attention(q, k[:, :1100], v[:, :1100], implementation="reference", **kw), atol=1e-5)
 
