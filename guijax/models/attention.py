@@ -23,7 +23,9 @@ Backends (`implementation`):
   Fewer queries than block_q (a KV-cache decode step) widen the key tile to keep its area, so a decode
   query reads a cache of up to block_q x block_k keys as one tile: a loop step and its skip test cost more
   than a thin tile's arithmetic. Lengths that fit one tile run the same arithmetic without the scans and
-  the skip test. Runs on every platform and partitions under `jit` like any other JAX code.
+  the skip test. Tiles are laid out as plain batched matmuls (see `_blockwise`), except a decode step's few
+  queries against one tile, computed densely where the cache lies. Runs on every platform and partitions
+  under `jit` like any other JAX code.
 * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` (cuDNN flash attention) with the padding
   given as `query_seq_lengths` / `key_value_seq_lengths`, never as a mask. It applies only when
     - the default backend is a GPU and q/k/v are float16 or bfloat16 with head_dim a multiple of 8, <= 128;
@@ -276,8 +278,13 @@ def _blockwise(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float
 
 
 def _few_queries(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float) -> jax.Array:
-    """A few queries against one tile of keys, in the callers' layout; plain autodiff, whose saved probabilities
-    are [b, h, sq, sk] with sq < ROW_LAYOUT_MIN_QUERIES."""
+    """A few queries against one tile of keys, in the callers' layout. Differentiated, it saves its inputs alone
+    and recomputes the tile (`jax.checkpoint`), as the flash path keeps no score tile between the passes."""
+    return jax.checkpoint(functools.partial(_few_queries_dense, causal=causal, scale=scale))(
+        q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+
+
+def _few_queries_dense(q, k, v, q_seg, kv_seg, q_pos, kv_pos, *, causal: bool, scale: float) -> jax.Array:
     b, sq, h, d = q.shape
     mask = _tile_mask(q_seg, kv_seg, q_pos, kv_pos, causal)[:, None, None]
     s = jnp.einsum("bqkgd,bskd->bkgqs", _group(q, k.shape[2]), k, preferred_element_type=jnp.float32) * scale
@@ -326,7 +333,7 @@ def _flash_forward(causal: bool, scale: float, g: int, qb, kb, vb, q_seg, q_pos,
 
     init = (jnp.full((b, kvh, r), M_INIT, jnp.float32), jnp.zeros((b, kvh, r), jnp.float32),
             jnp.zeros((b, kvh, r, d), jnp.float32))
-    if qb.shape[0] == 1 and kb.shape[0] == 1:  # one tile: no loop, no skip test, no zero accumulators
+    if qb.shape[0] == 1 and kb.shape[0] == 1:  # one tile: no loop, no skip test
         mask = _row_mask(q_seg[0], kv_seg[0], q_pos[0], kv_pos[0], causal, g)
         out, lse = _normalise(*tile(qb[0], kb[0], vb[0], mask, *init))
         return out.astype(qb.dtype)[None], lse[None]

@@ -456,6 +456,21 @@ def test_a_decode_query_reads_a_long_cache_as_one_tile():
                                 attention(q, k[:, :1100], v[:, :1100], implementation="reference", **kw), atol=1e-5)
 
 
+def test_a_few_queries_against_one_tile_are_dense_and_keep_no_tile_for_the_backward():
+    """Under 16 queries against one tile of keys (a decode step's shape) take the dense path in the callers'
+    layout: values and gradients equal the reference's, and under autodiff it saves its inputs alone
+    (rematerialised), as the flash path keeps no score tile between the passes."""
+    rs = np.random.RandomState(3)
+    q, k, v = _qkv(rs, 2, 5, 700, 6, 2, 8)
+    kw = dict(causal=True, q_segment_ids=jnp.asarray([[1] * 5, [1] * 3 + [0] * 2], jnp.int32),
+              kv_segment_ids=jnp.asarray(np.arange(700)[None] < np.array([[650], [700]]), jnp.int32),
+              q_positions=jnp.asarray([[600 + i for i in range(5)]] * 2, jnp.int32),
+              kv_positions=jnp.broadcast_to(jnp.arange(700, dtype=jnp.int32), (2, 700)))
+    _assert_matches_reference(q, k, v, **kw)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q: jnp.sum(attention(q, k, v, implementation="xla", **kw))))(q)
+    assert "remat2" in _primitives(jaxpr.jaxpr) and not _primitives(jaxpr.jaxpr) & {"scan", "while"}
+
+
 def test_a_prefill_into_an_empty_cache_attends_the_prompt_alone(monkeypatch):
     """At cache_index 0 the decoder's attention gets the prompt's own keys with default positions (square and
     causal, what cuDNN and splash take); a decode step gets the whole cache with its slots."""
