@@ -233,16 +233,16 @@ def traceable(config: ml_collections.ConfigDict, target: Target) -> ml_collectio
     from guijax.models import cudnn_packed
     from guijax.models.attention import KERNEL_PLATFORMS
 
-    named = config.model.attention
+    named = traced = config.model.attention
     platform = target.attention_platform or jax.default_backend()
-    if KERNEL_PLATFORMS.get(named, platform) == platform:
-        if named != "cudnn_packed" or not cudnn_packed.unavailable():
-            return config
-        config = ml_collections.ConfigDict(config.to_dict())
-        config.model.attention = "auto"
+    if KERNEL_PLATFORMS.get(named, platform) != platform:
+        traced = "xla"
+    elif named == "cudnn_packed" and cudnn_packed.unavailable():
+        traced = "auto"
+    if traced == named:
         return config
     config = ml_collections.ConfigDict(config.to_dict())
-    config.model.attention = "xla"
+    config.model.attention = traced
     return config
 
 

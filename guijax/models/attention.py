@@ -123,8 +123,9 @@ def attention(
     rounded up to whole 128-lane tiles. row_axis is the rows' logical axis name, which says how a call run
     under shard_map (splash; `auto` on a GPU) splits them. right_padded=True is the caller's promise that
     every row is right-padded by construction (as the vision tower's window and image rows are): `auto` on a
-    GPU then takes cuDNN with no run-time check, which under a vmap would be batched and run both branches;
-    a row that breaks the promise comes back as NaN, as with "cudnn" named.
+    GPU then takes cuDNN with no run-time check, which under a vmap would be batched and run both branches,
+    and a named "cudnn_packed" takes plain cuDNN too (lengths describe such rows, and JAX's packed binding
+    cannot be batched by a vmap); a row that breaks the promise comes back as NaN, as with "cudnn" named.
     """
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -157,7 +158,7 @@ def attention(
                                                 interpret=interpret)
         return _zero_padding_queries(out, q_seg, q.dtype)
     reason = _cudnn_unsupported(q, k, causal, default_positions, platform)
-    if implementation == "cudnn" or (implementation == "auto" and right_padded and not reason):
+    if implementation == "cudnn" or (implementation in ("auto", "cudnn_packed") and right_padded and not reason):
         if reason:
             raise ValueError(f"cudnn attention does not apply: {reason}")
         return jnp.where(_right_padded(q_seg, kv_seg), _cudnn(q, k, v, q_seg, kv_seg, causal, scale), jnp.nan)
@@ -165,8 +166,9 @@ def attention(
     if implementation == "cudnn_packed":
         if packed_reason:
             raise ValueError(f"cudnn_packed attention does not apply: {packed_reason}")
-        fits = cudnn_packed.fits(q_seg, kv_seg)[:, None, None, None]
-        return jnp.where(fits, cudnn_packed.attention(q, k, v, q_seg, causal=causal, scale=scale), jnp.nan)
+        runs = cudnn_packed.layout(q_seg, kv_seg)
+        out = cudnn_packed.attention(q, k, v, q_seg, causal=causal, scale=scale, runs=runs)
+        return jnp.where(runs.fits[:, None, None, None], out, jnp.nan)
     if implementation == "auto" and not reason:
         # each device checks and runs its own rows: under the partitioner, cuDNN's custom partitioning inside
         # the branch gathered every device's rows to each one (no reason given means default positions)
@@ -178,8 +180,9 @@ def attention(
             ]
             branch = jnp.where(jnp.all(_right_padded(q_seg, kv_seg)), 1, 0)
             if not packed_reason:
-                branches.append(lambda: cudnn_packed.attention(q, k, v, q_seg, causal=causal, scale=scale))
-                branch = jnp.where((branch == 0) & jnp.all(cudnn_packed.fits(q_seg, kv_seg)), 2, branch)
+                runs = cudnn_packed.layout(q_seg, kv_seg)
+                branches.append(lambda: cudnn_packed.attention(q, k, v, q_seg, causal=causal, scale=scale, runs=runs))
+                branch = jnp.where((branch == 0) & jnp.all(runs.fits), 2, branch)
             return lax.switch(branch, branches)
 
         return on_local_rows(local, q, k, v, (q_seg, kv_seg), row_axis)

@@ -22,7 +22,7 @@ queries' head count, wrong for grouped heads (every Qwen model here): where the 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,21 +106,38 @@ def segment_runs(seg: jax.Array, max_runs: int) -> tuple[jax.Array, jax.Array, j
     return starts, lengths, (runs <= max_runs) & ~repeated
 
 
+class Runs(NamedTuple):
+    """A call's rows in cuDNN's packed form (segment_runs), and whether each row fits it."""
+
+    starts: jax.Array  # int32 [b, max_runs + 1]
+    lengths: jax.Array  # int32 [b, max_runs]
+    fits: jax.Array  # bool [b]
+
+
+def layout(q_seg: jax.Array, kv_seg: jax.Array, max_runs: int = DEFAULT_MAX_RUNS) -> Runs:
+    """The runs of the queries' ids; a row fits when its queries and keys carry the same ids and segment_runs
+    can give them to cuDNN. Computed once per call, for the check and the kernel alike."""
+    starts, lengths, ok = segment_runs(q_seg, max_runs)
+    if q_seg.shape != kv_seg.shape:
+        return Runs(starts, lengths, jnp.zeros((q_seg.shape[0],), bool))
+    return Runs(starts, lengths, ok & jnp.all(q_seg == kv_seg, axis=1))
+
+
 def fits(q_seg: jax.Array, kv_seg: jax.Array, max_runs: int = DEFAULT_MAX_RUNS) -> jax.Array:
     """bool [b]: the row's queries and keys carry the same ids, laid out as segment_runs can give cuDNN."""
-    if q_seg.shape != kv_seg.shape:
-        return jnp.zeros((q_seg.shape[0],), bool)
-    return jnp.all(q_seg == kv_seg, axis=1) & segment_runs(q_seg, max_runs)[2]
+    return layout(q_seg, kv_seg, max_runs).fits
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, *, causal: bool, scale: float,
-              max_runs: int = DEFAULT_MAX_RUNS) -> jax.Array:
+              runs: Runs | None = None, max_runs: int = DEFAULT_MAX_RUNS) -> jax.Array:
     """q [b, s, h, d], k, v [b, s, kvh, d], seg [b, s] (the same ids for queries and keys) -> [b, s, h, d],
     each run of one id attending only itself (causally from its own start when causal); padding queries give
-    0. Rows for which `fits` is False come back wrong: the caller checks."""
-    if max_runs < 2:  # JAX's binding reads one run per row as plain per-row lengths
-        raise ValueError(f"max_runs must be at least 2, got {max_runs}")
-    starts, lengths, _ = segment_runs(seg, max_runs)
+    0. `runs`: `layout(seg, seg)` where the caller has it already. Rows whose `fits` is False come back wrong:
+    the caller checks."""
+    runs = layout(seg, seg, max_runs) if runs is None else runs
+    if runs.lengths.shape[1] < 2:  # JAX's binding reads one run per row as plain per-row lengths
+        raise ValueError(f"max_runs must be at least 2, got {runs.lengths.shape[1]}")
+    starts, lengths = runs.starts, runs.lengths
     heads, kv_heads = q.shape[2], k.shape[2]
     if kv_heads != heads and not kv_offsets_follow_kv_heads():
         k, v = (jnp.repeat(x, heads // kv_heads, axis=2) for x in (k, v))

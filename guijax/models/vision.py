@@ -60,9 +60,6 @@ def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, window_tokens: ja
     rows = lambda x: nn.with_logical_constraint(x, ("vision_windows", None, None, None))  # noqa: E731
     qw, kw, vw = (rows(jnp.take(x, index, axis=0)) for x in (q, k, v))
     ids = valid.astype(jnp.int32)
-    # cuDNN's packed layout is for rows holding several examples; these hold one each, which plain cuDNN
-    # reads as lengths (and the packed binding cannot be batched by the tower's vmap over per-device blocks)
-    implementation = "cudnn" if implementation == "cudnn_packed" else implementation
     out = attention(qw, kw, vw, q_segment_ids=ids, kv_segment_ids=ids, implementation=implementation,
                     row_axis="vision_windows", right_padded=True)
     return jnp.take(rows(out).reshape(-1, heads, hd), window_slots, axis=0)

@@ -226,17 +226,29 @@ def test_the_key_offsets_cudnn_reads_count_the_keys_own_heads(monkeypatch):
         chex.assert_trees_all_equal(seen["v"][:, :, ::2], v)
 
 
-def test_a_named_packed_kernel_gives_the_vision_windows_to_plain_cudnn(monkeypatch):
-    """The tower's window rows hold one group each and are vmapped over per-device blocks, which JAX's packed
-    binding cannot batch: naming cudnn_packed gives them to cuDNN with lengths."""
+def test_a_named_packed_kernel_gives_right_padded_rows_to_plain_cudnn(stand_in, monkeypatch):
+    """Rows right-padded by construction (the vision tower's windows, one group each, vmapped over per-device
+    blocks, which JAX's packed binding cannot batch) take cuDNN with lengths when cudnn_packed is named; other
+    calls take the packed layout."""
     from guijax.models import vision
 
-    named = []
-    monkeypatch.setattr(vision, "attention", lambda q, k, v, **kw: named.append(kw["implementation"]) or q)
-    q = jnp.zeros((6, 2, 8))
-    vision.window_attention(q, q, q, jnp.asarray([[0, 1, 2], [3, 4, 5]]), jnp.arange(6), "cudnn_packed")
-    vision.window_attention(q, q, q, jnp.asarray([[0, 1, 2], [3, 4, 5]]), jnp.arange(6), "auto")
-    assert named == ["cudnn", "auto"]
+    lengths_taken = []
+
+    def lengths_stand_in(q, k, v, q_seg, kv_seg, causal, scale):
+        jax.debug.callback(lambda: lengths_taken.append("lengths"))
+        return jnp.zeros_like(q)
+
+    monkeypatch.setattr(attention_lib, "_cudnn", lengths_stand_in)
+    q = jnp.zeros((6, 2, 8), jnp.bfloat16)
+    with compiling_for("gpu"):
+        vision.window_attention(q, q, q, jnp.asarray([[0, 1, 2], [3, 4, -1]]), jnp.arange(6), "cudnn_packed")
+        jax.effects_barrier()
+        assert (lengths_taken, stand_in) == (["lengths"], [])
+        rows = q.reshape(2, 3, 2, 8)
+        seg = jnp.asarray([[1, 1, 2], [1, 1, 0]], jnp.int32)
+        attention(rows, rows, rows, q_segment_ids=seg, kv_segment_ids=seg, implementation="cudnn_packed")
+        jax.effects_barrier()
+    assert (lengths_taken, stand_in) == (["lengths"], ["packed"])
 
 
 def _hopper() -> bool:
