@@ -236,12 +236,11 @@ def _reference(q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal: bool, scale: float
 # [b, kvh, bq * g, d] (query-major, each query's g heads side by side) against keys [b, kvh, bk, d], so every
 # product is a plain batched matmul over (row, kv head) with contiguous operands. Contracting the interleaved
 # [b, q, kvh, g, d] layout directly made XLA:CPU copy or recompute operands for each product (the score
-# gradient twice, once per layout), and a tile took 3x as long.
+# gradient twice, once per layout; see the README's profile of the CPU update).
 #
 # Fewer queries than ROW_LAYOUT_MIN_QUERIES against a single tile of keys (a KV-cache decode step, whose keys
 # are the cache) take `_few_queries` instead: one tile computed densely, linear in the keys at that size, which
-# reads the cache where it is; laying it out anew would copy the whole cache per step (a CPU decode of 64 rows
-# over 2k keys took 1.3x as long that way).
+# reads the cache where it is; laying it out anew would copy the whole cache per step.
 ROW_LAYOUT_MIN_QUERIES = 16
 
 
